@@ -1,0 +1,1 @@
+"""tfserve's continuous-batching engine: request -> kv_cache -> scheduler -> runner -> sampler."""

@@ -1,0 +1,143 @@
+"""Paged attention over the block cache, registered with `transformers.AttentionInterface`.
+
+The runner packs every scheduled sequence's new tokens into one row (`[1, num_tokens]`, no padding),
+sets an `AttentionMetadata` for the step and calls the model. Each attention layer then:
+1. writes the step's new keys and values into their cache slots (`slot_mapping`), then
+2. attends, per group, over keys gathered from the cache by block table. There are at most two groups:
+   decodes (one query each) and prefills (several queries each, padded to the longest). No Python loop
+   over sequences: each group is one batched `scaled_dot_product_attention`.
+Grouped-query attention folds the query heads sharing a KV head into the query-length axis, so keys and
+values are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "tfserve_paged"
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences of one step that attend the same way: either all decodes or all prefills."""
+
+    start: int  # first packed token of the group
+    end: int  # one past its last
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with block 0
+    query_positions: torch.Tensor  # [num_seqs, max_q] int64 absolute positions, padded rows repeat the last
+    key_lens: torch.Tensor  # [num_seqs] tokens each sequence attends to (its context after this step)
+    pad_index: torch.Tensor | None  # [num_seqs, max_q] -> packed token (within the group); None for decodes
+    unpad_index: torch.Tensor | None  # [group tokens] -> row of the flattened [num_seqs * max_q]
+    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)  # by (window, repeat)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_q(self) -> int:
+        return self.query_positions.shape[1]
+
+    def mask(self, sliding_window: int | None, block_size: int, repeat: int = 1) -> torch.Tensor:
+        """[num_seqs, 1, repeat * max_q, num_keys] bool: causal, within the sequence, within the window.
+        Built once per step and shared by every layer."""
+        mask = self.masks.get((sliding_window, repeat))
+        if mask is None:
+            num_keys = self.block_tables.shape[1] * block_size
+            key_pos = torch.arange(num_keys, device=self.key_lens.device)
+            q_pos = self.query_positions[:, :, None]  # [num_seqs, max_q, 1]
+            mask = key_pos <= q_pos
+            if sliding_window is not None:
+                mask &= key_pos > q_pos - sliding_window
+            mask = mask[:, None]
+            if repeat > 1:
+                mask = mask.repeat(1, 1, repeat, 1)
+            self.masks[(sliding_window, repeat)] = mask
+        return mask
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    groups: list[AttentionGroup]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+    block_size: int
+
+
+_metadata: AttentionMetadata | None = None
+
+
+def set_metadata(metadata: AttentionMetadata | None) -> None:
+    global _metadata
+    _metadata = metadata
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta = _metadata
+    if meta is None:  # the model used outside an engine step (e.g. `model.generate`): plain SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, **kwargs)
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    group_size = num_heads // num_kv_heads
+    for group in meta.groups:  # at most two: decodes, prefills
+        q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
+        out[group.start : group.end] = _group_attention(
+            q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size
+        )
+    return out.unsqueeze(0), None
+
+
+def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int, scaling, sliding_window,
+                     block_size: int) -> torch.Tensor:
+    num_heads, _, head_dim = q.shape
+    num_kv_heads = num_heads // group_size
+    num_seqs, max_q = group.num_seqs, group.max_q
+    flat_tables = group.block_tables.reshape(-1)
+    # [num_seqs, num_kv_heads, num_keys, head_dim]
+    k = k_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+
+    if group.pad_index is None:  # decodes: one query each
+        # [num_seqs, num_kv_heads, group_size, head_dim]: query heads of a KV head act as its queries
+        q = q.transpose(0, 1).reshape(num_seqs, num_kv_heads, group_size, head_dim)
+        mask = group.mask(sliding_window, block_size)  # [num_seqs, 1, 1, num_keys], broadcast over heads
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        return o.reshape(num_seqs, num_heads, head_dim)
+
+    q = q[:, group.pad_index]  # [num_heads, num_seqs, max_q, head_dim]
+    q = q.transpose(0, 1).reshape(num_seqs, num_kv_heads, group_size * max_q, head_dim)
+    mask = group.mask(sliding_window, block_size, group_size)  # [num_seqs, 1, group_size * max_q, num_keys]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    # [num_seqs, num_kv_heads, group_size, max_q, head_dim] -> [num_seqs * max_q, num_heads, head_dim]
+    o = o.view(num_seqs, num_heads, max_q, head_dim).transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
+    return o.index_select(0, group.unpad_index)
+
+
+def register() -> None:
+    """Make `tfserve_paged` a valid `attn_implementation` for every transformers model."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,301 @@
+"""The engine: `schedule() -> execute() -> postprocess()`, one step at a time, and `generate_batch`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterable
+
+from tfserve.config import EngineConfig
+from tfserve.engine.detokenizer import IncrementalDetokenizer
+from tfserve.engine.kv_cache import BlockPool
+from tfserve.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
+from tfserve.engine.runner import ModelRunner
+from tfserve.engine.scheduler import Scheduler, SchedulerOutput
+from tfserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous batching over a transformers causal LM: paged KV cache, prefix caching, chunked prefill,
+    preemption, vectorised sampling. Not thread-safe: use `BatchingManager` (or `AsyncEngine`) to share it."""
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: float | int | None = None, max_batch_tokens: int = 512,
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None) -> None:
+        self.config = EngineConfig(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, block_size, num_blocks, kv_cache_memory)
+        self.block_pool = BlockPool(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_pool, max_batch_tokens, max_num_seqs)
+        text_config = model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_model_len = max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                        quantization: str = "none", trust_remote_code: bool = False, progress=None,
+                        **engine_kwargs: Any) -> Engine:
+        """Load a model through the store's loader (store name, HF directory, .gguf file or cached hub id)."""
+        from tfserve.models.loading import load_model
+        from tfserve.models.registry import DEFAULT_MODEL
+
+        loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, quantization=quantization,
+                            trust_remote_code=trust_remote_code, progress=progress)
+        engine = cls(loaded.model, loaded.tokenizer, **engine_kwargs)
+        engine.model_name = loaded.name
+        return engine
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int] | str, params: SamplingParams | Any | None = None,
+                    request_id: str | None = None) -> list[str]:
+        """Queue a prompt; returns the ids of its requests (one, or `n` for `params.n > 1`).
+        Bad input raises `ValueError` naming the field, here and never inside the step loop."""
+        params = _as_sampling_params(params)
+        prompt_ids = self._encode(prompt)
+        self._validate(prompt_ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(f"{request_id}-{i}", params.replace(n=1, seed=None if params.seed is None else params.seed + i))
+                        for i in range(params.n)]
+        for child_id, child_params in children:
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids)
+            if self.tokenizer is not None:
+                request.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, skip_special_tokens=child_params.skip_special_tokens,
+                    stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output)
+            self.requests[child_id] = request
+            self.scheduler.add(request)
+        return [child_id for child_id, _ in children]
+
+    def _encode(self, prompt: list[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the engine has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        if any(t < 0 or t >= self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        num_tokens = len(prompt_ids) + params.max_tokens
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{num_tokens} tokens, beyond the model's context of {self.max_model_len}")
+        num_blocks = self.block_pool.num_blocks_for(num_tokens)
+        if num_blocks > self.block_pool.num_blocks:
+            raise ValueError(
+                f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{num_blocks} KV blocks but the cache has {self.block_pool.num_blocks}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now and free its blocks. Unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [], "", final=True)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass and process its samples. Returns an output for each request that
+        produced tokens, finished or failed in this step."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        self.num_steps += 1
+        now = time.perf_counter()
+        for request in plan.requests:
+            if request.scheduled_time is None:
+                request.scheduled_time = now
+        try:
+            sampled, samples = self.runner.execute(plan)
+        except Exception:  # isolate the failing request(s); the others keep going
+            logger.exception("step failed; retrying its requests one by one")
+            return self._step_one_by_one(plan)
+        for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            request.num_computed_tokens += num_new
+        return self._postprocess(sampled, samples)
+
+    def _step_one_by_one(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        outputs = []
+        for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            single = SchedulerOutput([request], [num_new], int(num_new == 1), [], num_new)
+            try:
+                sampled, samples = self.runner.execute(single)
+            except Exception as exc:
+                logger.exception("request %s failed", request.request_id)
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+                continue
+            request.num_computed_tokens += num_new
+            outputs.extend(self._postprocess(sampled, samples))
+        return outputs
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        request.error = message
+        self.requests.pop(request.request_id, None)
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        return self._output(request, [], "", final=True)
+
+    def _postprocess(self, sampled: list[Request], samples) -> list[RequestOutput]:
+        outputs = []
+        now = time.perf_counter()
+        for i, request in enumerate(sampled):
+            token_id = samples.token_ids[i]
+            request.token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            logprob = samples.logprobs[i] if samples.logprobs is not None else None
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            status = self._check_stop(request, token_id)
+            delta = ""
+            detok = request.detokenizer
+            if detok is not None:
+                hides_token = status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None
+                delta, stop_str = detok.step([] if hides_token else [token_id])
+                if stop_str is not None:
+                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                elif status is not None:
+                    delta += detok.flush()
+            if status is not None:
+                self.requests.pop(request.request_id, None)
+                self.scheduler.finish(request, status)
+                request.finish_time = now
+            outputs.append(self._output(request, [token_id], delta, final=status is not None,
+                                        delta_logprobs=[logprob] if logprob is not None else None))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, request: Request, delta_tokens: list[int], delta_text: str, final: bool,
+                delta_logprobs: list | None = None) -> RequestOutput:
+        metrics = None
+        if final:
+            finish = request.finish_time or time.perf_counter()
+            arrival = request.arrival_time
+            metrics = RequestMetrics(
+                arrival_time=arrival,
+                queue_s=None if request.scheduled_time is None else request.scheduled_time - arrival,
+                ttft_s=None if request.first_token_time is None else request.first_token_time - arrival,
+                e2e_s=finish - arrival,
+                num_cached_tokens=request.num_cached_tokens,
+                num_preemptions=request.num_preemptions,
+            )
+        detok = request.detokenizer
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            generated_tokens=request.output_token_ids,
+            text=detok.text if detok is not None else "",
+            finish_reason=request.status.finish_reason if final else None,
+            logprobs=request.logprobs,
+            metrics=metrics,
+            delta_text=delta_text,
+            delta_tokens=delta_tokens,
+            delta_logprobs=delta_logprobs,
+            stop_reason=request.stop_reason,
+            error=request.error,
+        )
+
+    # -- offline batch ----------------------------------------------------------------------------------
+
+    def generate_batch(self, inputs: Iterable[list[int] | str], params: SamplingParams | Any | None = None,
+                       progress: bool = False) -> dict[str, RequestOutput]:
+        """Generate for every input; returns request id -> final output, in input order."""
+        order = []
+        for prompt in inputs:
+            order.extend(self.add_request(prompt, params))
+        results: dict[str, RequestOutput] = {}
+        pending = set(order)
+        bar = _progress(len(order)) if progress else None
+        while pending:
+            for output in self.step():
+                if output.finished and output.request_id in pending:
+                    results[output.request_id] = output
+                    pending.discard(output.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return {request_id: results[request_id] for request_id in order}
+
+    # -- stats ------------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.block_pool.stats.hit_rate
+
+
+def _as_sampling_params(params: SamplingParams | Any | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if type(params).__name__ == "GenerationConfig":
+        return SamplingParams.from_generation_config(params)
+    raise ValueError(f"params must be a SamplingParams or a transformers GenerationConfig, not {type(params).__name__}")
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    return frozenset(ids)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate_batch", unit="req")

@@ -1,0 +1,156 @@
+"""The model runner: packs one `SchedulerOutput` into a single forward pass and samples.
+
+Every scheduled sequence's new tokens are concatenated into one row (`[1, num_tokens]`, no padding),
+with their positions and cache slots; logits are computed only where a sequence samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION
+from tfserve.engine import attention
+from tfserve.engine.attention import AttentionGroup, AttentionMetadata
+from tfserve.engine.request import Request
+from tfserve.engine.sampler import Sampler, SamplerOutput
+from tfserve.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors and the sampler."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int | None,
+                 kv_cache_memory: float | int | None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = model.dtype
+        config = model.config.get_text_config()
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.block_size = block_size
+        self.num_blocks = num_blocks or self._num_blocks_for(kv_cache_memory)
+        shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        attention.register()
+        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+        model.eval()
+        self.sampler = Sampler(self.device)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (keys and values)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def _num_blocks_for(self, kv_cache_memory: float | int | None) -> int:
+        if kv_cache_memory is None or kv_cache_memory <= 1:
+            fraction = kv_cache_memory
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                num_bytes = int(free * (fraction or DEFAULT_CUDA_KV_CACHE_FRACTION))
+            else:
+                available = _available_memory()
+                num_bytes = int(available * fraction) if fraction else min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4)
+        else:
+            num_bytes = int(kv_cache_memory)
+        num_blocks = num_bytes // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {num_bytes} bytes holds no KV block ({self.block_bytes} bytes each)")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step. Returns the requests that sampled a token (in order) and their samples."""
+        input_ids, positions, slots, sample_index, samplers = [], [], [], [], []
+        size = self.block_size
+        for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            if end == request.num_tokens:
+                sample_index.append(len(input_ids) - 1)
+                samplers.append(request)
+        device = self.device
+        groups = []
+        num_decodes = plan.num_decodes
+        if num_decodes:
+            groups.append(self._group(plan, 0, num_decodes, 0))
+        if num_decodes < len(plan.requests):
+            groups.append(self._group(plan, num_decodes, len(plan.requests), num_decodes))
+        attention.set_metadata(AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            groups=groups, kv_caches=self.kv_caches, block_size=size,
+        ))
+        try:
+            logits = self.model(
+                input_ids=torch.tensor([input_ids], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                logits_to_keep=torch.tensor(sample_index, dtype=torch.long, device=device),
+                use_cache=False,
+            ).logits[0]
+        finally:
+            attention.set_metadata(None)
+        if not samplers:
+            return [], None
+        return samplers, self.sampler(logits, samplers)
+
+    def _group(self, plan: SchedulerOutput, first: int, last: int, token_start: int) -> AttentionGroup:
+        """Metadata for requests `first:last` of the plan, whose tokens start at packed index `token_start`
+        (decodes come first, one token each, so a group's token offset is known)."""
+        requests = plan.requests[first:last]
+        num_new = plan.num_new_tokens[first:last]
+        max_blocks = max(len(r.block_ids) for r in requests)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests]
+        device = self.device
+        if first == 0 and plan.num_decodes == last:  # decodes
+            positions = [[r.num_computed_tokens] for r in requests]
+            return AttentionGroup(
+                start=0, end=last,
+                block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+                query_positions=torch.tensor(positions, dtype=torch.long, device=device),
+                key_lens=torch.tensor([p[0] + 1 for p in positions], device=device),
+                pad_index=None, unpad_index=None,
+            )
+        max_q = max(num_new)
+        positions, pad_index, unpad_index = [], [], []
+        offset = 0
+        for row, (request, n) in enumerate(zip(requests, num_new)):
+            start = request.num_computed_tokens
+            positions.append([start + min(i, n - 1) for i in range(max_q)])
+            pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
+            unpad_index.extend(range(row * max_q, row * max_q + n))
+            offset += n
+        return AttentionGroup(
+            start=token_start, end=token_start + offset,
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            query_positions=torch.tensor(positions, dtype=torch.long, device=device),
+            key_lens=torch.tensor([r.num_computed_tokens + n for r, n in zip(requests, num_new)], device=device),
+            pad_index=torch.tensor(pad_index, dtype=torch.long, device=device),
+            unpad_index=torch.tensor(unpad_index, dtype=torch.long, device=device),
+        )
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to new allocations on this host."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil comes with accelerate, but is not ours to require
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return 8 << 30

@@ -1,0 +1,124 @@
+"""Vectorised sampling over the whole batch, with per-request parameters as tensors.
+
+Greedy rows take the argmax. Sampled rows use the exponential-race trick (argmax of p / E with
+E ~ Exp(1)), which draws from p exactly; a seeded request draws its noise from its own generator, so
+its tokens do not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tfserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per sampled request
+    logprobs: list[dict] | None  # per request: {"token_id", "logprob", "top": [(token_id, logprob), ...]}
+
+
+class Sampler:
+    """Samples one token per row of `logits` for the matching request."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()  # [num_requests, vocab_size]
+        raw_logits = logits
+        params = [r.params for r in requests]
+        if any(p.needs_penalties for p in params):
+            logits = self._apply_penalties(logits, requests)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, requests, greedy)
+        token_list = token_ids.tolist()
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = self._logprobs(raw_logits, token_ids, params)
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+        logits = logits / temperature[:, None]
+        top_k = [p.top_k for p in params]
+        if any(top_k):
+            k = torch.tensor([k or logits.shape[-1] for k in top_k], device=device)
+            logits = _apply_top_k(logits, k)
+        probs = logits.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        top_p = [p.top_p for p in params]
+        if any(t < 1.0 for t in top_p):
+            probs = _apply_top_p(probs, torch.tensor(top_p, device=device))
+        noise = torch.empty_like(probs).exponential_()
+        for i, request in enumerate(requests):
+            if request.params.seed is not None:
+                if request.generator is None:
+                    request.generator = torch.Generator(device=device).manual_seed(request.params.seed)
+                noise[i].exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Repetition (HF: over prompt and output), presence and frequency (OpenAI: over output)."""
+        logits = logits.clone()
+        vocab_size = logits.shape[-1]
+        for i, request in enumerate(requests):  # rows needing penalties only; sparse per-row scatters
+            p = request.params
+            if not p.needs_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device, dtype=torch.long)
+                seen = seen[seen < vocab_size]
+                scores = logits[i, seen]
+                logits[i, seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            output = request.output_token_ids
+            if output and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab_size)[:vocab_size]
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, params) -> list[dict]:
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+        max_top = max(p.logprobs or 0 for p in params)
+        top_values = top_ids = None
+        if max_top:
+            top_values, top_ids = logprobs.topk(max_top, dim=-1)
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        ids = token_ids.tolist()
+        result = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                result.append(None)
+                continue
+            top = list(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs])) if p.logprobs else []
+            result.append({"token_id": ids[i], "logprob": chosen[i], "top": top})
+        return result
+
+
+def _apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `k[row]` largest logits."""
+    max_k = int(k.max())
+    top_values = logits.topk(max_k, dim=-1).values  # [num_rows, max_k], sorted
+    threshold = top_values.gather(1, (k - 1).clamp(max=max_k - 1)[:, None])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before > top_p[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

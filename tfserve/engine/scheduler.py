@@ -1,0 +1,111 @@
+"""The scheduler: which requests compute how many tokens in the next step. No torch here.
+
+Each step has a token budget (`max_batch_tokens`) and a cap on running sequences (`max_num_seqs`).
+Running requests go first (decodes, and prefills already under way), then waiting ones in arrival order;
+a prompt longer than the budget left is chunked. When the pool runs out of blocks, the latest-arrived
+running request is preempted: its blocks are freed and it is recomputed later (its prefix may still be
+cached).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tfserve.engine.kv_cache import BlockPool
+from tfserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan, handed to the runner."""
+
+    requests: list[Request] = field(default_factory=list)  # decodes (one new token) first, then prefills
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request computes this step
+    num_decodes: int = 0  # the first `num_decodes` requests compute exactly one token
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+    num_batched_tokens: int = 0  # sum(num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """FCFS continuous batching over a token budget, with chunked prefill and preemption by recompute."""
+
+    def __init__(self, block_pool: BlockPool, max_batch_tokens: int, max_num_seqs: int) -> None:
+        self.block_pool = block_pool
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_batch_tokens
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_pool.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                (decodes if num_new == 1 else prefills).append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Nothing new starts in a step that had to preempt: the pool is short already.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.block_pool.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_new = min(request.num_tokens - len(cached) * self.block_pool.block_size, budget)
+            if not self.block_pool.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = len(cached) * self.block_pool.block_size
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            (decodes if num_new == 1 else prefills).append((request, num_new))
+            budget -= num_new
+
+        scheduled = decodes + prefills
+        return SchedulerOutput(
+            requests=[r for r, _ in scheduled],
+            num_new_tokens=[n for _, n in scheduled],
+            num_decodes=len(decodes),
+            preempted=preempted,
+            num_batched_tokens=self.max_batch_tokens - budget,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_pool.free_request(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out (finished, aborted or failed) and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.is_finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_pool.free_request(request)

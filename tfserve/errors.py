@@ -1,0 +1,18 @@
+"""Exceptions that carry a message meant for a person: the CLI prints them as one line, the server as an
+OpenAI error body."""
+
+
+class TfserveError(Exception):
+    """An error whose message is fit to show a user as it is."""
+
+
+class ModelNotFoundError(TfserveError):
+    """A model name or path that the store, the disk and the local HF cache do not have."""
+
+
+class ModelStoreError(TfserveError):
+    """Pulling, converting or removing a model in the store failed."""
+
+
+class DeviceError(TfserveError):
+    """A device, dtype or quantization that this machine cannot run."""
