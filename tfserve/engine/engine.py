@@ -64,6 +64,15 @@ class Engine:
                     request_id: str | None = None) -> list[str]:
         """Queue a prompt; returns the ids of its requests (one, or `n` for `params.n > 1`).
         Bad input raises `ValueError` naming the field, here and never inside the step loop."""
+        requests = self.make_requests(prompt, params, request_id)
+        for request in requests:
+            self.enqueue(request)
+        return [r.request_id for r in requests]
+
+    def make_requests(self, prompt: list[int] | str, params: SamplingParams | Any | None = None,
+                      request_id: str | None = None) -> list[Request]:
+        """Validate a prompt and build its requests without queueing them. Reads only immutable engine
+        state, so other threads may call it while the engine steps."""
         params = _as_sampling_params(params)
         prompt_ids = self._encode(prompt)
         self._validate(prompt_ids, params)
@@ -75,15 +84,22 @@ class Engine:
         else:
             children = [(f"{request_id}-{i}", params.replace(n=1, seed=None if params.seed is None else params.seed + i))
                         for i in range(params.n)]
+        requests = []
         for child_id, child_params in children:
             request = Request(child_id, prompt_ids, child_params, self.eos_token_ids)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, skip_special_tokens=child_params.skip_special_tokens,
                     stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output)
-            self.requests[child_id] = request
-            self.scheduler.add(request)
-        return [child_id for child_id, _ in children]
+            requests.append(request)
+        return requests
+
+    def enqueue(self, request: Request) -> None:
+        """Hand a request made by `make_requests` to the scheduler."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
 
     def _encode(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
@@ -154,16 +170,19 @@ class Engine:
                 sampled, samples = self.runner.execute(single)
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)
-                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+                outputs.append(self.fail(request, f"{type(exc).__name__}: {exc}"))
                 continue
             request.num_computed_tokens += num_new
             outputs.extend(self._postprocess(sampled, samples))
         return outputs
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
+    def fail(self, request: Request, message: str) -> RequestOutput:
+        """Finish a request with an error (queued or not) and free its blocks."""
         request.error = message
-        self.requests.pop(request.request_id, None)
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        if self.requests.pop(request.request_id, None) is request:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        else:
+            request.status = RequestStatus.FINISHED_ERROR
         return self._output(request, [], "", final=True)
 
     def _postprocess(self, sampled: list[Request], samples) -> list[RequestOutput]:

@@ -1,0 +1,174 @@
+"""A thread-safe face of the engine: a background thread steps it while other threads add, await and
+abort requests (the shape of transformers' `ContinuousBatchingManager`)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tfserve.engine.engine import Engine
+from tfserve.engine.request import Request, RequestOutput
+from tfserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+
+
+class BatchingManager:
+    """Runs an `Engine` on a background thread. Every public method is safe to call from any thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()
+        self._sinks: dict[str, tuple[Sink, bool, bool]] = {}  # request id -> (sink, stream, own queue)
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> BatchingManager:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._loop, name="tfserve-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop; requests still running are aborted."""
+        self._stopping.set()
+        self._wakeup.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> BatchingManager:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def add_request(self, input_ids: list[int] | str, request_id: str | None = None,
+                    params: SamplingParams | Any | None = None, stream: bool = False,
+                    sink: Sink | None = None) -> str:
+        """Queue one request and return its id. `stream=True` delivers every new token's output, else only
+        the final one; `sink` (called on the engine thread) replaces the built-in queue."""
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+            if request_id in self._sinks:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            requests = self.engine.make_requests(input_ids, params, request_id)
+            if len(requests) != 1:
+                raise ValueError("n must be 1 here; add one request per sample or use Engine.generate_batch")
+            own_queue = sink is None
+            if own_queue:
+                self._queues[request_id] = queue.SimpleQueue()
+                sink = self._queues[request_id].put
+            self._sinks[request_id] = (sink, stream, own_queue)
+        self._commands.put(("add", requests[0]))
+        self._wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now; its blocks are freed before the next step."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
+        """The final output of `request_id`, or of whichever request finishes next. None on timeout."""
+        try:
+            if request_id is None:
+                return self._finished.get(timeout=timeout)
+            q = self._queues.get(request_id)
+            if q is None:
+                raise KeyError(f"unknown request_id {request_id!r}")
+            while True:
+                output = q.get(timeout=timeout)
+                if output.finished:
+                    self._queues.pop(request_id, None)
+                    return output
+        except queue.Empty:
+            return None
+
+    def request_id_iter(self, request_id: str) -> Iterator[RequestOutput]:
+        """Yield the request's outputs as they come; ends by itself when it finishes."""
+        q = self._queues.get(request_id)
+        if q is None:
+            raise KeyError(f"unknown request_id {request_id!r}")
+        while True:
+            output = q.get()
+            yield output
+            if output.finished:
+                self._queues.pop(request_id, None)
+                return
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._run_commands()
+            if not engine.has_unfinished:
+                self._wakeup.wait(timeout=0.1)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a bug in the step itself: fail what is running, keep serving
+                logger.exception("engine step failed")
+                outputs = [engine.fail(r, f"{type(exc).__name__}: {exc}") for r in list(engine.requests.values())]
+            for output in outputs:
+                self._deliver(output)
+        self._run_commands()
+        for request_id in list(engine.requests):
+            self._deliver(engine.abort(request_id))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                self._add(payload)
+            else:
+                output = self.engine.abort(payload)
+                if output is not None:
+                    self._deliver(output)
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.enqueue(request)
+        except ValueError as exc:
+            self._deliver(self.engine.fail(request, str(exc)))
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            entry = self._sinks.get(output.request_id)
+            if entry is not None and output.finished:
+                del self._sinks[output.request_id]
+        if entry is None:
+            return
+        sink, stream, own_queue = entry
+        if output.finished and own_queue:
+            self._finished.put(output)
+        if stream or output.finished:
+            try:
+                sink(output)
+            except Exception:
+                logger.exception("output sink of %s failed", output.request_id)
