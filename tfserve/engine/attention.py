@@ -41,9 +41,10 @@ class AttentionGroup:
     def max_q(self) -> int:
         return self.query_positions.shape[1]
 
-    def mask(self, sliding_window: int | None, block_size: int, repeat: int = 1) -> torch.Tensor:
-        """[num_seqs, 1, repeat * max_q, num_keys] bool: causal, within the sequence, within the window.
-        Built once per step and shared by every layer."""
+    def mask(self, sliding_window: int | None, block_size: int, dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
+        """[num_seqs, 1, repeat * max_q, num_keys] additive mask (0 or -inf): causal, within the sequence,
+        within the window. Built once per step and shared by every layer (SDPA would convert a bool mask
+        in every call)."""
         mask = self.masks.get((sliding_window, repeat))
         if mask is None:
             num_keys = self.block_tables.shape[1] * block_size
@@ -52,7 +53,7 @@ class AttentionGroup:
             mask = key_pos <= q_pos
             if sliding_window is not None:
                 mask &= key_pos > q_pos - sliding_window
-            mask = mask[:, None]
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
             if repeat > 1:
                 mask = mask.repeat(1, 1, repeat, 1)
             self.masks[(sliding_window, repeat)] = mask
@@ -123,13 +124,13 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int
     if group.pad_index is None:  # decodes: one query each
         # [num_seqs, num_kv_heads, group_size, head_dim]: query heads of a KV head act as its queries
         q = q.transpose(0, 1).reshape(num_seqs, num_kv_heads, group_size, head_dim)
-        mask = group.mask(sliding_window, block_size)  # [num_seqs, 1, 1, num_keys], broadcast over heads
+        mask = group.mask(sliding_window, block_size, q.dtype)  # [num_seqs, 1, 1, num_keys], broadcast over heads
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         return o.reshape(num_seqs, num_heads, head_dim)
 
     q = q[:, group.pad_index]  # [num_heads, num_seqs, max_q, head_dim]
     q = q.transpose(0, 1).reshape(num_seqs, num_kv_heads, group_size * max_q, head_dim)
-    mask = group.mask(sliding_window, block_size, group_size)  # [num_seqs, 1, group_size * max_q, num_keys]
+    mask = group.mask(sliding_window, block_size, q.dtype, group_size)  # [num_seqs, 1, group_size * max_q, num_keys]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     # [num_seqs, num_kv_heads, group_size, max_q, head_dim] -> [num_seqs * max_q, num_heads, head_dim]
     o = o.view(num_seqs, num_heads, max_q, head_dim).transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)

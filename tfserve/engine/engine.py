@@ -25,7 +25,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: float | int | None = None, max_batch_tokens: int = 512,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, pack_weights: bool | None = None) -> None:
         self.config = EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
@@ -33,7 +33,7 @@ class Engine:
         )
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, block_size, num_blocks, kv_cache_memory)
+        self.runner = ModelRunner(model, block_size, num_blocks, kv_cache_memory, max_num_seqs, pack_weights)
         self.block_pool = BlockPool(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, max_batch_tokens, max_num_seqs)
         text_config = model.config.get_text_config()

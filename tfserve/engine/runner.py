@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION
-from tfserve.engine import attention
+from tfserve.engine import attention, cpu_linear
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
@@ -20,7 +20,8 @@ class ModelRunner:
     """Owns the model, its KV cache tensors and the sampler."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int | None,
-                 kv_cache_memory: float | int | None) -> None:
+                 kv_cache_memory: float | int | None, max_num_seqs: int = 64,
+                 pack_weights: bool | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
@@ -39,6 +40,8 @@ class ModelRunner:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
+        if pack_weights or (pack_weights is None and cpu_linear.can_pack(model)):
+            cpu_linear.pack_linear_weights(model, max_num_seqs)
         self.sampler = Sampler(self.device)
 
     @property
