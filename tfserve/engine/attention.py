@@ -87,12 +87,18 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     meta = _metadata
     if meta is None:  # the model used outside an engine step (e.g. `model.generate`): plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if softcap is not None:
+            from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+            return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, softcap=softcap, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
@@ -106,13 +112,13 @@ def paged_attention_forward(
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
         out[group.start : group.end] = _group_attention(
-            q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size
+            q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
         )
     return out.unsqueeze(0), None
 
 
 def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int, scaling, sliding_window,
-                     block_size: int) -> torch.Tensor:
+                     block_size: int, softcap: float | None = None) -> torch.Tensor:
     num_heads, _, head_dim = q.shape
     num_kv_heads = num_heads // group_size
     num_seqs, max_q = group.num_seqs, group.max_q
@@ -125,16 +131,26 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int
         # [num_seqs, num_kv_heads, group_size, head_dim]: query heads of a KV head act as its queries
         q = q.transpose(0, 1).reshape(num_seqs, num_kv_heads, group_size, head_dim)
         mask = group.mask(sliding_window, block_size, q.dtype)  # [num_seqs, 1, 1, num_keys], broadcast over heads
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        o = _attend(q, k, v, mask, scaling, softcap)
         return o.reshape(num_seqs, num_heads, head_dim)
 
     q = q[:, group.pad_index]  # [num_heads, num_seqs, max_q, head_dim]
     q = q.transpose(0, 1).reshape(num_seqs, num_kv_heads, group_size * max_q, head_dim)
     mask = group.mask(sliding_window, block_size, q.dtype, group_size)  # [num_seqs, 1, group_size * max_q, num_keys]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    o = _attend(q, k, v, mask, scaling, softcap)
     # [num_seqs, num_kv_heads, group_size, max_q, head_dim] -> [num_seqs * max_q, num_heads, head_dim]
     o = o.view(num_seqs, num_heads, max_q, head_dim).transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return o.index_select(0, group.unpad_index)
+
+
+def _attend(q, k, v, mask, scaling, softcap):
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    # Logit soft-capping (Gemma 2) has no SDPA kernel: scores, cap, mask, softmax by hand.
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def register() -> None:
