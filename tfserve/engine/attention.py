@@ -68,6 +68,7 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
     block_size: int
+    decode_kernel: object = None  # compiled CPU op reading the cache in place (see kernels.py), or None
 
 
 _metadata: AttentionMetadata | None = None
@@ -111,6 +112,11 @@ def paged_attention_forward(
     group_size = num_heads // num_kv_heads
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
+        if group.pad_index is None and meta.decode_kernel is not None:
+            out[group.start : group.end] = meta.decode_kernel.paged_decode_attention(
+                q.transpose(0, 1).contiguous(), k_cache, v_cache, group.block_tables, group.key_lens,
+                head_dim**-0.5 if scaling is None else scaling, sliding_window or -1, softcap or 0.0)
+            continue
         out[group.start : group.end] = _group_attention(
             q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
         )

@@ -77,13 +77,14 @@ class Engine:
         prompt_ids = self._encode(prompt)
         self._validate(prompt_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n == 1:
             children = [(request_id, params)]
         else:
             children = [(f"{request_id}-{i}", params.replace(n=1, seed=None if params.seed is None else params.seed + i))
                         for i in range(params.n)]
+        for child_id, _ in children:
+            if child_id in self.requests:
+                raise ValueError(f"request_id {child_id!r} is already in use")
         requests = []
         for child_id, child_params in children:
             request = Request(child_id, prompt_ids, child_params, self.eos_token_ids)
@@ -158,13 +159,21 @@ class Engine:
         except Exception:  # isolate the failing request(s); the others keep going
             logger.exception("step failed; retrying its requests one by one")
             return self._step_one_by_one(plan)
+        self.block_pool.commit()
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             request.num_computed_tokens += num_new
         return self._postprocess(sampled, samples)
 
     def _step_one_by_one(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        # Blocks cached for the failed step may hold no KV: forget them, and recompute from scratch any
+        # request that shared one of them in this very step (the others rewrite their own blocks below).
+        unwritten = self.block_pool.uncache_uncommitted()
+        size = self.block_pool.block_size
         outputs = []
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            if any(b in unwritten for b in request.block_ids[: request.num_computed_tokens // size]):
+                self.scheduler.requeue(request)
+                continue
             single = SchedulerOutput([request], [num_new], int(num_new == 1), [], num_new)
             try:
                 sampled, samples = self.runner.execute(single)
@@ -172,6 +181,7 @@ class Engine:
                 logger.exception("request %s failed", request.request_id)
                 outputs.append(self.fail(request, f"{type(exc).__name__}: {exc}"))
                 continue
+            self.block_pool.commit()
             request.num_computed_tokens += num_new
             outputs.extend(self._postprocess(sampled, samples))
         return outputs

@@ -42,6 +42,7 @@ class BlockPool:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.uncommitted: list[int] = []  # blocks cached for a step that has not run yet
         self.stats = PrefixCacheStats()
 
     @property
@@ -80,8 +81,6 @@ class BlockPool:
             if block_id is None or self.block_tokens[block_id] != tuple(request.token_ids[i * size : (i + 1) * size]):
                 break
             found.append(block_id)
-        self.stats.num_queried_tokens += request.num_prompt_tokens
-        self.stats.num_hit_tokens += len(found) * size
         return found
 
     def reset_prefix_cache(self) -> None:
@@ -99,6 +98,9 @@ class BlockPool:
         num_reusable = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if num_needed > len(self.free) - num_reusable:
             return False
+        if self.enable_prefix_caching and not request.block_ids:  # a first schedule (or a resume) looked up
+            self.stats.num_queried_tokens += request.num_tokens
+            self.stats.num_hit_tokens += len(cached_blocks) * self.block_size
         for block_id in cached_blocks:
             if self.ref_counts[block_id] == 0:
                 del self.free[block_id]
@@ -129,6 +131,20 @@ class BlockPool:
             self.block_hash[block_id] = block_hash
             self.block_tokens[block_id] = tuple(request.token_ids[i * size : (i + 1) * size])
             self.cached[block_hash] = block_id
+            self.uncommitted.append(block_id)
+
+    def commit(self) -> None:
+        """The step ran: the blocks cached for it now hold their KV."""
+        self.uncommitted.clear()
+
+    def uncache_uncommitted(self) -> set[int]:
+        """The step failed: forget the blocks cached for it, whose KV may never have been written.
+        Returns their ids (requests that hit them in the same step must recompute)."""
+        blocks = set(self.uncommitted)
+        for block_id in blocks:
+            self._evict(block_id)
+        self.uncommitted.clear()
+        return blocks
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

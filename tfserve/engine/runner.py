@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION
-from tfserve.engine import attention, cpu_linear
+from tfserve.engine import attention, cpu_linear, kernels
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
@@ -43,6 +43,7 @@ class ModelRunner:
         if pack_weights or (pack_weights is None and cpu_linear.can_pack(model)):
             cpu_linear.pack_linear_weights(model, max_num_seqs)
         self.sampler = Sampler(self.device)
+        self.decode_kernel = kernels.paged_attention_ops() if self.device.type == "cpu" else None
 
     @property
     def block_bytes(self) -> int:
@@ -94,7 +95,7 @@ class ModelRunner:
             groups.append(self._group(plan, num_decodes, len(plan.requests), num_decodes))
         attention.set_metadata(AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            groups=groups, kv_caches=self.kv_caches, block_size=size,
+            groups=groups, kv_caches=self.kv_caches, block_size=size, decode_kernel=self.decode_kernel,
         ))
         try:
             logits = self.model(
@@ -123,7 +124,7 @@ class ModelRunner:
                 start=0, end=last,
                 block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                 query_positions=torch.tensor(positions, dtype=torch.long, device=device),
-                key_lens=torch.tensor([p[0] + 1 for p in positions], device=device),
+                key_lens=torch.tensor([p[0] + 1 for p in positions], dtype=torch.long, device=device),
                 pad_index=None, unpad_index=None,
             )
         max_q = max(num_new)

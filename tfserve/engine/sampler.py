@@ -27,6 +27,19 @@ class Sampler:
         self.device = device
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        for request in requests:
+            if request.params.seed is not None and request.generator is None:
+                request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+        # A failure part-way must not advance seeded generators: the retry would draw different noise.
+        states = [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
+        try:
+            return self._sample_batch(logits, requests)
+        except Exception:
+            for generator, state in states:
+                generator.set_state(state)
+            raise
+
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()  # [num_requests, vocab_size]
         raw_logits = logits
         params = [r.params for r in requests]
@@ -62,9 +75,7 @@ class Sampler:
             probs = _apply_top_p(probs, torch.tensor(top_p, device=device))
         noise = torch.empty_like(probs).exponential_()
         for i, request in enumerate(requests):
-            if request.params.seed is not None:
-                if request.generator is None:
-                    request.generator = torch.Generator(device=device).manual_seed(request.params.seed)
+            if request.generator is not None:
                 noise[i].exponential_(generator=request.generator)
         sampled = (probs / noise).max(dim=-1).indices
         greedy_ids = logits.max(dim=-1).indices

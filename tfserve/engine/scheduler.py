@@ -94,6 +94,11 @@ class Scheduler:
             num_batched_tokens=self.max_batch_tokens - budget,
         )
 
+    def requeue(self, request: Request) -> None:
+        """Send a running request back to the front of the queue to be recomputed from scratch."""
+        self.running.remove(request)
+        self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         self.block_pool.free_request(request)
         request.status = RequestStatus.PREEMPTED

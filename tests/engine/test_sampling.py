@@ -1,0 +1,261 @@
+"""Sampling through the engine on a tiny random llama: seeds, greedy equivalences, n, logprobs, penalties,
+and parameter validation at `add_request`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tfserve import SamplingParams
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 23]
+OTHER_PROMPTS = [[9, 8, 7, 6, 5, 4, 3], [200, 201, 202], list(range(30, 55)), [77] * 9]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def run(engine, items: list[tuple[list[int], SamplingParams]]) -> list:
+    """Add every (prompt, params) and step until all finish; final outputs in order (children of n > 1 flat)."""
+    ids = []
+    for prompt, params in items:
+        ids.extend(engine.add_request(prompt, params))
+    results = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    return [results[i] for i in ids]
+
+
+def sampled(seed: int | None = None, **kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 16)
+    kwargs.setdefault("temperature", 1.0)
+    return SamplingParams(seed=seed, ignore_eos=True, **kwargs)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 16)
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(make_engine):
+    engine = make_engine()
+    params = sampled(seed=1234)
+    (alone,) = run(engine, [(PROMPT, params)])
+    assert len(alone.generated_tokens) == 16
+
+    mixed = [(p, sampled()) for p in OTHER_PROMPTS[:2]] + [(PROMPT, params)] + [(p, sampled()) for p in OTHER_PROMPTS[2:]]
+    outputs = run(engine, mixed)
+    assert outputs[2].generated_tokens == alone.generated_tokens
+
+    # A different engine (fresh state), a chunked prefill and other seeded neighbours: still the same.
+    engine = make_engine(max_batch_tokens=8)
+    outputs = run(engine, [(OTHER_PROMPTS[0], sampled(seed=7)), (PROMPT, params), (OTHER_PROMPTS[2], sampled())])
+    assert outputs[1].generated_tokens == alone.generated_tokens
+
+    # Preempted and recomputed midway: its generator carries on where it was.
+    engine = make_engine(num_blocks=12)
+    outputs = run(engine, [(PROMPT, params), (OTHER_PROMPTS[2], sampled()), (OTHER_PROMPTS[3], sampled())])
+    assert engine.scheduler.num_preemptions > 0
+    assert outputs[0].generated_tokens == alone.generated_tokens
+
+
+def test_different_seeds_differ(make_engine):
+    engine = make_engine()
+    a, b = run(engine, [(PROMPT, sampled(seed=1)), (PROMPT, sampled(seed=2))])
+    assert a.generated_tokens != b.generated_tokens
+
+
+def test_temperature_zero_equals_hf_greedy(make_engine, llama):
+    reference = hf_greedy(llama, PROMPT, 16)
+    engine = make_engine()
+    (out,) = run(engine, [(PROMPT, greedy())])
+    assert out.generated_tokens == reference
+
+
+def test_top_k_1_equals_greedy(make_engine):
+    engine = make_engine()
+    (reference,) = run(engine, [(PROMPT, greedy())])
+    # Mixed with sampled rows, so the vectorised sampling path (not the all-greedy shortcut) runs.
+    outputs = run(engine, [(OTHER_PROMPTS[0], sampled()), (PROMPT, sampled(top_k=1)),
+                           (PROMPT, SamplingParams(temperature=1.7, top_k=1, seed=3, max_tokens=16, ignore_eos=True))])
+    assert outputs[1].generated_tokens == reference.generated_tokens
+    assert outputs[2].generated_tokens == reference.generated_tokens
+
+
+def test_greedy_row_in_a_sampled_batch_stays_greedy(make_engine):
+    engine = make_engine()
+    (reference,) = run(engine, [(PROMPT, greedy())])
+    outputs = run(engine, [(OTHER_PROMPTS[1], sampled(top_p=0.9, min_p=0.05, top_k=50)), (PROMPT, greedy())])
+    assert outputs[1].generated_tokens == reference.generated_tokens
+
+
+def test_tiny_top_p_and_full_min_p_reduce_to_greedy(make_engine):
+    engine = make_engine()
+    (reference,) = run(engine, [(PROMPT, greedy())])
+    outputs = run(engine, [(PROMPT, sampled(top_p=1e-6)), (PROMPT, sampled(min_p=1.0))])
+    assert outputs[0].generated_tokens == reference.generated_tokens
+    assert outputs[1].generated_tokens == reference.generated_tokens
+
+
+def test_top_p_min_p_top_k_sample_valid_tokens(make_engine, llama):
+    engine = make_engine()
+    outputs = run(engine, [(PROMPT, sampled(seed=1, top_p=0.5)), (PROMPT, sampled(seed=2, min_p=0.2)),
+                           (PROMPT, sampled(seed=3, top_k=5, top_p=0.9, min_p=0.01, temperature=0.7))])
+    for out in outputs:
+        assert len(out.generated_tokens) == 16
+        assert all(0 <= t < llama.config.vocab_size for t in out.generated_tokens)
+        assert out.finish_reason == "length"
+
+
+def test_top_k_restricts_to_the_k_most_likely(make_engine, llama):
+    engine = make_engine()
+    (out,) = run(engine, [(PROMPT, sampled(seed=11, top_k=3, max_tokens=1, logprobs=3))])
+    allowed = {token for token, _ in out.logprobs[0]["top"]}
+    assert out.generated_tokens[0] in allowed
+
+
+def test_n_gives_children_sharing_the_prompt_blocks(make_engine):
+    engine = make_engine()
+    ids = engine.add_request(PROMPT, sampled(seed=5, n=2, max_tokens=8), request_id="r")
+    assert ids == ["r-0", "r-1"]
+    results = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output
+    assert set(results) == {"r-0", "r-1"}
+    assert results["r-0"].generated_tokens != results["r-1"].generated_tokens
+    assert all(len(r.generated_tokens) == 8 for r in results.values())
+    assert all(r.prompt_token_ids == PROMPT for r in results.values())
+    # The second child reuses the first's full prompt blocks.
+    assert engine.block_pool.stats.num_hit_tokens >= (len(PROMPT) - 1) // 4 * 4
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+    outs = make_engine().generate_batch([PROMPT, OTHER_PROMPTS[0]], sampled(n=2, max_tokens=4))
+    assert list(outs) == ["0-0", "0-1", "1-0", "1-1"]
+
+
+def test_logprobs(make_engine, llama):
+    engine = make_engine()
+    (out,) = run(engine, [(PROMPT, greedy(max_tokens=5, logprobs=3))])
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.generated_tokens, out.logprobs):
+        assert entry["token_id"] == token
+        assert len(entry["top"]) == 3
+        top_ids = [t for t, _ in entry["top"]]
+        top_values = [v for _, v in entry["top"]]
+        assert top_ids[0] == token  # greedy picks the most likely
+        assert top_values == sorted(top_values, reverse=True)
+        assert entry["logprob"] == pytest.approx(top_values[0])
+        assert entry["logprob"] <= 0
+
+    with torch.inference_mode():
+        logits = llama(torch.tensor([PROMPT])).logits[0, -1].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[0]["logprob"] == pytest.approx(expected[out.generated_tokens[0]].item(), abs=1e-4)
+    expected_top = expected.topk(3)
+    assert [t for t, _ in out.logprobs[0]["top"]] == expected_top.indices.tolist()
+
+    (none,) = run(engine, [(PROMPT, greedy(max_tokens=2))])
+    assert none.logprobs is None
+    (only_chosen,) = run(engine, [(PROMPT, greedy(max_tokens=2, logprobs=0))])
+    assert [e["top"] for e in only_chosen.logprobs] == [[], []]
+
+
+def test_repetition_penalty_matches_hf(make_engine, llama):
+    reference = hf_greedy(llama, PROMPT, 16, repetition_penalty=1.5)
+    engine = make_engine()
+    plain, penalised = run(engine, [(PROMPT, greedy()), (PROMPT, greedy(repetition_penalty=1.5))])
+    assert penalised.generated_tokens == reference
+    assert penalised.generated_tokens != plain.generated_tokens
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}])
+def test_presence_and_frequency_penalties_change_output(make_engine, penalty):
+    engine = make_engine()
+    plain, penalised = run(engine, [(PROMPT, greedy(max_tokens=24)), (PROMPT, greedy(max_tokens=24, **penalty))])
+    assert penalised.generated_tokens != plain.generated_tokens
+    # Repeats cost more, so the penalised output repeats no more than the plain one.
+    assert len(set(penalised.generated_tokens)) >= len(set(plain.generated_tokens))
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("n", 0),
+                                          ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0),
+                                          ("presence_penalty", 3), ("logprobs", 21), ("stop", [""])])
+def test_sampling_params_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_replace_validates_again():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams().replace(max_tokens=0)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], None, "prompt"),
+    (list(range(10)), SamplingParams(max_tokens=510), "max_tokens"),
+    ([1] * 600, SamplingParams(max_tokens=1), "max_tokens"),
+    ([1, 2, 100000], None, "vocab"),
+    ([1, -1], None, "vocab"),
+    ([1, 2], {"max_tokens": 3}, "params"),
+    ("text", None, "tokenizer"),
+    ([1, 2], SamplingParams(stop=["x"]), "stop"),
+])
+def test_add_request_rejects_bad_input_before_queueing(make_engine, prompt, params, match):
+    engine = make_engine(with_tokenizer=False)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    assert engine.requests == {}
+    assert not engine.has_unfinished
+    assert engine.step() == []
+
+
+def test_add_request_rejects_more_blocks_than_the_pool_has(make_engine):
+    engine = make_engine(num_blocks=4)  # 16 tokens at block_size 4
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request(list(range(10)), SamplingParams(max_tokens=10))
+    assert not engine.has_unfinished
+
+
+def test_duplicate_request_id_rejected(make_engine):
+    engine = make_engine()
+    engine.add_request(PROMPT, greedy(), request_id="x")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(PROMPT, greedy(), request_id="x")
+    assert engine.num_waiting == 1
+
+
+def test_generation_config_accepted(make_engine):
+    engine = make_engine()
+    (reference,) = run(engine, [(PROMPT, greedy(max_tokens=6))])
+    (out,) = run(engine, [(PROMPT, GenerationConfig(max_new_tokens=6, do_sample=False))])
+    assert out.generated_tokens == reference.generated_tokens
+    assert out.finish_reason == "length"
+
+    (stopped,) = run(engine, [(PROMPT, GenerationConfig(max_new_tokens=6, do_sample=False,
+                                                        eos_token_id=reference.generated_tokens[2]))])
+    first = reference.generated_tokens.index(reference.generated_tokens[2])
+    assert stopped.generated_tokens == reference.generated_tokens[: first + 1]
+    assert stopped.finish_reason == "stop"
+
+    (sampled_out,) = run(engine, [(PROMPT, GenerationConfig(max_new_tokens=5, do_sample=True, top_k=10))])
+    assert len(sampled_out.generated_tokens) == 5
+
+
+def test_n_with_a_clashing_child_id_queues_nothing(make_engine):
+    engine = make_engine()
+    engine.add_request(PROMPT, greedy(), request_id="r-1")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(PROMPT, sampled(n=2), request_id="r")
+    assert set(engine.requests) == {"r-1"}
+    assert engine.num_waiting == 1

@@ -1,0 +1,38 @@
+"""Optional C++ kernels for CPU, compiled once on first use (about 30 s) and cached by torch.
+
+`TFSERVE_CPU_KERNELS=0` turns them off; when the compiler is missing or the build fails, the engine says
+so once and keeps to its pure-torch path, which gives the same results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+@cache
+def paged_attention_ops():
+    """The compiled module (with `paged_decode_attention`), or None where it is off or cannot be built."""
+    if os.environ.get("TFSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("building tfserve's CPU paged-attention kernel (once; cached by torch)")
+        return load(
+            name="tfserve_paged_attention",
+            sources=[str(_SOURCE)],
+            # -fopenmp compiles at::parallel_for to OpenMP, but we link no OpenMP runtime of our own: the
+            # symbols resolve to the one torch ships, so there is one thread pool, not two fighting.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
+        return None
