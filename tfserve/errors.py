@@ -16,3 +16,7 @@ class ModelStoreError(TfserveError):
 
 class DeviceError(TfserveError):
     """A device, dtype or quantization that this machine cannot run."""
+
+
+class ModelLoadError(TfserveError):
+    """A model that was found but that transformers could not load (bad files, unsupported architecture)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -16,29 +15,25 @@ from tfserve import __version__
 from tfserve.cli import models as models_cli
 from tfserve.errors import TfserveError
 
-class _CliError(click.ClickException):
-    """A library error shown as one red line (exit code 1), never a traceback."""
-
-    def show(self, file=None) -> None:
-        from tfserve.cli.output import error
-
-        error(self.message)
-
-
 class _Group(TyperGroup):
-    """The root group: turns a `TfserveError` raised anywhere below it into a `_CliError`."""
+    """The root group: a `TfserveError` raised anywhere below it becomes one red line and exit code 1.
 
-    def invoke(self, ctx: click.Context):
+    (Typer vendors its own click, so a `click.ClickException` raised here would escape as a traceback;
+    printing and raising `typer.Exit` works with either.)"""
+
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except TfserveError as exc:
-            raise _CliError(str(exc)) from None
+            from tfserve.cli.output import error
+
+            error(str(exc))
+            raise typer.Exit(1) from None
 
 
 app = typer.Typer(
     name="tfserve",
     cls=_Group,
-    help="Serve, chat with and benchmark Hugging Face transformers models.",
     no_args_is_help=True,
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -61,6 +56,8 @@ def _root(
     ] = False,
 ) -> None:
     """Serve, chat with and benchmark Hugging Face transformers models.
+
+    Models live in $TFSERVE_HOME (default ~/.cache/tfserve); every command has --help.
 
     [bold]Examples[/bold]
 

@@ -1,0 +1,1 @@
+complete --command tfserve --no-files --arguments "(env _TFSERVE_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) tfserve)" --condition "env _TFSERVE_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) tfserve"

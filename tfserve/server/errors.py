@@ -1,0 +1,48 @@
+"""The one exception handlers raise to answer with an OpenAI error body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# status -> the OpenAI error `type` clients switch on
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 naming the offending field."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_value_error(exc: ValueError, default_param: str | None = None) -> ApiError:
+    """A 400 from the engine's or SamplingParams' `ValueError("<field> must ...")`: the field is its first word."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].rstrip(":")
+    param = first if first.isidentifier() and first.islower() else default_param
+    code = "context_length_exceeded" if "context" in message or "KV blocks" in message else None
+    return ApiError(400, message, param=param, code=code)

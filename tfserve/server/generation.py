@@ -1,0 +1,126 @@
+"""The part every generating endpoint shares: validate, admit (429/503), run `n` samples of each prompt
+concurrently, and yield `(choice index, output)` as tokens arrive.
+
+Leaving the iteration early (client gone, error, handler cancelled) cancels every sample's task, which
+aborts its engine request and frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from tfserve.server.errors import ApiError, from_value_error
+from tfserve.server.protocol import too_many
+from tfserve.server.state import ServerState
+
+
+@dataclass(slots=True)
+class Usage:
+    """True token counts of one HTTP request; also what the access log prints."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # of the first sequence to produce a token
+    num_cached_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def to_openai(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def usage_of(request: web.Request) -> Usage:
+    """The request's Usage, made on first use (the access logger reads it)."""
+    usage = request.get("tfserve_usage")
+    if usage is None:
+        usage = request["tfserve_usage"] = Usage()
+    return usage
+
+
+def admit(state: ServerState, request: web.Request, prompts: list[list[int]], params: Any) -> Usage:
+    """Check everything that can fail before a response starts: availability, each prompt against the
+    context and the KV cache (400), and the queue limit (429). Counts the prompt tokens."""
+    state.check_available()
+    for prompt_ids in prompts:
+        try:
+            state.engine.make_requests(prompt_ids, params.replace(n=1))
+        except ValueError as exc:
+            raise from_value_error(exc, "messages") from None
+    num_new = len(prompts) * params.n
+    if state.max_queued and state.num_waiting + num_new > state.max_queued:
+        raise too_many(f"the server has {state.num_waiting} sequences waiting (--max-queued {state.max_queued}); "
+                       "retry shortly")
+    usage = usage_of(request)
+    usage.prompt_tokens += sum(len(p) for p in prompts)
+    state.metrics.prompt_tokens.inc(usage.prompt_tokens)
+    return usage
+
+
+async def run_choices(state: ServerState, usage: Usage, prompts: list[list[int]],
+                      params: Any) -> AsyncIterator[tuple[int, Any]]:
+    """Yield `(index, output)` for `params.n` samples of each prompt; choice `i * n + j` is sample `j` of
+    prompt `i`. Raises ApiError 500 for a sequence the engine failed, 503 for one it aborted (shutdown)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    n = params.n
+    tasks = []
+    for i, prompt_ids in enumerate(prompts):
+        for j in range(n):
+            seed = None if params.seed is None else params.seed + j
+            choice_params = params.replace(n=1, seed=seed)
+            tasks.append(asyncio.create_task(_pump(state, i * n + j, prompt_ids, choice_params, queue)))
+    num_left = len(tasks)
+    last_token_time: dict[int, float] = {}
+    try:
+        while num_left:
+            index, output = await queue.get()
+            if isinstance(output, BaseException):
+                raise output
+            now = time.perf_counter()
+            if index in last_token_time and output.delta_tokens:
+                state.metrics.inter_token.observe(now - last_token_time[index])
+            last_token_time[index] = now
+            if usage.ttft_s is None and output.delta_tokens:
+                usage.ttft_s = now - usage.started
+            if output.finished:
+                num_left -= 1
+                _check_finished(output)
+                usage.completion_tokens += len(output.generated_tokens)
+                if output.metrics is not None:
+                    usage.num_cached_tokens += output.metrics.num_cached_tokens
+                state.metrics.observe_finished(output)
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(state: ServerState, index: int, prompt_ids: list[int], params: Any, queue: asyncio.Queue) -> None:
+    state.num_waiting += 1
+    waiting = True
+    try:
+        async for output in state.generate(prompt_ids, params):
+            if waiting:
+                state.num_waiting -= 1
+                waiting = False
+            queue.put_nowait((index, output))
+    except ValueError as exc:
+        queue.put_nowait((index, from_value_error(exc)))
+    except Exception as exc:  # one failed sequence fails its own HTTP request only
+        queue.put_nowait((index, ApiError(500, f"{type(exc).__name__}: {exc}")))
+    finally:
+        if waiting:
+            state.num_waiting -= 1
+
+
+def _check_finished(output: Any) -> None:
+    if output.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {output.error or 'unknown error'}", code="generation_error")
+    if output.finish_reason == "abort":
+        raise ApiError(503, "the request was aborted: the server is shutting down", code="server_draining")

@@ -1,0 +1,100 @@
+"""Token logprobs in the two OpenAI shapes: chat (`{"content": [{token, logprob, bytes, top_logprobs}]}`)
+and legacy completions (`{tokens, token_logprobs, top_logprobs, text_offset}`).
+
+A token's string is its own bytes decoded (a byte-level token that is half of a character shows as
+U+FFFD, as OpenAI's do); `bytes` are the true bytes, so a client can join them back into the text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import Any
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte -> printable character table, inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenTexts:
+    """token id -> (string, bytes), cached; one per tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = _is_byte_level(tokenizer)
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._text(token_id)
+        return hit
+
+    def _text(self, token_id: int) -> tuple[str, bytes]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return "", b""
+        table = _byte_decoder()
+        if self.byte_level and all(c in table for c in piece):
+            raw = bytes(table[c] for c in piece)
+        elif (match := _BYTE_TOKEN.match(piece)) is not None:
+            raw = bytes([int(match.group(1), 16)])
+        elif piece in self.tokenizer.all_special_tokens:
+            raw = piece.encode()
+        else:
+            raw = self.tokenizer.decode([token_id]).encode()
+        return raw.decode("utf-8", errors="replace"), raw
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", []) or []]
+    return "ByteLevel" in kinds
+
+
+def chat_logprobs(entries: list[dict], texts: TokenTexts, num_top: int) -> list[dict]:
+    """Engine logprob entries -> the items of a chat choice's `logprobs.content`."""
+    items = []
+    for entry in entries:
+        token, raw = texts(entry["token_id"])
+        top = []
+        for token_id, logprob in entry["top"][:num_top]:
+            top_token, top_raw = texts(token_id)
+            top.append({"token": top_token, "logprob": _finite(logprob), "bytes": list(top_raw)})
+        items.append({"token": token, "logprob": _finite(entry["logprob"]), "bytes": list(raw), "top_logprobs": top})
+    return items
+
+
+def completion_logprobs(entries: list[dict], texts: TokenTexts, text_offset: int) -> dict[str, list]:
+    """Engine logprob entries -> a legacy completion choice's `logprobs` (offsets count from `text_offset`)."""
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        token, _ = texts(entry["token_id"])
+        result["tokens"].append(token)
+        result["token_logprobs"].append(_finite(entry["logprob"]))
+        result["top_logprobs"].append({texts(i)[0]: _finite(lp) for i, lp in entry["top"]})
+        result["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -inf; OpenAI clamps to a large negative number too
+    return max(float(logprob), -9999.0)

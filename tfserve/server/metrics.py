@@ -1,0 +1,63 @@
+"""Prometheus metrics, one registry per app (never the global one, so tests and apps do not collide),
+and `GET /metrics`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from tfserve.engine.request import RequestOutput
+    from tfserve.server.state import ServerState
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Counters and histograms the handlers feed, gauges read from the engine when scraped."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("tfserve_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=registry)
+        self.prompt_tokens = Counter("tfserve_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.generation_tokens = Counter("tfserve_generation_tokens", "Tokens generated", registry=registry)
+        self.ttft = Histogram("tfserve_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("tfserve_inter_token_latency_seconds", "Time between two tokens of a stream",
+                                     buckets=_LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("tfserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=registry)
+        engine = lambda: state.engine  # noqa: E731 - the engine appears once the model is loaded
+        _gauge(registry, "tfserve_num_requests_running", "Sequences in the running batch",
+               lambda: engine().num_running if engine() else 0)
+        _gauge(registry, "tfserve_num_requests_waiting", "Sequences queued for the engine",
+               lambda: (engine().num_waiting if engine() else 0) + state.num_waiting)
+        _gauge(registry, "tfserve_kv_cache_blocks_used", "KV cache blocks in use",
+               lambda: engine().block_pool.num_used_blocks if engine() else 0)
+        _gauge(registry, "tfserve_kv_cache_blocks_total", "KV cache blocks",
+               lambda: engine().block_pool.num_blocks if engine() else 0)
+        _gauge(registry, "tfserve_prefix_cache_hit_rate", "Share of prompt blocks found in the prefix cache",
+               lambda: engine().block_pool.stats.hit_rate if engine() else 0.0)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Count one finished sequence's tokens and timings."""
+        self.generation_tokens.inc(len(output.generated_tokens))
+        metrics = output.metrics
+        if metrics is not None:
+            if metrics.ttft_s is not None:
+                self.ttft.observe(metrics.ttft_s)
+            if metrics.e2e_s is not None:
+                self.e2e.observe(metrics.e2e_s)
+
+
+def _gauge(registry: CollectorRegistry, name: str, documentation: str, read) -> None:
+    Gauge(name, documentation, registry=registry).set_function(read)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text format."""
+    registry = request.app["state"].metrics.registry
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,68 @@
+"""What every handler shares: the loaded engine (None while loading), the served model's names, the
+server's lifecycle (loading -> ready -> draining) and its counters."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from tfserve.server.errors import ApiError
+from tfserve.server.logprobs import TokenTexts
+from tfserve.server.metrics import ServerMetrics
+
+LOADING, READY, DRAINING = "loading", "ready", "draining"
+
+
+class ServerState:
+    """The model holder and lifecycle of one server. Lives on the event loop's thread."""
+
+    def __init__(self, *, max_queued: int = 1024, force_model: bool = False) -> None:
+        self.engine: Any = None  # tfserve Engine, once loaded
+        self.async_engine: Any = None
+        self.model_name: str | None = None
+        self.model_aliases: set[str] = set()  # other names a request may use for the served model
+        self.created = int(time.time())
+        self.status = LOADING
+        self.max_queued = max_queued  # sequences waiting for their first token, at most; 0 = no limit
+        self.force_model = force_model  # serve the loaded model whatever a request's `model` says
+        self.num_waiting = 0  # sequences submitted that have not produced a token yet
+        self.num_active = 0  # HTTP requests being answered (draining waits for 0)
+        self.token_texts: TokenTexts | None = None
+        self.metrics = ServerMetrics(self)
+
+    def set_engine(self, engine: Any, async_engine: Any, name: str, path: str | Path | None = None) -> None:
+        """Serve `engine` (already started) under `name`; the server becomes ready."""
+        self.engine, self.async_engine, self.model_name = engine, async_engine, name
+        self.model_aliases = {name}
+        if path is not None:
+            self.model_aliases |= {str(path), Path(path).name}
+        self.token_texts = TokenTexts(engine.tokenizer) if engine.tokenizer is not None else None
+        self.status = READY
+
+    def begin_drain(self) -> None:
+        """Stop accepting requests: new ones and /health get 503; in-flight ones go on."""
+        self.status = DRAINING
+
+    def check_available(self) -> None:
+        """503 unless a model is loaded and the server is not draining."""
+        if self.status == LOADING:
+            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")
+        if self.status == DRAINING:
+            raise ApiError(503, "the server is shutting down", code="server_draining")
+
+    def resolve_model_name(self, name: str | None) -> str:
+        """The served model's name for a request's `model`; 404 model_not_found for any other model."""
+        if name is None or self.force_model or name in self.model_aliases:
+            return self.model_name
+        raise ApiError(404, f"The model {name!r} does not exist or is not served here; this server serves "
+                            f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+
+    def generate(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """One sequence's outputs (n must be 1). Tests replace this to script a model's output."""
+        return self.async_engine.generate(prompt_ids, params)
+
+    def stop(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.stop()
