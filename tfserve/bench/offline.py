@@ -39,17 +39,35 @@ def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int
 
 
 def run_tfserve(model, prompts: list[list[int]], output_len: int, max_num_seqs: int,
-                max_batch_tokens: int = 512, **engine_kwargs) -> OfflineResult:
+                max_batch_tokens: int = 512, records: list | None = None, **engine_kwargs) -> OfflineResult:
+    """Our engine, stepped here so that every token's arrival time is known (for TTFT/ITL records)."""
     from tfserve import Engine, SamplingParams
+    from tfserve.bench.metrics import RequestRecord
 
     engine = Engine(model, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, **engine_kwargs)
     engine.generate_batch(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm up
     engine.block_pool.reset_prefix_cache()
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    outputs = engine.generate_batch(prompts, params)
+    ids = [engine.add_request(prompt, params)[0] for prompt in prompts]
+    times: dict[str, list[float]] = {i: [] for i in ids}
+    finished = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            now = time.perf_counter() - start
+            if out.delta_tokens:
+                times[out.request_id].append(now)
+            if out.finished:
+                finished[out.request_id] = out
     duration = time.perf_counter() - start
-    num_output = sum(len(o.generated_tokens) for o in outputs.values())
+    num_output = sum(len(o.generated_tokens) for o in finished.values())
+    if records is not None:
+        for request_id, prompt in zip(ids, prompts):
+            out, stamps = finished[request_id], times[request_id]
+            records.append(RequestRecord(ok=out.finish_reason in ("stop", "length"), prompt_tokens=len(prompt),
+                                         output_tokens=len(out.generated_tokens),
+                                         ttft_s=stamps[0] if stamps else None, e2e_s=stamps[-1] if stamps else None,
+                                         token_times_s=stamps, error=out.error))
     return OfflineResult("tfserve", len(prompts), sum(map(len, prompts)), num_output, duration)
 
 

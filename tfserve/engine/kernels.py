@@ -24,7 +24,7 @@ def paged_attention_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("building tfserve's CPU paged-attention kernel (once; cached by torch)")
+        logger.debug("building tfserve's CPU paged-attention kernel (once; cached by torch)")
         return load(
             name="tfserve_paged_attention",
             sources=[str(_SOURCE)],

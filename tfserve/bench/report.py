@@ -1,0 +1,110 @@
+"""Showing results: a rich table per run, a side-by-side comparison, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from tfserve.bench.metrics import LATENCY_KEYS
+from tfserve.errors import TfserveError
+
+_THROUGHPUTS = (("request_throughput", "Request throughput (req/s)"),
+                ("output_throughput", "Output throughput (tok/s)"),
+                ("total_token_throughput", "Total throughput (tok/s)"))
+_LATENCY_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E latency"}
+_HIGHER_IS_BETTER = {"completed", "request_throughput", "output_throughput", "total_token_throughput"}
+
+
+def _fmt(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:,.1f}" if abs(value) >= 10 else f"{value:,.2f}"
+
+
+def result_table(result: dict, title: str = "Benchmark") -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("Metric")
+    table.add_column("Value", justify="right")
+    for key in ("completed", "failed", "duration_s"):
+        table.add_row(key.replace("_", " ").capitalize(), _fmt(result[key]))
+    for key, name in _THROUGHPUTS:
+        table.add_row(name, _fmt(result[key]))
+    for key in LATENCY_KEYS:
+        for stat in ("mean", "p50", "p90", "p99"):
+            table.add_row(f"{_LATENCY_NAMES[key]} {stat} (ms)", _fmt(result[key][stat]))
+    return table
+
+
+def flatten(result: dict) -> dict[str, float]:
+    """One level: `ttft_ms.p50` and so on."""
+    flat = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{stat}": v for stat, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def load_runs(path: str | Path) -> list[tuple[str, dict]]:
+    """A result file's runs with labels: one run, or every run of a sweep."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TfserveError(f"cannot read benchmark result {path}: {exc}") from None
+    if isinstance(data, dict) and "runs" in data:
+        return [(f"{path.stem} {data['sweep']}={v}", run) for v, run in zip(data["values"], data["runs"])]
+    if isinstance(data, dict) and "output_throughput" in data:
+        return [(path.stem, data)]
+    raise TfserveError(f"{path} is not a tfserve bench result")
+
+
+def compare_table(runs: list[tuple[str, dict]]) -> Table:
+    """Metrics down, runs across; every run after the first also shows its ratio to the first."""
+    table = Table(title="Comparison", header_style="bold")
+    table.add_column("Metric")
+    for i, (label, _) in enumerate(runs):
+        table.add_column(label if i == 0 else f"{label} (x first)", justify="right")
+    flats = [flatten(run) for _, run in runs]
+    for key in flats[0]:
+        row = [key]
+        base = flats[0].get(key)
+        for i, flat in enumerate(flats):
+            value = flat.get(key)
+            cell = _fmt(value)
+            if i > 0 and isinstance(value, (int, float)) and isinstance(base, (int, float)) and base:
+                ratio = value / base
+                good = (ratio >= 1) == (key.split(".")[0] in _HIGHER_IS_BETTER)
+                cell += f" ([{'green' if good else 'red'}]{ratio:.2f}x[/])"
+            row.append(cell)
+        table.add_row(*row)
+    return table
+
+
+def plot_sweep(series: list[tuple[str, list[float], list[dict]]], path: str | Path, xlabel: str = "concurrency") -> None:
+    """Output throughput and TTFT p50 against the swept value, one line per series (label, xs, runs)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TfserveError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, xs, runs in series:
+        left.plot(xs, [r["output_throughput"] for r in runs], marker="o", label=label)
+        right.plot(xs, [r["ttft_ms"]["p50"] for r in runs], marker="o", label=label)
+    left.set(xlabel=xlabel, ylabel="output tokens/s", title="Output throughput")
+    right.set(xlabel=xlabel, ylabel="ms", title="TTFT p50", yscale="log")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

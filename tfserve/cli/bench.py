@@ -1,0 +1,242 @@
+"""`tfserve bench`: offline (engine in-process) and online (any OpenAI-compatible server) runs, and
+side-by-side comparison of their JSON results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tfserve.cli.options import DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt
+from tfserve.cli.output import console, err_console
+from tfserve.errors import TfserveError
+
+app = typer.Typer(
+    help="Measure throughput and latency: offline (engine in-process) or online (any OpenAI-compatible URL).",
+    no_args_is_help=True,
+)
+
+NumPromptsOpt = Annotated[int, typer.Option("--num-prompts", "-n", min=1, help="Requests to send.")]
+OutputJsonOpt = Annotated[Path | None, typer.Option("--output-json", "-o", help="Write the result as JSON here.")]
+DatasetOpt = Annotated[Path | None, typer.Option("--dataset", help="JSONL ({'prompt': ...}) or ShareGPT file.")]
+InputLenOpt = Annotated[int | None, typer.Option("--input-len", min=1, help="Random prompts of this many tokens.")]
+
+
+@app.command("offline")
+def offline(
+    model: ModelOpt = DEFAULT_MODEL,
+    num_prompts: NumPromptsOpt = 64,
+    input_len: Annotated[int | None, typer.Option("--input-len", min=1,
+                                                  help="Random prompts of this many tokens (default 30-80).")] = None,
+    output_len: Annotated[int, typer.Option("--output-len", min=1, help="Tokens generated per request.")] = 128,
+    dataset: DatasetOpt = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences.")] = 32,
+    max_batch_tokens: Annotated[int, typer.Option("--max-batch-tokens", min=1, help="Token budget per step.")] = 512,
+    engine: Annotated[str, typer.Option("--engine", help="tfserve, or transformers (its generate_batch).")] = "tfserve",
+    dtype: DtypeOpt = Dtype.auto,
+    device: DeviceOpt = "auto",
+    output_json: OutputJsonOpt = None,
+) -> None:
+    """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
+
+    [bold]Examples[/bold]
+
+      tfserve bench offline --num-prompts 64 --output-len 128
+      tfserve bench offline --engine transformers -o transformers.json
+    """
+    from tfserve.bench import offline as bench_offline
+    from tfserve.bench.metrics import summarize
+    from tfserve.cli.progress import step_progress
+    from tfserve.models.loading import load_model
+
+    if engine not in ("tfserve", "transformers"):
+        raise TfserveError(f"--engine must be tfserve or transformers, not {engine!r}")
+    with step_progress() as progress:
+        loaded = load_model(model, dtype=dtype.value, device=device, progress=progress)
+    tokenizer = loaded.tokenizer
+    if dataset is not None:
+        from tfserve.bench.datasets import load_file, take
+
+        prompts = [tokenizer.encode(p) for p in take(load_file(dataset), num_prompts)]
+    else:
+        low, high = (input_len, input_len) if input_len else (30, 80)
+        prompts = bench_offline.random_prompts(num_prompts, low, high, loaded.model.config.get_text_config().vocab_size)
+    with err_console.status(f"running {engine} on {num_prompts} prompts x {output_len} tokens"):
+        records: list = []
+        if engine == "tfserve":
+            run = bench_offline.run_tfserve(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens,
+                                            records=records)
+        else:
+            run = bench_offline.run_transformers_cb(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens)
+    if records:
+        result = summarize(records, run.duration_s)
+    else:
+        from tfserve.bench.metrics import RequestRecord
+
+        per_request = run.num_output_tokens // max(run.num_prompts, 1)
+        result = summarize([RequestRecord(ok=True, prompt_tokens=run.num_prompt_tokens // run.num_prompts,
+                                          output_tokens=per_request) for _ in range(run.num_prompts)], run.duration_s)
+    _show(result, f"offline {engine}: {loaded.name}", output_json)
+
+
+@app.command("serve")
+def serve(
+    url: Annotated[str, typer.Option("--url", help="Server URL (host:port, http://host:port or .../v1).")] = "http://127.0.0.1:8000",
+    model: Annotated[str, typer.Option("--model", "-m", help="Model name to send in requests.")] = DEFAULT_MODEL,
+    num_prompts: NumPromptsOpt = 64,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Requests in flight at most.")] = 32,
+    request_rate: Annotated[float | None, typer.Option("--request-rate", min=0.001,
+                                                       help="Poisson arrivals per second (default: all at once).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Output tokens per request.")] = 128,
+    input_len: InputLenOpt = None,
+    dataset: DatasetOpt = None,
+    endpoint: Annotated[str, typer.Option("--endpoint", help="chat or completions.")] = "chat",
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Send ignore_eos (tfserve, vLLM) for fixed lengths.")] = False,
+    extra_body: Annotated[str | None, typer.Option("--extra-body", help="JSON merged into every request body.")] = None,
+    api_key: Annotated[str, typer.Option("--api-key", envvar="TFSERVE_API_KEY", help="Bearer token.")] = "EMPTY",
+    launch: Annotated[str | None, typer.Option("--launch", help="Start this server command first; stop it after.")] = None,
+    launch_timeout: Annotated[float, typer.Option("--launch-timeout", help="Seconds to wait for it.")] = 600.0,
+    sweep: Annotated[str | None, typer.Option("--sweep", help="A series, e.g. concurrency=1,8,32.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="With --sweep: PNG of throughput and TTFT.")] = None,
+    output_json: OutputJsonOpt = None,
+) -> None:
+    """Stream requests to an OpenAI-compatible server and report throughput and latency percentiles.
+
+    [bold]Examples[/bold]
+
+      tfserve bench serve --url localhost:8000 -c 32 --max-tokens 128 --ignore-eos
+      tfserve bench serve --launch "tfserve serve --port 8011" --url localhost:8011 --sweep concurrency=1,8,32
+      tfserve bench serve --url localhost:8000 --request-rate 4 --dataset prompts.jsonl -o run.json
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tfserve.bench.datasets import builtin_prompts, load_file, random_text_prompts, take
+    from tfserve.bench.launch import launched
+    from tfserve.bench.metrics import summarize
+    from tfserve.bench.online import OnlineConfig, run_online
+    from tfserve.bench.report import plot_sweep
+
+    if endpoint not in ("chat", "completions"):
+        raise TfserveError(f"--endpoint must be chat or completions, not {endpoint!r}")
+    base_url = _base_url(url)
+    extra = _parse_json(extra_body, "--extra-body")
+    sweep_key, sweep_values = _parse_sweep(sweep) if sweep else ("concurrency", [concurrency])
+    if dataset is not None:
+        prompts = take(load_file(dataset), num_prompts)
+    elif input_len is not None:
+        prompts = random_text_prompts(num_prompts, input_len, _local_tokenizer(model))
+    else:
+        prompts = take(builtin_prompts(), num_prompts)
+
+    runs = []
+    with launched(launch, base_url, launch_timeout):
+        for value in sweep_values:
+            config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
+                                  request_rate=request_rate, endpoint=endpoint, api_key=api_key,
+                                  ignore_eos=ignore_eos, extra_body=extra)
+            setattr(config, sweep_key, value)
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(),
+                          console=err_console, transient=True) as progress:
+                task = progress.add_task(f"{sweep_key}={value}", total=len(prompts), failed=0)
+                failures = []
+
+                def done(record, task=task, failures=failures):
+                    if not record.ok:
+                        failures.append(record.error)
+                    progress.update(task, advance=1, failed=len(failures))
+
+                records, duration = asyncio.run(run_online(config, prompts, on_done=done))
+            result = summarize(records, duration)
+            for message in list(dict.fromkeys(f for f in failures if f))[:3]:
+                err_console.print(f"[red]failed:[/] {message}", highlight=False)
+            runs.append(result)
+            _show(result, f"{base_url} {model} {sweep_key}={value}", None)
+    if output_json is not None:
+        payload = runs[0] if not sweep else {"sweep": sweep_key, "values": sweep_values, "runs": runs}
+        output_json.write_text(json.dumps(payload, indent=2))
+    if plot is not None:
+        plot_sweep([(model, sweep_values, runs)], plot, sweep_key)
+
+
+@app.command("compare")
+def compare(
+    files: Annotated[list[Path], typer.Argument(help="Result JSON files (runs or sweeps).")],
+    plot: Annotated[Path | None, typer.Option("--plot", help="PNG of throughput and TTFT per sweep.")] = None,
+) -> None:
+    """Show runs side by side, with each run's ratio to the first.
+
+    [bold]Examples[/bold]
+
+      tfserve bench compare tfserve.json transformers.json
+    """
+    from tfserve.bench.report import compare_table, load_runs, plot_sweep
+
+    runs = [run for path in files for run in load_runs(path)]
+    console.print(compare_table(runs))
+    if plot is not None:
+        series = []
+        for path in files:
+            data = json.loads(Path(path).read_text())
+            if "runs" in data:
+                series.append((Path(path).stem, data["values"], data["runs"]))
+        if not series:
+            raise TfserveError("--plot needs sweep results (tfserve bench serve --sweep ...)")
+        plot_sweep(series, plot, json.loads(Path(files[0]).read_text()).get("sweep", "concurrency"))
+
+
+def _show(result: dict, title: str, output_json: Path | None) -> None:
+    from tfserve.bench.report import result_table
+
+    console.print(result_table(result, title))
+    if output_json is not None:
+        output_json.write_text(json.dumps(result, indent=2))
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _parse_json(text: str | None, flag: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TfserveError(f"{flag} is not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise TfserveError(f"{flag} must be a JSON object")
+    return value
+
+
+def _parse_sweep(text: str) -> tuple[str, list]:
+    key, _, values = text.partition("=")
+    kinds = {"concurrency": int, "request_rate": float, "max_tokens": int}
+    key = key.strip().replace("-", "_")
+    if key not in kinds or not values:
+        raise TfserveError("--sweep takes KEY=V1,V2,... with KEY one of concurrency, request_rate, max_tokens")
+    try:
+        return key, [kinds[key](v) for v in values.split(",")]
+    except ValueError:
+        raise TfserveError(f"--sweep values must be numbers: {values}") from None
+
+
+def _local_tokenizer(model: str):
+    """The model's tokenizer when it is on this machine (for exact random prompt lengths), else None."""
+    try:
+        from transformers import AutoTokenizer
+
+        from tfserve.models.loading import resolve_model
+
+        resolved = resolve_model(model)
+        if resolved.kind == "gguf":
+            return None
+        return AutoTokenizer.from_pretrained(str(resolved.path))
+    except Exception:
+        return None
