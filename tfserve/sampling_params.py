@@ -45,7 +45,8 @@ class SamplingParams:
                "must be in [-2, 2]")
         _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
                "must be in [-2, 2]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63), "seed",
+               "must be a 64-bit integer")
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
                "must be an integer in [0, 20]")

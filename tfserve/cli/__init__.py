@@ -12,7 +12,9 @@ import typer
 from typer.core import TyperGroup
 
 from tfserve import __version__
+from tfserve.cli import bench as bench_cli
 from tfserve.cli import models as models_cli
+from tfserve.cli import serve as serve_cli
 from tfserve.errors import TfserveError
 
 class _Group(TyperGroup):
@@ -40,6 +42,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(models_cli.app, name="models")
+app.command("serve")(serve_cli.serve)
+app.add_typer(bench_cli.app, name="bench")
 
 
 def _version_callback(value: bool) -> None:

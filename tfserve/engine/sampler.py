@@ -63,7 +63,8 @@ class Sampler:
         logits = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
         if any(top_k):
-            k = torch.tensor([k or logits.shape[-1] for k in top_k], device=device)
+            vocab_size = logits.shape[-1]
+            k = torch.tensor([min(k, vocab_size) if k else vocab_size for k in top_k], device=device)
             logits = _apply_top_k(logits, k)
         probs = logits.softmax(dim=-1)
         min_p = [p.min_p for p in params]

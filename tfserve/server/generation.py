@@ -35,11 +35,14 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
+USAGE = web.RequestKey("tfserve_usage", Usage)  # request[USAGE]: what the access logger prints
+
+
 def usage_of(request: web.Request) -> Usage:
-    """The request's Usage, made on first use (the access logger reads it)."""
-    usage = request.get("tfserve_usage")
+    """The request's Usage, made on first use."""
+    usage = request.get(USAGE)
     if usage is None:
-        usage = request["tfserve_usage"] = Usage()
+        usage = request[USAGE] = Usage()
     return usage
 
 

@@ -89,7 +89,10 @@ def completion_logprobs(entries: list[dict], texts: TokenTexts, text_offset: int
         token, _ = texts(entry["token_id"])
         result["tokens"].append(token)
         result["token_logprobs"].append(_finite(entry["logprob"]))
-        result["top_logprobs"].append({texts(i)[0]: _finite(lp) for i, lp in entry["top"]})
+        top: dict[str, float] = {}
+        for token_id, logprob in entry["top"]:  # two tokens may show as the same string: keep the likelier
+            top.setdefault(texts(token_id)[0], _finite(logprob))
+        result["top_logprobs"].append(top)
         result["text_offset"].append(text_offset)
         text_offset += len(token)
     return result

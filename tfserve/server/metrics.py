@@ -59,5 +59,7 @@ def _gauge(registry: CollectorRegistry, name: str, documentation: str, read) -> 
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format."""
-    registry = request.app["state"].metrics.registry
+    from tfserve.server.state import STATE  # state.py imports this module
+
+    registry = request.app[STATE].metrics.registry
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

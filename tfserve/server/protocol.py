@@ -21,6 +21,7 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INT_FIELDS = ("top_k", "seed", "n")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+MAX_N = 128  # as OpenAI
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -84,6 +85,11 @@ def sampling_kwargs(body: dict[str, Any], *, max_tokens_fields: tuple[str, ...] 
         value = field(body, name, bool)
         if value is not None:
             kwargs[name] = value
+    seed = kwargs.get("seed")
+    if seed is not None and not -(2**63) <= seed < 2**63 - 128:  # torch seeds are int64; n adds up to 128
+        raise bad_request("seed must be a 64-bit integer", "seed")
+    if kwargs.get("n", 1) > MAX_N:
+        raise bad_request(f"n must be <= {MAX_N} (got {kwargs['n']})", "n")
     max_tokens = default_max_tokens
     for name in max_tokens_fields:  # the first one present wins (max_completion_tokens over max_tokens)
         value = field(body, name, int)
@@ -112,6 +118,8 @@ def sampling_kwargs(body: dict[str, Any], *, max_tokens_fields: tuple[str, ...] 
 def make_params(kwargs: dict[str, Any], num_prompt_tokens: int, engine: Any) -> SamplingParams:
     """Build SamplingParams; an absent max_tokens becomes what is left of the context (and of the KV cache)."""
     kwargs = dict(kwargs)
+    if kwargs.get("top_k", 0) >= engine.vocab_size:  # keeps every token: the same as no top-k
+        kwargs["top_k"] = 0
     if kwargs.get("max_tokens") is None:
         capacity = min(engine.max_model_len, engine.block_pool.num_blocks * engine.block_pool.block_size)
         kwargs["max_tokens"] = max(1, capacity - num_prompt_tokens)

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
 from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
 from tfserve.server.metrics import ServerMetrics
@@ -66,3 +68,6 @@ class ServerState:
     def stop(self) -> None:
         if self.async_engine is not None:
             self.async_engine.stop()
+
+
+STATE = web.AppKey("tfserve_state", ServerState)  # app[STATE]: the state every handler reads

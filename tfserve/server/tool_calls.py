@@ -21,6 +21,7 @@ class ToolCall:
     name: str
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    index: int = 0  # position among the calls of one reply
 
     def to_openai(self, index: int | None = None) -> dict:
         call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -64,6 +65,7 @@ class ToolCallStream:
     def __init__(self) -> None:
         self._buffer = ""
         self._in_call = False
+        self._pending_space = ""  # trailing whitespace: content if text follows, dropped if a call does
         self.num_calls = 0
 
     def feed(self, text: str) -> list[str | ToolCall]:
@@ -96,7 +98,9 @@ class ToolCallStream:
             self._emit_block(self._buffer, closed=False, events=events)
         else:
             self._emit_text(self._buffer, events)
-        self._buffer, self._in_call = "", False
+        if self._pending_space and not self.num_calls:
+            events.append(self._pending_space)
+        self._buffer, self._in_call, self._pending_space = "", False, ""
         return events
 
     def _emit_block(self, raw: str, closed: bool, events: list) -> None:
@@ -104,13 +108,17 @@ class ToolCallStream:
         if call is None:
             self._emit_text(START + raw + (END if closed else ""), events, force=True)
             return
+        call.index = self.num_calls
         self.num_calls += 1
+        self._pending_space = ""  # models write newlines around calls; those are not content
         events.append(call)
 
     def _emit_text(self, text: str, events: list, force: bool = False) -> None:
-        # between and after calls, models write newlines; those are not content
-        if text and (force or not self.num_calls or text.strip()):
-            events.append(text)
+        text = self._pending_space + text
+        body = text if force else text.rstrip()
+        self._pending_space = text[len(body):]
+        if body:
+            events.append(body)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

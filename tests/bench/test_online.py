@@ -1,0 +1,163 @@
+"""`tfserve bench serve` against a scripted OpenAI-compatible server: streaming records, failures counted
+(never a crash), JSON schema, --launch lifecycle, sweeps."""
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+
+import pytest
+from aiohttp import web
+from typer.testing import CliRunner
+
+from tfserve.bench.online import OnlineConfig, run_online
+from tfserve.cli import app
+
+KEYS = {"completed", "failed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+        "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
+
+
+def _chunk(content=None, finish=None, usage=None):
+    choices = [] if usage else [{"index": 0, "delta": {"content": content} if content else {},
+                                 "finish_reason": finish}]
+    body = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": choices}
+    if usage:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def _fake_app(fail_every: int = 0) -> web.Application:
+    count = {"n": 0}
+
+    async def chat(request):
+        body = await request.json()
+        count["n"] += 1
+        if fail_every and count["n"] % fail_every == 0:
+            return web.json_response({"error": {"message": "boom", "type": "server_error", "param": None,
+                                                "code": None}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("Hello", " there", " friend"):
+            await asyncio.sleep(0.01)
+            await response.write(_chunk(word))
+        await response.write(_chunk(finish="stop"))
+        assert body["stream_options"]["include_usage"]
+        await response.write(_chunk(usage={"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def health(request):
+        return web.json_response({"status": "ok"})
+
+    app_ = web.Application()
+    app_.router.add_post("/v1/chat/completions", chat)
+    app_.router.add_get("/health", health)
+    return app_
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(fail_every: int = 0) -> str:
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(_fake_app(fail_every))
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        port = site._server.sockets[0].getsockname()[1]
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        servers.append((loop, runner, thread))
+        return f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    for loop, runner, thread in servers:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+def test_records_from_a_streaming_server(fake_server):
+    base_url = fake_server()
+    records, duration = asyncio.run(run_online(OnlineConfig(base_url=base_url, model="m", concurrency=2),
+                                               ["hi"] * 4))
+    assert duration > 0
+    assert all(r.ok for r in records)
+    assert [r.output_tokens for r in records] == [3] * 4  # from usage
+    assert all(r.prompt_tokens == 7 and len(r.token_times_s) == 3 for r in records)
+    assert all(0 < r.ttft_s <= r.e2e_s for r in records)
+
+
+def test_failures_are_counted_not_raised(fake_server):
+    base_url = fake_server(fail_every=2)
+    records, _ = asyncio.run(run_online(OnlineConfig(base_url=base_url, model="m", concurrency=1), ["hi"] * 6))
+    assert sum(r.ok for r in records) == 3
+    failed = [r for r in records if not r.ok]
+    assert len(failed) == 3 and all("500" in r.error and "boom" in r.error for r in failed)
+
+
+def test_cli_serve_writes_the_json_schema(fake_server, tmp_path):
+    base_url = fake_server(fail_every=5)
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "--model", "m", "-n", "10", "-c", "3",
+                                      "--max-tokens", "8", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data) == KEYS
+    assert data["completed"] == 8 and data["failed"] == 2
+    assert "boom" in result.output  # the first errors are shown
+
+
+def test_cli_sweep_and_request_rate(fake_server, tmp_path):
+    base_url = fake_server()
+    out = tmp_path / "sweep.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url.removesuffix("/v1"), "--model", "m", "-n", "4",
+                                      "--sweep", "concurrency=1,4", "--request-rate", "50", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["sweep"] == "concurrency" and data["values"] == [1, 4]
+    assert all(set(run) == KEYS and run["completed"] == 4 for run in data["runs"])
+    compared = CliRunner().invoke(app, ["bench", "compare", str(out)])
+    assert compared.exit_code == 0 and "concurrency=4" in compared.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_starts_waits_and_stops_the_server(tmp_path):
+    port = _free_port()
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys\nsys.path.insert(0, %r)\n" % str(tmp_path.parent)
+        + "from aiohttp import web\n"
+        + f"from test_online_helper import build\nweb.run_app(build(), host='127.0.0.1', port={port})\n")
+    helper = tmp_path.parent / "test_online_helper.py"
+    helper.write_text(
+        "import asyncio, json\nfrom aiohttp import web\n"
+        "def build():\n"
+        "    from importlib import import_module\n"
+        f"    import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "    return import_module('test_online')._fake_app()\n")
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{port}", "--model", "m", "-n", "2",
+                                      "--launch", f"{sys.executable} {script}", "--launch-timeout", "60",
+                                      "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["completed"] == 2
+    time.sleep(0.5)
+    with socket.socket() as s:  # the launched server is gone
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_launch_that_dies_is_one_readable_line(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{_free_port()}", "-n", "1",
+                                      "--launch", f"{sys.executable} -c 'raise SystemExit(3)'"])
+    assert result.exit_code == 1
+    assert "exited with code 3" in result.output
+    assert "Traceback" not in result.output

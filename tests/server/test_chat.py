@@ -1,0 +1,203 @@
+"""/v1/chat/completions through the openai SDK: whole and streamed, usage, n, stop, seeds, logprobs, tools."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import MODEL_NAME, scripted_generate, sse_events
+
+MESSAGES = [{"role": "user", "content": "hello world"}]
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def prompt_len(tokenizer, messages, tools=None) -> int:
+    return len(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+               ["input_ids"])
+
+
+def test_chat_completion_and_true_usage(server, tokenizer):
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert reply.object == "chat.completion" and reply.model == MODEL_NAME
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == prompt_len(tokenizer, MESSAGES)
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_stream_chunks_are_shaped_as_openai_sends_them(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    status, headers, raw = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish, usage = chunks[-2], chunks[-1]
+    assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert all(c["usage"] is None for c in chunks[:-1])
+    middle = chunks[1:-2]
+    assert all(set(c["choices"][0]["delta"]) == {"content"} and c["choices"][0]["finish_reason"] is None
+               for c in middle)
+    streamed = "".join(c["choices"][0]["delta"]["content"] for c in middle)
+    whole = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_stream_through_the_sdk_without_usage(server):
+    stream = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=True, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+
+
+def test_n2_whole_and_streamed(server, tokenizer):
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2, max_tokens=8, seed=3,
+                                           extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage.prompt_tokens == prompt_len(tokenizer, MESSAGES)  # the prompt counts once
+    assert reply.usage.completion_tokens == 16
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2, max_tokens=8, seed=3,
+                                            stream=True, extra_body={"ignore_eos": True})
+    texts, finished = {0: "", 1: ""}, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    assert texts == {c.index: c.message.content for c in reply.choices}  # same seeds, same samples
+
+
+def test_seed_makes_sampling_repeatable(server):
+    client = server.client()
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0, "top_p": 0.95,
+              "extra_body": {"ignore_eos": True, "top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1}}
+    first = client.chat.completions.create(seed=42, **kwargs).choices[0].message.content
+    assert client.chat.completions.create(seed=42, **kwargs).choices[0].message.content == first
+    others = {client.chat.completions.create(seed=s, **kwargs).choices[0].message.content for s in (1, 2, 3)}
+    assert others != {first}
+
+
+def test_stop_string_cuts_the_text(server):
+    client = server.client()
+    text = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **{**GREEDY, "max_tokens": 30}) \
+        .choices[0].message.content
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
+    expected = text[: text.index(stop)]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stop=[stop, "never-seen"],
+                                           **{**GREEDY, "max_tokens": 30})
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stop=stop, stream=True,
+                                              **{**GREEDY, "max_tokens": 30})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+
+
+def test_logprobs_in_openai_format(server):
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True,
+                                                    top_logprobs=3, **GREEDY)
+    choice = reply.choices[0]
+    items = choice.logprobs.content
+    assert len(items) == 12
+    for item in items:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy picks the top token
+    assert b"".join(bytes(i.bytes) for i in items).decode("utf-8", errors="replace") == choice.message.content
+    stream = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True,
+                                                     stream=True, **GREEDY)
+    streamed = [i for c in stream if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+    assert [i.token for i in streamed] == [i.token for i in items]
+    assert all(i.top_logprobs == [] for i in streamed)  # top_logprobs unset: 0 alternatives
+
+
+def test_content_parts_roles_and_max_completion_tokens(server, tokenizer):
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "again"},
+    ]
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=50,
+                                                    max_completion_tokens=3, extra_body={"ignore_eos": True})
+    rendered = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    assert reply.usage.prompt_tokens == prompt_len(tokenizer, rendered)
+    assert reply.usage.completion_tokens == 3
+
+
+def test_stop_token_ids_end_a_reply_without_showing_the_token(server, tokenizer):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "logprobs": True}
+    status, _, first = server.request("POST", "/v1/chat/completions", body)
+    # make the model's greedy first token a stop token: the reply stops at once, with nothing shown
+    raw = bytes(first["choices"][0]["logprobs"]["content"][0]["bytes"])
+    token_id = next(i for i in range(len(tokenizer)) if server.state.token_texts(i)[1] == raw)
+    status, _, stopped = server.request("POST", "/v1/chat/completions", {**body, "stop_token_ids": [token_id]})
+    choice = stopped["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    assert choice["logprobs"]["content"] == [] and stopped["usage"]["completion_tokens"] == 1
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+SCRIPT = ["Let me", " check.\n", "<tool", "_call>", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
+          "</tool_call>"]
+
+
+@pytest.fixture
+def scripted_server(start_server):
+    live = start_server()
+    live.state.generate = scripted_generate(SCRIPT)
+    return live
+
+
+def test_tool_calls_parsed_whole(scripted_server, tokenizer):
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    reply = scripted_server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert reply.usage.prompt_tokens == prompt_len(tokenizer, messages, TOOLS)  # tools went into the template
+    assert reply.usage.completion_tokens == len(SCRIPT)
+
+
+def test_tool_calls_streamed_as_deltas(scripted_server):
+    stream = scripted_server.client().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+
+
+def test_without_tools_the_text_is_left_alone(scripted_server):
+    reply = scripted_server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES)
+    assert reply.choices[0].message.content == "".join(SCRIPT) and reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_assistant_tool_calls_and_tool_results_render(server):
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=2)
+    assert reply.usage.completion_tokens <= 2

@@ -1,0 +1,143 @@
+"""/v1/completions, /v1/responses, /v1/models, /health and /metrics."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from conftest import MODEL_NAME, scripted_generate, sse_events
+
+GREEDY = {"temperature": 0, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
+
+
+def test_completion_whole_streamed_and_usage(server, tokenizer):
+    client = server.client()
+    reply = client.completions.create(model=MODEL_NAME, prompt="hello world", **GREEDY)
+    assert reply.object == "text_completion" and reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(tokenizer.encode("hello world"))
+    assert reply.usage.completion_tokens == 10
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="hello world", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_completion_echo_token_prompts_and_batches(server, tokenizer):
+    client = server.client()
+    reply = client.completions.create(model=MODEL_NAME, prompt="hello", echo=True, **GREEDY)
+    plain = client.completions.create(model=MODEL_NAME, prompt="hello", **GREEDY)
+    assert reply.choices[0].text == "hello" + plain.choices[0].text
+    streamed = client.completions.create(model=MODEL_NAME, prompt="hello", echo=True, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+    ids = tokenizer.encode("hello")
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == plain.choices[0].text
+    batch = client.completions.create(model=MODEL_NAME, prompt=["hello", [ids[0]]], n=2, max_tokens=3, seed=1,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.usage.prompt_tokens == len(ids) + 1 and batch.usage.completion_tokens == 12
+
+
+def test_completion_legacy_logprobs(server):
+    client = server.client()
+    reply = client.completions.create(model=MODEL_NAME, prompt="hello world", logprobs=2, **GREEDY)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 10
+    assert "".join(logprobs.tokens) == reply.choices[0].text or "\ufffd" in reply.choices[0].text
+    assert all(len(top) <= 2 and max(top.values()) >= lp for top, lp in zip(logprobs.top_logprobs,
+                                                                                logprobs.token_logprobs))
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    streamed = client.completions.create(model=MODEL_NAME, prompt="hello world", logprobs=2, stream=True, **GREEDY)
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+
+
+def test_responses_whole(server, tokenizer):
+    client = server.client()
+    reply = client.responses.create(model=MODEL_NAME, input="hello", instructions="be brief", max_output_tokens=6,
+                                    temperature=0, metadata={"trace": "abc"}, extra_body={"ignore_eos": True})
+    assert reply.object == "response" and reply.status == "incomplete"
+    assert reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.instructions == "be brief" and reply.metadata == {"trace": "abc"}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    expected = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert reply.usage.input_tokens == expected and reply.usage.output_tokens == 6
+    assert reply.usage.total_tokens == expected + 6
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **{**GREEDY, "max_tokens": 6})
+    assert reply.output_text == chat.choices[0].message.content
+
+
+def test_responses_message_list_input(server):
+    reply = server.client().responses.create(
+        model=MODEL_NAME, max_output_tokens=3,
+        input=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "again"}]}])
+    assert reply.output[0].role == "assistant" and reply.usage.output_tokens <= 3
+
+
+RESPONSE_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+                   "response.content_part.added"]
+RESPONSE_TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def test_responses_stream_event_order(server):
+    events = list(server.client().responses.create(model=MODEL_NAME, input="hello", max_output_tokens=5,
+                                                   stream=True, temperature=0, extra_body={"ignore_eos": True}))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == RESPONSE_EVENTS + ["response.output_text.delta"] * len(deltas) + RESPONSE_TAIL + \
+        ["response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-4]
+    assert "".join(d.delta for d in deltas) == done.text
+    assert events[-1].response.usage.output_tokens == 5 and events[-1].response.output_text == done.text
+
+
+def test_responses_stream_completes_when_the_model_stops(start_server):
+    live = start_server()
+    live.state.generate = scripted_generate(["Paris", " is", " nice."])
+    status, _, raw = live.request("POST", "/v1/responses", {"input": "hi", "stream": True})
+    events = sse_events(raw)
+    assert status == 200 and [e["type"] for e in events] == RESPONSE_EVENTS + ["response.output_text.delta"] * 3 + \
+        RESPONSE_TAIL + ["response.completed"]
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "Paris is nice."
+    assert final["usage"]["output_tokens"] == 3
+    assert "[DONE]" not in raw  # the Responses stream ends without it, as OpenAI's does
+
+
+def test_models(server):
+    client = server.client()
+    assert [m.id for m in client.models.list()] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_force_model_ignores_the_request_model(start_server):
+    live = start_server(state_kwargs={"force_model": True})
+    reply = live.client().chat.completions.create(model="anything", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+    assert reply.model == MODEL_NAME
+
+
+def test_health_and_metrics(server):
+    server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3, stream=True).close()
+    server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3)
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["model"] == MODEL_NAME
+    status, headers, text = server.request("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    for name in ['tfserve_requests_total{endpoint="/v1/chat/completions",status="200"}',
+                 "tfserve_prompt_tokens_total", "tfserve_generation_tokens_total",
+                 "tfserve_time_to_first_token_seconds_count", "tfserve_inter_token_latency_seconds_count",
+                 "tfserve_e2e_request_latency_seconds_count", "tfserve_num_requests_running",
+                 "tfserve_num_requests_waiting", "tfserve_kv_cache_blocks_used", "tfserve_kv_cache_blocks_total",
+                 "tfserve_prefix_cache_hit_rate"]:
+        assert name in text, name
+    value = next(line for line in text.splitlines() if line.startswith("tfserve_generation_tokens_total"))
+    assert float(value.split()[-1]) >= 3

@@ -1,0 +1,180 @@
+"""Every error is an OpenAI error body with the right status: the bad-input matrix, limits, lifecycle, and
+a failure of one request that leaves the others alone."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from conftest import MODEL_NAME, scripted_generate
+
+CHAT = "/v1/chat/completions"
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return {"model": MODEL_NAME, "messages": OK_MESSAGES, "max_tokens": 2, **fields}
+
+
+BAD_REQUESTS = [
+    # (path, body, param the error names)
+    (CHAT, b"{not json", None),
+    (CHAT, b"", None),
+    (CHAT, [1, 2], None),
+    (CHAT, {"model": MODEL_NAME}, "messages"),
+    (CHAT, {"messages": "hi"}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    (CHAT, chat(temperature=-1), "temperature"),
+    (CHAT, chat(temperature="hot"), "temperature"),
+    (CHAT, chat(top_p=0), "top_p"),
+    (CHAT, chat(top_p=1.5), "top_p"),
+    (CHAT, chat(top_k=-5), "top_k"),
+    (CHAT, chat(min_p=2), "min_p"),
+    (CHAT, chat(presence_penalty=3), "presence_penalty"),
+    (CHAT, chat(frequency_penalty=-3), "frequency_penalty"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat(n=0), "n"),
+    (CHAT, chat(n=1.5), "n"),
+    (CHAT, chat(max_tokens=0), "max_tokens"),
+    (CHAT, chat(max_tokens="5"), "max_tokens"),
+    (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens"),
+    (CHAT, chat(seed="x"), "seed"),
+    (CHAT, chat(seed=2**70), "seed"),
+    (CHAT, chat(n=1000), "n"),
+    (CHAT, chat(stop=5), "stop"),
+    (CHAT, chat(stop=[""]), "stop"),
+    (CHAT, chat(stream="yes"), "stream"),
+    (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
+    (CHAT, chat(logprobs=True, top_logprobs=30), "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), "top_logprobs"),
+    (CHAT, chat(logit_bias={"1": 5}), "logit_bias"),
+    (CHAT, chat(tools=[{"type": "function"}]), "tools[0]"),
+    (CHAT, chat(tool_choice="sometimes"), "tool_choice"),
+    (CHAT, chat(response_format={"type": "json_schema"}), "response_format"),
+    (CHAT, chat(ignore_eos="yes"), "ignore_eos"),
+    ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/responses", {"model": MODEL_NAME}, "input"),
+    ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(BAD_REQUESTS)])
+def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
+    status, headers, data = server.request("POST", path, body)
+    assert status == 400, data
+    assert headers["Content-Type"].startswith("application/json")
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+def test_context_overflow_says_both_numbers(server, engine):
+    status, _, data = server.request("POST", CHAT, chat(max_tokens=1000))
+    assert status == 400 and data["error"]["param"] == "max_tokens"
+    assert data["error"]["code"] == "context_length_exceeded"
+    assert "1000" in data["error"]["message"] and str(engine.max_model_len) in data["error"]["message"]
+
+
+def test_odd_but_valid_values_are_served(server):
+    for extra in [{"top_k": 10**9}, {"seed": -1}, {"temperature": 1e300}, {"stop_token_ids": [10**9]}]:
+        status, _, data = server.request("POST", CHAT, chat(**extra))
+        assert status == 200, (extra, data)
+
+
+def test_sdk_raises_bad_request(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model=MODEL_NAME, messages=OK_MESSAGES, temperature=-1)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_unknown_model_is_404_model_not_found(server):
+    status, _, data = server.request("POST", CHAT, chat(model="gpt-4"))
+    assert status == 404 and data["error"]["code"] == "model_not_found" and data["error"]["param"] == "model"
+
+
+def test_unknown_route_and_wrong_method_are_json(server):
+    status, _, data = server.request("GET", "/v1/nothing")
+    assert status == 404 and "error" in data
+    status, headers, data = server.request("GET", CHAT)
+    assert status == 405 and "error" in data and "POST" in headers["Allow"]
+
+
+def test_body_over_the_limit_is_413(start_server):
+    live = start_server(max_body_size=1000)
+    status, _, data = live.request("POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 2000}]))
+    assert status == 413 and data["error"]["code"] == "request_too_large"
+    assert live.request("POST", CHAT, chat())[0] == 200
+
+
+def test_queue_beyond_max_queued_is_429(start_server):
+    live = start_server(state_kwargs={"max_queued": 2})
+    status, _, data = live.request("POST", CHAT, chat(n=3))
+    assert status == 429 and data["error"]["type"] == "rate_limit_error"
+    assert live.request("POST", CHAT, chat(n=2))[0] == 200
+
+
+def test_loading_and_draining_are_503(start_server, async_engine):
+    from tfserve.server.state import ServerState
+
+    loading = start_server(state=ServerState())
+    for path, body in [(CHAT, chat()), ("/health", None)]:
+        status, _, data = loading.request("POST" if body else "GET", path, body)
+        assert status == 503 and data["error"]["code"] == "model_loading"
+    live = start_server()
+    live.state.begin_drain()
+    status, _, data = live.request("POST", CHAT, chat())
+    assert status == 503 and data["error"]["code"] == "server_draining"
+    assert live.request("GET", "/health")[0] == 503
+
+
+def test_one_failing_request_is_a_500_for_it_alone(start_server, async_engine):
+    live = start_server()
+    real = live.state.generate
+
+    def generate(prompt_ids, params):
+        if params.max_tokens == 7:
+            return scripted_generate([], fail_with=RuntimeError("boom"))(prompt_ids, params)
+        return real(prompt_ids, params)
+
+    live.state.generate = generate
+    results = {}
+
+    def call(name, max_tokens):
+        results[name] = live.request("POST", CHAT, chat(max_tokens=max_tokens, ignore_eos=True))
+
+    threads = [threading.Thread(target=call, args=(name, m)) for name, m in [("bad", 7), ("good", 20)]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    status, _, data = results["bad"]
+    assert status == 500 and data["error"]["type"] == "server_error" and "boom" in data["error"]["message"]
+    status, _, data = results["good"]
+    assert status == 200 and data["usage"]["completion_tokens"] == 20
+
+
+def test_an_engine_error_fails_its_request_and_its_stream(start_server):
+    live = start_server()
+    live.state.generate = scripted_generate(["a", "b"], finish_reason="error", error="CUDA fell over")
+    status, _, data = live.request("POST", CHAT, chat())
+    assert status == 500 and "CUDA fell over" in data["error"]["message"]
+    status, _, raw = live.request("POST", CHAT, chat(stream=True))
+    assert status == 200 and '"error"' in raw and "CUDA fell over" in raw and raw.endswith("data: [DONE]\n\n")
+    with pytest.raises(openai.APIError):
+        list(live.client().chat.completions.create(model=MODEL_NAME, messages=OK_MESSAGES, stream=True))

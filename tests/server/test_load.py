@@ -1,0 +1,158 @@
+"""Concurrent streams with clients that leave midway, the API key, CORS, the access log and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from conftest import MODEL_NAME, build_engine, make_state, wait_for_free_blocks
+
+CHAT = "/v1/chat/completions"
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, i: int, leave_after: int | None):
+    # those that leave ask for many tokens, so that they are surely still generating when they go
+    max_tokens = 40 if leave_after is None else 400
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"story number {i}"}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "seed": i}
+    events = []
+    async with session.post(url, json=body) as response:
+        assert response.status == 200
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[len(b"data: "):].strip()
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+            if leave_after is not None and len(events) >= leave_after:
+                response.close()  # the client goes away mid-stream
+                return None
+    return events
+
+
+def test_40_streams_15_leave_midway(server, engine):
+    registry = server.state.metrics.registry
+    labels = {"endpoint": CHAT, "status": "499"}
+    num_left_before = registry.get_sample_value("tfserve_requests_total", labels) or 0
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            url = f"{server.base_url}{CHAT}"
+            return await asyncio.gather(*(_stream(session, url, i, 3 + i % 5 if i % 8 < 3 else None)
+                                          for i in range(40)))
+
+    results = asyncio.run(run())
+    complete = [events for events in results if events is not None]
+    assert len(complete) == 25
+    for events in complete:
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 40
+        assert len({c["id"] for c in chunks}) == 1
+    assert registry.get_sample_value("tfserve_requests_total", labels) - num_left_before == 15
+    assert wait_for_free_blocks(engine), "KV blocks leaked"
+    assert server.state.num_waiting == 0
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and body["num_running"] == 0 and body["num_waiting"] == 0
+    assert server.client().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "still there?"}], max_tokens=3).usage
+
+
+def test_api_key(start_server, monkeypatch):
+    live = start_server(api_key="sekret")
+    with pytest.raises(openai.AuthenticationError) as info:
+        live.client(api_key="wrong").models.list()
+    assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    status, _, data = live.request("POST", CHAT, {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 401 and data["error"]["type"] == "authentication_error"
+    assert [m.id for m in live.client(api_key="sekret").models.list()] == [MODEL_NAME]
+    assert live.request("GET", "/health")[0] == 200  # open to load balancers
+
+
+@pytest.mark.parametrize("origins", [["https://app.example"], ["*"]])
+def test_cors(start_server, origins):
+    live = start_server(cors_allow_origins=origins)
+    status, headers, _ = live.request("OPTIONS", CHAT, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+    status, headers, _ = live.request("GET", "/v1/models", headers={"Origin": "https://app.example"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+    status, headers, _ = live.request("GET", "/v1/models", headers={"Origin": "https://evil.example"})
+    assert ("Access-Control-Allow-Origin" in headers) == (origins == ["*"])
+
+
+def test_one_access_log_line_per_request(server, caplog):
+    with caplog.at_level(logging.INFO, logger="tfserve.access"):
+        server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, extra_body={"ignore_eos": True})
+        deadline = time.monotonic() + 2
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (record,) = [r for r in caplog.records if r.name == "tfserve.access"]
+    line = record.getMessage()
+    assert line.startswith("POST /v1/chat/completions 200 tokens=") and "/4 " in line
+    assert "ttft=" in line and "duration=" in line and "ttft=-" not in line
+
+
+def _start_stream(live, max_tokens: int, first_chunk: threading.Event, result: dict) -> threading.Thread:
+    def run():
+        client = live.client()
+        text = ""
+        try:
+            stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=max_tokens, stream=True,
+                                                    extra_body={"ignore_eos": True})
+            for chunk in stream:
+                first_chunk.set()
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    result["finish_reason"] = chunk.choices[0].finish_reason or result.get("finish_reason")
+        except openai.APIError as exc:
+            result["error"] = exc
+        result["text"] = text
+        first_chunk.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_drain_lets_in_flight_requests_finish(start_server, async_engine):
+    from tfserve.server.run import drain
+
+    live = start_server()
+    first_chunk, result = threading.Event(), {}
+    thread = _start_stream(live, 150, first_chunk, result)
+    assert first_chunk.wait(30)
+    draining = asyncio.run_coroutine_threadsafe(drain(live.state, timeout=60), live.loop)
+    time.sleep(0.05)
+    status, _, data = live.request("POST", CHAT, {"messages": [{"role": "user", "content": "late"}]})
+    assert status == 503 and data["error"]["code"] == "server_draining"
+    assert draining.result(60) == 0  # nothing was left to abort
+    thread.join(30)
+    assert result["finish_reason"] == "length" and "error" not in result
+
+
+def test_drain_timeout_aborts_what_is_left(tokenizer, start_server):
+    from tfserve.engine.async_engine import AsyncEngine
+    from tfserve.server.run import drain
+
+    engine = build_engine(tokenizer, num_blocks=64)
+    live = start_server(state=make_state(AsyncEngine(engine).start()))
+    first_chunk, result = threading.Event(), {}
+    thread = _start_stream(live, 400, first_chunk, result)
+    assert first_chunk.wait(30)
+    left = asyncio.run_coroutine_threadsafe(drain(live.state, timeout=0.1), live.loop).result(30)
+    thread.join(30)
+    assert left == 1 and "error" in result and result.get("finish_reason") is None
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks

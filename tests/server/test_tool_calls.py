@@ -1,0 +1,75 @@
+"""The Hermes/Qwen tool-call parser, whole and streamed, without a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_plain_text_has_no_calls():
+    assert parse_tool_calls("just text <tool") == ("just text <tool", [])
+
+
+def test_one_call_and_surrounding_content():
+    content, calls = parse_tool_calls(f"Let me check.\n{CALL}\n")
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].id.startswith("call_")
+
+
+def test_two_calls_only_calls_means_no_content():
+    content, calls = parse_tool_calls(f"{CALL}\n{CALL.replace('Paris', 'Rome')}")
+    assert content is None
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+
+
+def test_string_arguments_and_parameters_alias():
+    _, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert calls[0].arguments == '{"x": 1}'
+    _, calls = parse_tool_calls('<tool_call>{"name": "f", "parameters": {"y": 2}}</tool_call>')
+    assert json.loads(calls[0].arguments) == {"y": 2}
+
+
+@pytest.mark.parametrize("bad", ["<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                                 "<tool_call>[1, 2]</tool_call>"])
+def test_a_block_that_is_not_a_call_stays_content(bad):
+    assert parse_tool_calls(f"a {bad} b") == (f"a {bad} b", [])
+
+
+def test_unclosed_block_at_the_end():
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
+    assert content is None and calls[0].name == "f"
+    assert parse_tool_calls("<tool_call>{half") == ("<tool_call>{half", [])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_streaming_in_any_chunking_equals_whole_parse(size):
+    text = f"Sure. {CALL}\nand <tool_ not a call {CALL}"
+    stream = ToolCallStream()
+    events = []
+    for i in range(0, len(text), size):
+        events += stream.feed(text[i:i + size])
+    events += stream.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert content == "Sure.\nand <tool_ not a call"
+    assert [(c.name, c.index) for c in calls] == [("get_weather", 0), ("get_weather", 1)]
+    assert stream.num_calls == 2
+
+
+def test_streaming_holds_back_a_possible_start_tag():
+    stream = ToolCallStream()
+    assert stream.feed("hello <tool") == ["hello"]  # the space waits: a call would drop it
+    assert stream.feed("box ") == [" <toolbox"]
+    assert stream.finish() == [" "]  # trailing space is content when no call follows
+
+
+def test_to_openai_shape():
+    call = ToolCall("f", "{}", id="call_1")
+    assert call.to_openai() == {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert call.to_openai(index=2)["index"] == 2

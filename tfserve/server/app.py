@@ -1,0 +1,132 @@
+"""The aiohttp application: routes, and the middlewares every request passes through
+(metrics + access log, OpenAI error bodies, API-key auth, body-size limit, CORS)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+
+import aiohttp_cors
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+
+from tfserve.server import chat, completions, health, metrics, models, responses
+from tfserve.server.errors import ApiError
+from tfserve.server.generation import USAGE
+from tfserve.server.state import STATE, ServerState
+
+logger = logging.getLogger("tfserve.server")
+access_logger = logging.getLogger("tfserve.access")
+
+DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
+API_KEY = web.AppKey("tfserve_api_key", str)
+
+
+def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_origins: Sequence[str] = (),
+               max_body_size: int = DEFAULT_MAX_BODY_SIZE) -> web.Application:
+    """The server's application over `state`. `api_key` guards /v1/*; `cors_allow_origins` ("*" for any)
+    lets browsers call it; bodies over `max_body_size` bytes get 413."""
+    app = web.Application(
+        middlewares=[_observe, _errors, _auth],
+        client_max_size=max_body_size,
+        handler_args={
+            "access_log_class": AccessLogger,
+            "access_log": access_logger,
+            # a client that disconnects cancels its handler, which aborts its generation at once
+            "handler_cancellation": True,
+        },
+    )
+    app[STATE] = state
+    app[API_KEY] = api_key
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_get("/v1/models", models.list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", models.get_model)
+    app.router.add_get("/health", health.health)
+    app.router.add_get("/metrics", metrics.metrics)
+    if cors_allow_origins:
+        options = aiohttp_cors.ResourceOptions(allow_credentials=True, expose_headers="*", allow_headers="*",
+                                               allow_methods="*")
+        cors = aiohttp_cors.setup(app, defaults={origin: options for origin in cors_allow_origins})
+        for route in list(app.router.routes()):
+            cors.add(route)
+    return app
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route's pattern, so that metrics labels stay few whatever paths clients send."""
+    resource = getattr(request.match_info.route, "resource", None)
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def _observe(request: web.Request, handler) -> web.StreamResponse:
+    """Count requests by endpoint and status; track in-flight /v1 requests for draining."""
+    state: ServerState = request.app[STATE]
+    counted = request.path.startswith("/v1/")
+    state.num_active += counted
+    status = 499  # the client went away before an answer
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        state.num_active -= counted
+        state.metrics.requests.labels(_endpoint(request), str(status)).inc()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI error body with its status; never a traceback page."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text or exc.reason
+        if exc.status == 404:
+            message = f"no route {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        error = ApiError(exc.status, message, code={413: "request_too_large"}.get(exc.status))
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return web.json_response(error.body(), status=exc.status, headers=headers)
+    except ConnectionResetError:
+        raise  # the client left mid-response: nothing to answer
+    except Exception as exc:
+        logger.exception("%s %s failed", request.method, request.path)
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+        return web.json_response(error.body(), status=500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler) -> web.StreamResponse:
+    """With an API key, /v1/* needs `Authorization: Bearer KEY`; /health, /metrics and CORS preflights do not."""
+    api_key = request.app[API_KEY]
+    if api_key and request.path.startswith("/v1/") and request.method != "OPTIONS":
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One line per request: method, path, status, prompt/completion tokens, TTFT, duration."""
+
+    def log(self, request, response, time: float) -> None:
+        usage = request.get(USAGE)
+        tokens = ttft = "-"
+        if usage is not None:
+            tokens = f"{usage.prompt_tokens}/{usage.completion_tokens}"
+            ttft = f"{usage.ttft_s * 1000:.0f}ms" if usage.ttft_s is not None else "-"
+        self.logger.info("%s %s %s tokens=%s ttft=%s duration=%.0fms", request.method, request.path,
+                         response.status, tokens, ttft, time * 1000)
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)

@@ -1,0 +1,243 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> choices, whole or streamed as
+OpenAI sends them (role chunk, content chunks, a finish chunk per choice, a usage chunk when asked, [DONE])."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.generation import admit, run_choices
+from tfserve.server.logprobs import chat_logprobs
+from tfserve.server.protocol import (check_model, field, make_params, read_json, sampling_kwargs, stream_options,
+                                     text_of)
+from tfserve.server.sse import EventStream
+from tfserve.server.state import STATE
+from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    state.check_available()
+    model = check_model(body, state)
+    messages = parse_messages(body)
+    tools = parse_tools(body)
+    prompt_ids = render_chat(state.engine.tokenizer, messages, tools)
+    kwargs = sampling_kwargs(body, max_tokens_fields=("max_completion_tokens", "max_tokens"))
+    num_top = parse_logprobs(body)
+    if num_top is not None:
+        kwargs["logprobs"] = num_top
+    check_response_format(body)
+    stream, include_usage = stream_options(body)
+    params = make_params(kwargs, len(prompt_ids), state.engine)
+    usage = admit(state, request, [prompt_ids], params)
+    reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools))
+    async with aclosing(run_choices(state, usage, [prompt_ids], params)) as outputs:
+        if stream:
+            return await reply.stream(request, outputs, usage, include_usage, params.n)
+        return await reply.complete(outputs, usage, params.n)
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`messages` -> plain dicts for the chat template (content parts joined, developer -> system)."""
+    messages = field(body, "messages", list, required=True)
+    if not messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role = field(message, "role", str, required=True, param=f"{where}.role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
+        tool_calls = field(message, "tool_calls", list, param=f"{where}.tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        if content is None and not tool_calls:
+            raise bad_request(f"{where}.content is required", f"{where}.content")
+        rendered: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                    "content": "" if content is None else text_of(content, f"{where}.content")}
+        if tool_calls:
+            rendered["tool_calls"] = [_template_tool_call(call, f"{where}.tool_calls[{j}]")
+                                      for j, call in enumerate(tool_calls)]
+        if role == "tool":
+            rendered["tool_call_id"] = field(message, "tool_call_id", str, param=f"{where}.tool_call_id")
+        name = field(message, "name", str, param=f"{where}.name")
+        if name is not None:
+            rendered["name"] = name
+        result.append(rendered)
+    return result
+
+
+def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
+    # chat templates expect `arguments` as a mapping (HF convention); OpenAI sends a JSON string
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise bad_request(f"{where} must be an object with a function", where)
+    function = call["function"]
+    name = field(function, "name", str, required=True, param=f"{where}.function.name")
+    arguments = function.get("arguments") or "{}"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise bad_request(f"{where}.function.arguments must be a JSON object string",
+                              f"{where}.function.arguments") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """`tools` for the chat template, or None when absent or `tool_choice` is "none"."""
+    tools = field(body, "tools", list)
+    tool_choice = field(body, "tool_choice", (str, dict))
+    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
+        raise bad_request("tool_choice must be none, auto, required or a function object", "tool_choice")
+    if not tools or tool_choice == "none":
+        return None
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
+        field(tool["function"], "name", str, required=True, param=f"tools[{i}].function.name")
+    return tools
+
+
+def parse_logprobs(body: dict[str, Any]) -> int | None:
+    """`logprobs` + `top_logprobs` -> the engine's top count (None: no logprobs)."""
+    logprobs = field(body, "logprobs", bool, False)
+    top = field(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= 20:
+        raise bad_request(f"top_logprobs must be in [0, 20] (got {top})", "top_logprobs")
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def check_response_format(body: dict[str, Any]) -> None:
+    response_format = field(body, "response_format", dict)
+    if response_format and response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format {response_format.get('type')!r} is not supported; only text",
+                          "response_format")
+
+
+def render_chat(tokenizer: Any, messages: list[dict], tools: list | None) -> list[int]:
+    """The prompt's token ids through the model's chat template (a template error is the client's 400)."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("the served model has no chat template; use /v1/completions", "messages")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+class _Reply:
+    """Builds one request's response objects."""
+
+    def __init__(self, state: Any, model: str, num_top: int | None, parse_tools_enabled: bool) -> None:
+        self.state, self.model, self.num_top, self.tools = state, model, num_top, parse_tools_enabled
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+        if self.num_top is None:
+            return None
+        return {"content": chat_logprobs(entries or [], self.state.token_texts, self.num_top)}
+
+    async def complete(self, outputs, usage, n: int) -> web.Response:
+        finals: dict[int, Any] = {}
+        async for index, output in outputs:
+            if output.finished:
+                finals[index] = output
+        choices = []
+        for index in range(n):
+            output = finals[index]
+            message: dict[str, Any] = {"role": "assistant", "content": output.text}
+            finish_reason = output.finish_reason
+            if self.tools:
+                content, calls = parse_tool_calls(output.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),
+                            "finish_reason": finish_reason})
+        return web.json_response({"id": self.id, "object": "chat.completion", "created": self.created,
+                                  "model": self.model, "system_fingerprint": None, "choices": choices,
+                                  "usage": usage.to_openai()})
+
+    def _chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    async def stream(self, request: web.Request, outputs, usage, include_usage: bool, n: int) -> web.StreamResponse:
+        sse = EventStream(request)
+        parsers = {i: ToolCallStream() for i in range(n)} if self.tools else {}
+        started: set[int] = set()
+        try:
+            async for index, output in outputs:
+                if index not in started:
+                    started.add(index)
+                    await sse.send(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}], include_usage))
+                for delta in self._deltas(index, output, parsers.get(index)):
+                    await sse.send(self._chunk([delta], include_usage))
+                if output.finished:
+                    finish_reason = output.finish_reason
+                    if finish_reason == "stop" and parsers.get(index) and parsers[index].num_calls:
+                        finish_reason = "tool_calls"
+                    await sse.send(self._chunk([{"index": index, "delta": {}, "logprobs": None,
+                                                 "finish_reason": finish_reason}], include_usage))
+            if include_usage:
+                await sse.send(self._chunk([], True, usage.to_openai()))
+        except ApiError as exc:
+            if not sse.is_open:
+                raise
+            await sse.send_error(exc)
+        return await sse.done()
+
+    def _deltas(self, index: int, output: Any, parser: ToolCallStream | None) -> list[dict]:
+        entries = output.delta_logprobs
+        if output.finished and entries and _hides_last_token(output):
+            entries = entries[:-1]
+        logprobs = self._logprobs(entries) if entries else None
+        if parser is None:
+            if not output.delta_text and logprobs is None:
+                return []
+            return [{"index": index, "delta": {"content": output.delta_text}, "logprobs": logprobs,
+                     "finish_reason": None}]
+        events = parser.feed(output.delta_text) + (parser.finish() if output.finished else [])
+        deltas = []
+        for event in events:
+            if isinstance(event, ToolCall):
+                delta = {"tool_calls": [event.to_openai(index=event.index)]}
+            else:
+                delta = {"content": event}
+            deltas.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+        if logprobs is not None:  # logprobs ride on the first chunk of this step, or one of their own
+            if deltas:
+                deltas[0]["logprobs"] = logprobs
+            else:
+                deltas.append({"index": index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None})
+        return deltas
+
+
+def _hides_last_token(output: Any) -> bool:
+    # the EOS / stop token ended the text without being part of it: its logprob is not shown either
+    return output.finish_reason == "stop" and isinstance(output.stop_reason, int)
+
+
+def _visible(output: Any) -> list[dict]:
+    entries = output.logprobs or []
+    return entries[:-1] if entries and _hides_last_token(output) else entries

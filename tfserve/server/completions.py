@@ -1,0 +1,140 @@
+"""POST /v1/completions: the legacy prompt-in, text-out API (`echo`, legacy `logprobs`), whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.generation import admit, run_choices
+from tfserve.server.logprobs import completion_logprobs
+from tfserve.server.protocol import check_model, field, make_params, read_json, sampling_kwargs, stream_options
+from tfserve.server.sse import EventStream
+from tfserve.server.state import STATE
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    state.check_available()
+    model = check_model(body, state)
+    prompts = parse_prompts(body, state.engine.tokenizer)
+    echo = field(body, "echo", bool, False)
+    kwargs = sampling_kwargs(body, default_max_tokens=16)  # OpenAI's default for this API
+    num_top = field(body, "logprobs", int)
+    if num_top is not None:
+        if not 0 <= num_top <= 20:
+            raise bad_request(f"logprobs must be in [0, 20] (got {num_top})", "logprobs")
+        if echo:
+            raise bad_request("echo with logprobs is not supported: the engine computes no prompt logprobs", "echo")
+        kwargs["logprobs"] = num_top
+    if field(body, "suffix", str):
+        raise bad_request("suffix is not supported", "suffix")
+    best_of = field(body, "best_of", int)
+    if best_of is not None and best_of != (kwargs.get("n") or 1):
+        raise bad_request("best_of other than n is not supported", "best_of")
+    stream, include_usage = stream_options(body)
+    params = make_params(kwargs, max(len(p) for p, _ in prompts), state.engine)
+    usage = admit(state, request, [p for p, _ in prompts], params)
+    reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
+    async with aclosing(run_choices(state, usage, [p for p, _ in prompts], params)) as outputs:
+        if stream:
+            return await reply.stream(request, outputs, usage, include_usage)
+        return await reply.complete(outputs, usage)
+
+
+def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[tuple[list[int], str]]:
+    """`prompt` (text, token ids, or a list of either) -> [(token ids, text)]."""
+    prompt = field(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    result = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=True)
+            result.append((ids, item))
+        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            result.append((item, tokenizer.decode(item)))
+        else:
+            raise bad_request(f"prompt[{i}] must be a string or a non-empty array of token ids", "prompt")
+        if not result[-1][0]:
+            raise bad_request("prompt must not be empty", "prompt")
+    return result
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Reply:
+    def __init__(self, state: Any, model: str, num_top: int | None, echo_texts: list[str] | None, n: int) -> None:
+        self.state, self.model, self.num_top, self.echo_texts, self.n = state, model, num_top, echo_texts, n
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _echo(self, index: int) -> str:
+        return self.echo_texts[index // self.n] if self.echo_texts is not None else ""
+
+    def _logprobs(self, entries: list[dict] | None, offset: int) -> dict | None:
+        if self.num_top is None:
+            return None
+        return completion_logprobs(entries or [], self.state.token_texts, offset)
+
+    async def complete(self, outputs, usage) -> web.Response:
+        finals: dict[int, Any] = {}
+        async for index, output in outputs:
+            if output.finished:
+                finals[index] = output
+        choices = [{"index": i, "text": self._echo(i) + finals[i].text,
+                    "logprobs": self._logprobs(_visible(finals[i].logprobs, finals[i]), 0),
+                    "finish_reason": finals[i].finish_reason} for i in sorted(finals)]
+        return web.json_response({"id": self.id, "object": "text_completion", "created": self.created,
+                                  "model": self.model, "system_fingerprint": None, "choices": choices,
+                                  "usage": usage.to_openai()})
+
+    def _chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                 "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    async def stream(self, request: web.Request, outputs, usage, include_usage: bool) -> web.StreamResponse:
+        sse = EventStream(request)
+        offsets: dict[int, int] = {}
+        try:
+            async for index, output in outputs:
+                if index not in offsets:
+                    offsets[index] = 0
+                    if self.echo_texts is not None:
+                        await sse.send(self._chunk([{"index": index, "text": self._echo(index), "logprobs": None,
+                                                     "finish_reason": None}], include_usage))
+                entries = _visible(output.delta_logprobs, output) if output.finished else output.delta_logprobs
+                if output.delta_text or entries:
+                    logprobs = self._logprobs(entries, offsets[index])
+                    offsets[index] += len(output.delta_text)
+                    await sse.send(self._chunk([{"index": index, "text": output.delta_text, "logprobs": logprobs,
+                                                 "finish_reason": None}], include_usage))
+                if output.finished:
+                    await sse.send(self._chunk([{"index": index, "text": "", "logprobs": None,
+                                                 "finish_reason": output.finish_reason}], include_usage))
+            if include_usage:
+                await sse.send(self._chunk([], True, usage.to_openai()))
+        except ApiError as exc:
+            if not sse.is_open:
+                raise
+            await sse.send_error(exc)
+        return await sse.done()
+
+
+def _visible(entries: list[dict] | None, output: Any) -> list[dict] | None:
+    # the EOS / stop token that ended the text is not part of it: drop its logprob too
+    if entries and output.finish_reason == "stop" and isinstance(output.stop_reason, int):
+        return entries[:-1]
+    return entries

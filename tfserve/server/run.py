@@ -1,0 +1,99 @@
+"""Run the app until SIGINT/SIGTERM, then drain: refuse new requests (503), let in-flight ones finish for
+up to `drain_timeout` seconds, abort the rest, and return (the CLI exits 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+
+from tfserve.server.state import STATE, ServerState
+
+logger = logging.getLogger("tfserve.server")
+
+
+async def serve(app: web.Application, host: str, port: int, *, drain_timeout: float = 30.0,
+                load: Callable[[], tuple] | None = None, on_ready: Callable[[], None] | None = None,
+                stop_event: asyncio.Event | None = None) -> None:
+    """Serve `app` on host:port. `load()` (run on a thread while /health answers 503) returns the
+    arguments of `ServerState.set_engine`; `on_ready()` runs once the model serves (the CLI's banner)."""
+    state: ServerState = app[STATE]
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or not a Unix loop
+            pass
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        if load is not None and not await _load(state, load, stop):
+            return
+        if on_ready is not None:
+            on_ready()
+        await stop.wait()
+        await drain(state, drain_timeout)
+    finally:
+        state.stop()
+        await runner.cleanup()
+
+
+async def _load(state: ServerState, load: Callable[[], tuple], stop: asyncio.Event) -> bool:
+    # a daemon thread, so that a signal during a long load can still end the process
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = load()
+        except BaseException as exc:  # handed to the loop, raised there
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=target, name="tfserve-load", daemon=True).start()
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([future, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not future.done():
+        return False
+    state.set_engine(*future.result())
+    return True
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+async def drain(state: ServerState, timeout: float) -> int:
+    """Stop accepting and wait for in-flight /v1 requests, at most `timeout` s; abort what is left (its
+    clients get a 503 or a stream error). Returns how many requests were still in flight at the deadline."""
+    state.begin_drain()
+    logger.info("draining: %d request(s) in flight, waiting up to %.0f s", state.num_active, timeout)
+    deadline = time.monotonic() + timeout
+    while state.num_active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = state.num_active
+    if left:
+        logger.warning("drain timeout: aborting %d request(s) still in flight", left)
+        state.stop()
+        for _ in range(40):  # give their handlers a moment to answer
+            if not state.num_active:
+                break
+            await asyncio.sleep(0.05)
+    logger.info("drained; stopping")
+    return left
