@@ -49,12 +49,13 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
-        "generator", "eos_token_ids", "scheduled_time",
+        "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None) -> None:
         self.request_id = request_id
+        self._prompt_token_ids = list(prompt_token_ids)  # shared by every output, never copied per token
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -85,7 +86,7 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:
