@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from tfserve import __version__
+from tfserve.cli import chat as chat_cli
 from tfserve.cli import bench as bench_cli
 from tfserve.cli import models as models_cli
 from tfserve.cli import serve as serve_cli
@@ -43,6 +44,7 @@ app = typer.Typer(
 )
 app.add_typer(models_cli.app, name="models")
 app.command("serve")(serve_cli.serve)
+app.command("chat")(chat_cli.chat)
 app.add_typer(bench_cli.app, name="bench")
 
 

@@ -1,0 +1,172 @@
+"""Cancelling a reply (the server aborts it), server error bodies, a connection lost mid-reply, API keys:
+each is one line and the chat goes on."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+from conftest import MODEL_NAME, LiveServer, run_keys, wait_until_idle
+
+from tfserve.chat.client import ChatError, ConnectionLost, RemoteBackend, ServerError
+from tfserve.chat.conversation import Settings
+from tfserve.chat.local import LocalBackend
+from tfserve.chat.session import ChatSession
+
+LONG = Settings(temperature=1.0, seed=1, max_tokens=400)  # this seed runs ~390 tokens before EOS
+
+
+def interrupt_after_first_delta(backend):
+    """Make the next replies raise KeyboardInterrupt (what Ctrl-C does) once their first text arrived."""
+    stream = backend.stream
+
+    def interrupted(messages, settings):
+        reply = stream(messages, settings)
+
+        class Interrupted:
+            stats = reply.stats
+
+            def __iter__(self):
+                for delta in reply:
+                    yield delta
+                    raise KeyboardInterrupt
+
+            def close(self):
+                reply.close()
+
+        return Interrupted()
+
+    backend.stream = interrupted
+
+
+@pytest.fixture
+def aborts(engine, monkeypatch):
+    """Request ids the engine really aborted (still running when the abort came)."""
+    aborted = []
+    abort = engine.abort
+
+    def spy(request_id):
+        output = abort(request_id)
+        if output is not None:
+            aborted.append(request_id)
+        return output
+
+    monkeypatch.setattr(engine, "abort", spy)
+    return aborted
+
+
+@pytest.mark.parametrize("where", ["server", "in-process"])
+def test_ctrl_c_cancels_the_reply_and_the_engine_aborts_it(where, backend, async_engine, engine, console, aborts):
+    if where == "in-process":
+        backend = LocalBackend(async_engine.manager, MODEL_NAME)
+    session = ChatSession(backend, console, settings=LONG)
+    interrupt_after_first_delta(backend)
+    out = run_keys(session, "Tell me a long story.\r/exit\r")
+    assert "[cancelled]" in out
+    user, partial = session.conversation.turns
+    assert partial["role"] == "assistant" and partial["content"]  # what arrived is kept
+    assert wait_until_idle(engine), "the cancelled request is still running"
+    assert len(aborts) == 1
+    assert session.stats.num_cancelled == 1
+
+    del backend.stream  # Ctrl-C no more: the engine still answers
+    session.settings = Settings(temperature=0.0, max_tokens=8)
+    assert session.ask("hello") and session.last_turn.num_tokens == 8
+
+
+def test_server_error_body_in_red_then_retry(session, server):
+    out = run_keys(session, "/set max_tokens 5000\rhello\r/set max_tokens 8\r/retry\r/exit\r")
+    assert "Error: server error 400: max_tokens" in out and "5000" in out
+    assert "Traceback" not in out
+    # the failed message was not kept in the conversation; /retry sent it again
+    assert [t["role"] for t in session.conversation.turns] == ["user", "assistant"]
+    assert session.stats.num_errors == 1 and session.stats.num_replies == 1
+
+
+def test_unknown_model_is_a_server_error(server, console):
+    backend = RemoteBackend(server.url, model="nope")
+    session = ChatSession(backend, console)
+    assert not session.ask("hello")
+    assert "Error: server error 404: The model 'nope' does not exist" in console.file.getvalue()
+
+
+class HalfServer:
+    """Answers /v1/chat/completions with one SSE chunk, then drops the connection."""
+
+    CHUNK = ('data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", '
+             '"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}]}\n\n')
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                data = self.CHUNK.encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_connection_lost_mid_reply_is_one_line_and_the_chat_goes_on(console):
+    half = HalfServer()
+    try:
+        session = ChatSession(RemoteBackend(half.url, model="m"), console)
+        out = run_keys(session, "hello\r/settings\r/exit\r")
+    finally:
+        half.close()
+    assert "Error: connection lost in the middle of the reply" in out
+    assert "Hel" in out and session.conversation.turns[-1] == {"role": "assistant", "content": "Hel"}
+    assert "temperature" in out  # /settings ran after the error
+
+
+def test_server_gone_mid_session(console):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    session = ChatSession(RemoteBackend(f"127.0.0.1:{port}", model="m"), console)
+    assert not session.ask("hello")
+    assert f"Error: cannot reach http://127.0.0.1:{port} — is `tfserve serve` running?" in console.file.getvalue()
+    assert session.unanswered == "hello" and session.conversation.turns == []
+
+
+def test_api_key_from_the_environment(async_engine, monkeypatch):
+    live = LiveServer(async_engine, api_key="sekrit")
+    try:
+        monkeypatch.delenv("TFSERVE_API_KEY", raising=False)
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        with pytest.raises(ServerError, match="401: invalid or missing API key"):
+            RemoteBackend(live.url).connect()
+        monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
+        assert RemoteBackend(live.url).connect().model == MODEL_NAME
+        monkeypatch.setenv("TFSERVE_API_KEY", "wrong")  # TFSERVE_API_KEY first
+        with pytest.raises(ChatError):
+            RemoteBackend(live.url).connect()
+        assert RemoteBackend(live.url, api_key="sekrit").connect().model == MODEL_NAME
+    finally:
+        live.close()
+
+
+def test_connect_to_nothing_raises_connection_lost():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectionLost, match=f"cannot reach http://127.0.0.1:{port} — is `tfserve serve` running"):
+        RemoteBackend(f"http://127.0.0.1:{port}/v1/").connect()

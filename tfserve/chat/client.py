@@ -1,0 +1,179 @@
+"""Where replies come from: the `ChatBackend` protocol and `RemoteBackend`, any OpenAI-compatible server
+through the `openai` SDK. (`LocalBackend`, the engine in this process, is in `local.py`.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tfserve.chat.conversation import Settings
+from tfserve.errors import TfserveError
+
+API_KEY_ENVVARS = ("TFSERVE_API_KEY", "OPENAI_API_KEY")
+
+
+class ChatError(TfserveError):
+    """A failed turn, said in one line; the chat goes on (at start-up the CLI exits 1 with it)."""
+
+
+class ServerError(ChatError):
+    """The server answered with an error body (bad request, unknown model, overloaded...)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status; None for an error sent inside a stream
+
+
+class ConnectionLost(ChatError):
+    """The server cannot be reached, or went away in the middle of a reply."""
+
+
+@dataclass(slots=True)
+class ReplyStats:
+    """What the backend reports about one reply; None where it does not say."""
+
+    num_prompt_tokens: int | None = None
+    num_completion_tokens: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | ...; None while streaming or when cut off
+
+
+class Reply(Protocol):
+    """One streaming reply: iterate for text deltas; `close()` stops it (the server aborts the request)."""
+
+    stats: ReplyStats
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
+
+
+class ChatBackend(Protocol):
+    """Something that answers chat messages: a server (`RemoteBackend`) or an in-process engine (`LocalBackend`)."""
+
+    model: str | None
+    label: str  # where the model runs, for the banner: "http://localhost:8000" or "in-process"
+
+    def list_models(self) -> list[str]: ...
+
+    def stream(self, messages: list[dict[str, str]], settings: Settings) -> Reply: ...
+
+    def close(self) -> None: ...
+
+
+def normalize_url(url: str) -> str:
+    """`8000`, `host:port`, `http(s)://host:port[/v1][/]` -> `http(s)://host:port` (no trailing /v1)."""
+    url = url.strip()
+    if url.isdigit():
+        url = f"localhost:{url}"
+    elif url.startswith(":"):
+        url = f"localhost{url}"
+    if "://" not in url:
+        url = f"http://{url}"
+    url = url.rstrip("/")
+    return url.removesuffix("/v1").rstrip("/")
+
+
+class RemoteBackend:
+    """An OpenAI-compatible server at `url`. `connect()` checks it answers and picks the model."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None,
+                 timeout: float = 600.0) -> None:
+        import openai
+
+        self.url = normalize_url(url)
+        self.label = self.url
+        self.model = model
+        api_key = api_key or next((os.environ[k] for k in API_KEY_ENVVARS if os.environ.get(k)), None)
+        # the SDK insists on a key; servers without one ignore the header
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0,
+                                    timeout=timeout)
+
+    def connect(self) -> RemoteBackend:
+        """Check the server answers; without a model, take the first it lists. Raises ChatError."""
+        try:
+            models = self.list_models()
+        except ServerError as exc:
+            if self.model is None or exc.status != 404:
+                raise
+            return self  # it answers, without /v1/models: the named model may still chat
+        if self.model is None:
+            if not models:
+                raise ChatError(f"{self.url} lists no models; name one with --model")
+            self.model = models[0]
+        return self
+
+    def list_models(self) -> list[str]:
+        import openai
+
+        try:
+            return [model.id for model in self.client.models.list()]
+        except openai.APIConnectionError:
+            raise ConnectionLost(self.unreachable_message) from None
+        except openai.APIError as exc:
+            raise describe(exc) from None
+
+    @property
+    def unreachable_message(self) -> str:
+        return f"cannot reach {self.url} — is `tfserve serve` running?"
+
+    def stream(self, messages: list[dict[str, str]], settings: Settings) -> Reply:
+        import openai
+
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.model, messages=messages, stream=True, stream_options={"include_usage": True},
+                **settings.sampling_kwargs())
+        except openai.APIConnectionError:
+            raise ConnectionLost(self.unreachable_message) from None
+        except openai.APIError as exc:
+            raise describe(exc) from None
+        return _RemoteReply(stream)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _RemoteReply:
+    """The deltas of one streamed chat completion."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.stats = ReplyStats()
+
+    def __iter__(self) -> Iterator[str]:
+        import openai
+
+        try:
+            for chunk in self._stream:
+                if chunk.usage is not None:
+                    self.stats.num_prompt_tokens = chunk.usage.prompt_tokens
+                    self.stats.num_completion_tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        self.stats.finish_reason = choice.finish_reason
+                    if choice.delta is not None and choice.delta.content:
+                        yield choice.delta.content
+        except openai.APIConnectionError:
+            raise ConnectionLost("connection lost in the middle of the reply") from None
+        except openai.APIError as exc:
+            raise describe(exc) from None
+        if self.stats.finish_reason is None:
+            raise ConnectionLost("the reply ended without a finish reason (connection lost?)")
+
+    def close(self) -> None:
+        """Close the HTTP response: the server sees the client leave and aborts the generation."""
+        self._stream.close()
+
+
+def describe(exc: Any) -> ServerError:
+    """An `openai.APIError` as one line: the status code and the server's own message."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        body = body["error"]
+    message = body.get("message") if isinstance(body, dict) else None
+    message = message or (body if isinstance(body, str) and body else None) or getattr(exc, "message", str(exc))
+    message = " ".join(str(message).split())[:300]  # an HTML error page from a proxy stays one line
+    status = getattr(exc, "status_code", None)
+    return ServerError(f"server error {status}: {message}" if status else f"server error: {message}", status)

@@ -1,0 +1,85 @@
+"""`LocalBackend`: chat with a model loaded in this process, through the engine's `BatchingManager` (no
+server). The CLI loads the model; this module only renders the chat template and streams."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+from tfserve.chat.client import ChatError, ReplyStats
+from tfserve.chat.conversation import Settings
+from tfserve.engine.request import RequestOutput
+from tfserve.sampling_params import SamplingParams
+
+POLL_S = 0.1  # wait for outputs in slices so Ctrl-C is seen at once
+
+
+class LocalBackend:
+    """The engine of a `BatchingManager` (started here if it is not yet) answers, under `model`'s name."""
+
+    label = "in-process"
+
+    def __init__(self, manager: Any, model: str) -> None:
+        self.manager = manager.start()
+        self.engine = manager.engine
+        self.model = model
+        if not getattr(self.engine.tokenizer, "chat_template", None):
+            raise ChatError(f"{model} has no chat template, so it cannot chat; try an instruct model")
+
+    def list_models(self) -> list[str]:
+        return [self.model]
+
+    def stream(self, messages: list[dict[str, str]], settings: Settings) -> _LocalReply:
+        prompt_ids = self._render(messages)
+        kwargs = settings.sampling_kwargs()
+        if kwargs.get("max_tokens") is None:  # what is left of the context and of the KV cache, as the server does
+            pool = self.engine.block_pool
+            capacity = min(self.engine.max_model_len, pool.num_blocks * pool.block_size)
+            kwargs["max_tokens"] = max(1, capacity - len(prompt_ids))
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        try:
+            params = SamplingParams(**kwargs)
+            request_id = self.manager.add_request(prompt_ids, params=params, stream=True, sink=outputs.put)
+        except ValueError as exc:
+            raise ChatError(str(exc)) from None
+        return _LocalReply(self.manager, request_id, outputs, len(prompt_ids))
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            rendered = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise ChatError(f"the chat template rejected the conversation: {exc}") from None
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+    def close(self) -> None:
+        self.manager.stop()
+
+
+class _LocalReply:
+    """The deltas of one request on the engine."""
+
+    def __init__(self, manager: Any, request_id: str, outputs: queue.SimpleQueue, num_prompt_tokens: int) -> None:
+        self._manager, self._request_id, self._outputs = manager, request_id, outputs
+        self.stats = ReplyStats(num_prompt_tokens=num_prompt_tokens)
+
+    def __iter__(self) -> Iterator[str]:
+        while self.stats.finish_reason is None:
+            try:
+                output = self._outputs.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if output.finished:
+                self.stats.finish_reason = output.finish_reason
+                self.stats.num_completion_tokens = len(output.generated_tokens)
+                if output.finish_reason == "error":
+                    raise ChatError(f"generation failed: {output.error}")
+            if output.delta_text:
+                yield output.delta_text
+
+    def close(self) -> None:
+        """Abort the request if it is still running; its KV blocks are freed before the next step."""
+        if self.stats.finish_reason is None:
+            self._manager.abort(self._request_id)

@@ -1,0 +1,117 @@
+"""One chat: send a turn, stream its reply to the screen, keep the conversation and the statistics.
+A failed turn is one red line and the chat goes on; Ctrl-C while a reply streams cancels just that reply."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.text import Text
+
+from tfserve.chat.client import ChatBackend, ChatError, ReplyStats
+from tfserve.chat.conversation import Conversation, Settings
+from tfserve.chat.render import LiveReply, PlainReply, TurnStats, footer
+
+
+@dataclass(slots=True)
+class SessionStats:
+    """Totals over the session, for /stats."""
+
+    num_replies: int = 0
+    num_cancelled: int = 0
+    num_errors: int = 0
+    num_completion_tokens: int = 0
+    num_context_tokens: int | None = None  # prompt + reply of the last turn, when the backend says
+    ttfts_s: list[float] = field(default_factory=list)
+    decode_s: float = 0.0  # time after each first token, summed
+
+    def add(self, turn: TurnStats, num_context_tokens: int | None) -> None:
+        self.num_replies += 1
+        self.num_cancelled += turn.cancelled
+        self.num_completion_tokens += turn.num_tokens
+        if num_context_tokens is not None:
+            self.num_context_tokens = num_context_tokens
+        if turn.ttft_s is not None:
+            self.ttfts_s.append(turn.ttft_s)
+            self.decode_s += turn.elapsed_s - turn.ttft_s
+
+
+class ChatSession:
+    """A conversation with `backend`. Replies go to `console` (markdown when it is a terminal) or, with
+    `plain=True`, as bare text to stdout; errors go to `error_console`."""
+
+    def __init__(self, backend: ChatBackend, console: Console, *, conversation: Conversation | None = None,
+                 settings: Settings | None = None, plain: bool = False, markdown: bool = True,
+                 error_console: Console | None = None) -> None:
+        self.backend = backend
+        self.console = console
+        self.error_console = error_console or console
+        self.conversation = conversation or Conversation()
+        self.settings = settings or Settings()
+        self.plain = plain
+        self.markdown = markdown
+        self.stats = SessionStats()
+        self.last_turn: TurnStats | None = None
+        self.unanswered: str | None = None  # a message whose turn failed before any text, for /retry
+
+    def ask(self, text: str) -> bool:
+        """Send `text` as the user's turn and stream the answer. False when the turn failed."""
+        self.conversation.add("user", text)
+        return self._answer(text)
+
+    def retry(self) -> bool:
+        """Regenerate the answer to the last user message (or resend one that failed)."""
+        if self.unanswered is not None:
+            return self.ask(self.unanswered)
+        text = self.conversation.pop_reply()
+        if text is None:
+            self.error("nothing to retry yet: send a message first")
+            return False
+        return self.ask(text)
+
+    def error(self, message: str) -> None:
+        """One red line; the chat goes on."""
+        self.error_console.print(Text.assemble(("Error: ", "bold red"), (message, "red")), soft_wrap=True)
+
+    def _answer(self, text: str) -> bool:
+        self.unanswered = None
+        start = time.perf_counter()
+        first = last = None
+        num_deltas = 0  # one per token from tfserve and most servers: the count when no usage arrives
+        cancelled, failure, reply = False, None, None
+        view = PlainReply(sys.stdout) if self.plain else LiveReply(self.console, self.markdown)
+        with view:
+            try:
+                reply = self.backend.stream(self.conversation.messages(), self.settings)
+                for delta in reply:
+                    last = time.perf_counter()
+                    first = first or last
+                    num_deltas += 1
+                    view.append(delta)
+            except KeyboardInterrupt:
+                cancelled = True
+            except ChatError as exc:
+                failure = exc
+            finally:
+                if reply is not None:
+                    reply.close()  # after Ctrl-C or an error: the server aborts the request
+        if view.text:
+            self.conversation.add("assistant", view.text)  # a cut-off reply is kept as far as it got
+        else:
+            self.conversation.turns.pop()  # nothing came back: the question waits for /retry
+            self.unanswered = text
+        if failure is not None:
+            self.stats.num_errors += 1
+            self.error(str(failure))
+            return False
+        stats = reply.stats if reply is not None else ReplyStats()
+        turn = TurnStats(stats.num_completion_tokens or num_deltas, None if first is None else first - start,
+                         (last or time.perf_counter()) - start, cancelled)
+        num_prompt_tokens = stats.num_prompt_tokens
+        self.stats.add(turn, None if num_prompt_tokens is None else num_prompt_tokens + turn.num_tokens)
+        self.last_turn = turn
+        if not self.plain:
+            self.console.print(footer(turn), highlight=False)
+        return not cancelled
