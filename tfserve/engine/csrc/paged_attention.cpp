@@ -6,6 +6,28 @@
 #include <limits>
 #include <vector>
 
+// Ask for the slot `ahead` tokens on while this one is computed: the cache is read cold, and two threads
+// alone do not keep enough loads in flight to use the memory bandwidth.
+template <typename scalar_t>
+static inline void prefetch_slot(const scalar_t* cache, const int64_t* table, int64_t t, int64_t end,
+                                 int64_t block_size, int64_t block_stride, int64_t token_stride) {
+  if (t >= end) return;
+  const char* p = reinterpret_cast<const char*>(cache + table[t / block_size] * block_stride +
+                                                (t % block_size) * token_stride);
+  const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+template <typename scalar_t>
+static inline float dot(const float* a, const scalar_t* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * static_cast<float>(b[d]);
+  return acc;
+}
+
+// One sequence per work item: its blocks are read front to back, all KV heads of a slot at once, so every
+// block (block_size * num_kv_heads * head_dim values) is one contiguous stream for the prefetcher.
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int64_t* block_tables, const int64_t* context_lens, scalar_t* out,
@@ -15,52 +37,54 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;      // between consecutive slots of a block
   const int64_t block_stride = block_size * token_stride;     // between blocks
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(group * head_dim), acc(group * head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim);
+    for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t ctx = context_lens[seq];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
       const int64_t n = ctx - first;
-      scores.assign(group * n, 0.f);
-      const scalar_t* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]);
+      scores.assign(num_heads * n, 0.f);  // [num_heads, n]
+      const scalar_t* q_seq = q + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
       const int64_t* table = block_tables + seq * max_blocks;
+      constexpr int64_t ahead = 4;
+      for (int64_t t = first; t < std::min(first + ahead, ctx); ++t)
+        prefetch_slot(k_cache, table, t, ctx, block_size, block_stride, token_stride);
       for (int64_t t = first; t < ctx; ++t) {
-        const scalar_t* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                            kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
-          float s = dot * static_cast<float>(scale);
+        prefetch_slot(k_cache, table, t + ahead, ctx, block_size, block_stride, token_stride);
+        if (t + ahead - n >= first)  // the first values, for the loop below
+          prefetch_slot(v_cache, table, t + ahead - n, ctx, block_size, block_stride, token_stride);
+        const scalar_t* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float s = dot(qf.data() + h * head_dim, k + (h / group) * head_dim, head_dim);
           if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-          scores[g * n + (t - first)] = s;
+          scores[h * n + (t - first)] = s;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * n;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* row = scores.data() + h * n;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, row[i]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
         const float inv = 1.f / sum;
         for (int64_t i = 0; i < n; ++i) row[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = first; t < ctx; ++t) {
-        const scalar_t* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                            kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + (t - first)];
-          float* a = acc.data() + g * head_dim;
+        prefetch_slot(v_cache, table, t + ahead, ctx, block_size, block_stride, token_stride);
+        const scalar_t* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * n + (t - first)];
+          const scalar_t* vh = v + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vh[d]);
         }
       }
-      scalar_t* o = out + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+      scalar_t* o = out + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }
