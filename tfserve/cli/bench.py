@@ -100,6 +100,9 @@ def serve(
     launch: Annotated[str | None, typer.Option("--launch", help="Start this server command first; stop it after.")] = None,
     launch_timeout: Annotated[float, typer.Option("--launch-timeout", help="Seconds to wait for it.")] = 600.0,
     sweep: Annotated[str | None, typer.Option("--sweep", help="A series, e.g. concurrency=1,8,32.")] = None,
+    prompts_per_concurrency: Annotated[int | None, typer.Option(
+        "--prompts-per-concurrency", min=1,
+        help="Send max(4, K x concurrency) prompts per run instead of --num-prompts (for sweeps).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="With --sweep: PNG of throughput and TTFT.")] = None,
     output_json: OutputJsonOpt = None,
 ) -> None:
@@ -124,12 +127,14 @@ def serve(
     base_url = _base_url(url)
     extra = _parse_json(extra_body, "--extra-body")
     sweep_key, sweep_values = _parse_sweep(sweep) if sweep else ("concurrency", [concurrency])
+    largest = max(num_prompts, *(max(4, prompts_per_concurrency * c) for c in sweep_values
+                                 if prompts_per_concurrency and sweep_key == "concurrency"), 0)
     if dataset is not None:
-        prompts = take(load_file(dataset), num_prompts)
+        all_prompts = take(load_file(dataset), largest)
     elif input_len is not None:
-        prompts = random_text_prompts(num_prompts, input_len, _local_tokenizer(model))
+        all_prompts = random_text_prompts(largest, input_len, _local_tokenizer(model))
     else:
-        prompts = take(builtin_prompts(), num_prompts)
+        all_prompts = take(builtin_prompts(), largest)
 
     runs = []
     with launched(launch, base_url, launch_timeout):
@@ -138,6 +143,10 @@ def serve(
                                   request_rate=request_rate, endpoint=endpoint, api_key=api_key,
                                   ignore_eos=ignore_eos, extra_body=extra)
             setattr(config, sweep_key, value)
+            count = num_prompts
+            if prompts_per_concurrency and sweep_key == "concurrency":
+                count = max(4, prompts_per_concurrency * value)
+            prompts = all_prompts[:count]
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                           TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(),
                           console=err_console, transient=True) as progress:
