@@ -20,21 +20,27 @@ def server_root(base_url: str) -> str:
 
 
 def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    """Poll `/health` (or `/v1/models`) until one answers 200."""
+    """Poll until `/health` answers 200; a server without `/health` (404) is ready once `/v1/models` is."""
     root = server_root(base_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise TfserveError(f"the launched server exited with code {process.returncode} before it was ready")
-        for path in ("/health", "/v1/models"):
-            try:
-                with urllib.request.urlopen(root + path, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
+        status = _status(root + "/health")
+        if status == 200 or (status == 404 and _status(root + "/v1/models") == 200):
+            return
         time.sleep(0.5)
     raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s")
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 @contextmanager
