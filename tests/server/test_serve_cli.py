@@ -31,7 +31,7 @@ def test_help_lists_the_flags_and_examples():
     for flag in ["--model", "--host", "--port", "--dtype", "--device", "--quantization", "--attn-implementation",
                  "--max-batch-tokens", "--max-num-seqs", "--kv-cache-memory", "--block-size", "--no-prefix-caching",
                  "--max-body-size", "--max-queued", "--api-key", "TFSERVE_API_KEY", "--cors-allow-origins",
-                 "--drain-timeout", "--force-model", "Examples"]:
+                 "--drain-timeout", "--force-model", "--otel", "Examples"]:
         assert flag in result.output, flag
 
 
@@ -49,6 +49,15 @@ def test_bad_flags_fail_in_one_line(args, message, tmp_path):
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_otel_without_the_extra_is_one_line(monkeypatch):
+    from tfserve.server import telemetry
+
+    monkeypatch.setattr(telemetry, "is_installed", lambda: False)
+    result = invoke("serve", "--otel")
+    assert result.exit_code == 1
+    assert "pip install 'tfserve[otel]'" in result.output and "Traceback" not in result.output
 
 
 def test_parse_size():

@@ -67,13 +67,18 @@ def serve(
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGINT/SIGTERM waits for in-flight requests.",
                                                  rich_help_panel=SERVER)] = 30.0,
     force_model: Annotated[str | None, typer.Option(help="Serve this model whatever a request's `model` names "
-                                                         "(overrides --model).", rich_help_panel=SERVER)] = None,
+                                                         "(overrides --model; no other model is loaded on demand).",
+                                                    rich_help_panel=SERVER)] = None,
+    otel: Annotated[bool, typer.Option("--otel", help="Export a trace per request and the engine's gauges over "
+                                                      "OTLP (OTEL_* variables configure it; needs the otel extra).",
+                                       rich_help_panel=SERVER)] = False,
     log_level: Annotated[str, typer.Option(help="debug, info (one access-log line per request), warning or error.",
                                            rich_help_panel=SERVER)] = "info",
 ) -> None:
     """Serve a model over the OpenAI API: chat completions, responses, completions, models, health, metrics.
 
     Any OpenAI client works against it: point its base URL at http://HOST:PORT/v1.
+    A request naming another model of the store loads it on demand, evicting the idle one.
     SIGINT/SIGTERM stop accepting requests, let in-flight ones finish (up to --drain-timeout) and exit 0.
 
     [bold]Examples[/bold]
@@ -81,6 +86,7 @@ def serve(
       tfserve serve                                        # the default model on 127.0.0.1:8000
       tfserve serve -m ./my-hf-model --port 9000 --api-key secret
       tfserve serve --max-num-seqs 128 --kv-cache-memory 4GiB --cors-allow-origins '*'
+      OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 tfserve serve --otel
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hello!"}]}'
     """
@@ -90,6 +96,7 @@ def serve(
     from tfserve.server.app import create_app
     from tfserve.server.run import serve as run_server
     from tfserve.server.state import ServerState
+    from tfserve.server.telemetry import from_options
 
     spec = force_model or model
     if spec != DEFAULT_MODEL:
@@ -99,12 +106,17 @@ def serve(
                      "kv_cache_memory": kv_bytes, "enable_prefix_caching": not no_prefix_caching}
     _check_engine_config(engine_kwargs)
     _configure_logging(log_level)
-    state = ServerState(max_queued=max_queued, force_model=force_model is not None)
+    load_options = {"dtype": dtype, "device": device, "quantization": quantization,
+                    "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+
+    def load_on_demand(other: str) -> tuple:
+        return load_engine(other, load_options, engine_kwargs, show_progress=False)
+
+    state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand)
+    state.telemetry = from_options(state, otel)
     app = create_app(state, api_key=api_key or None, cors_allow_origins=cors_allow_origins or (),
                      max_body_size=int(parse_size(max_body_size, "--max-body-size")))
     url = f"http://{host}:{port}"
-    load_options = {"dtype": dtype, "device": device, "quantization": quantization,
-                    "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
 
     def load():
         return load_engine(spec, load_options, engine_kwargs)
@@ -120,14 +132,17 @@ def serve(
         pass
 
 
-def load_engine(spec: str, load_options: dict, engine_kwargs: dict) -> tuple:
-    """Load the model and start the engine: the arguments of `ServerState.set_engine`."""
+def load_engine(spec: str, load_options: dict, engine_kwargs: dict, show_progress: bool = True) -> tuple:
+    """Load the model and start the engine: the arguments of `ServerState.set_engine`. Loads on demand
+    show no progress bars (they would tangle with the access log)."""
+    from contextlib import nullcontext
+
     from tfserve.cli.progress import step_progress
     from tfserve.engine.async_engine import AsyncEngine
     from tfserve.engine.engine import Engine
     from tfserve.models.loading import load_model
 
-    with step_progress() as progress:
+    with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
         loaded = load_model(spec, progress=progress, **load_options)
         progress("Allocating the KV cache")
         engine = Engine(loaded.model, loaded.tokenizer, **engine_kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Sequence
 
 import aiohttp_cors
@@ -14,6 +15,7 @@ from aiohttp.abc import AbstractAccessLogger
 from tfserve.server import chat, completions, health, metrics, models, responses
 from tfserve.server.errors import ApiError
 from tfserve.server.generation import USAGE
+from tfserve.server.registry import LEASE
 from tfserve.server.state import STATE, ServerState
 
 logger = logging.getLogger("tfserve.server")
@@ -63,10 +65,13 @@ def _endpoint(request: web.Request) -> str:
 
 @web.middleware
 async def _observe(request: web.Request, handler) -> web.StreamResponse:
-    """Count requests by endpoint and status; track in-flight /v1 requests for draining."""
+    """Count requests by endpoint and status; track in-flight /v1 requests for draining; end the request's
+    model lease; with telemetry, make the request's trace."""
     state: ServerState = request.app[STATE]
     counted = request.path.startswith("/v1/")
     state.num_active += counted
+    traced = counted and state.telemetry is not None
+    start_ns, start_perf = (time.time_ns(), time.perf_counter()) if traced else (0, 0.0)
     status = 499  # the client went away before an answer
     try:
         response = await handler(request)
@@ -74,7 +79,16 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
         return response
     finally:
         state.num_active -= counted
-        state.metrics.requests.labels(_endpoint(request), str(status)).inc()
+        model = request.get(LEASE)
+        state.models.release(request)
+        endpoint = _endpoint(request)
+        state.metrics.requests.labels(endpoint, str(status)).inc()
+        if traced:
+            try:
+                state.telemetry.record_request(request, endpoint, status, start_ns, start_perf, request.get(USAGE),
+                                               model)
+            except Exception:  # telemetry never fails a request
+                logger.exception("recording the trace of %s %s failed", request.method, request.path)
 
 
 @web.middleware

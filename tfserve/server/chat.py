@@ -14,8 +14,8 @@ from aiohttp import web
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
 from tfserve.server.logprobs import chat_logprobs
-from tfserve.server.protocol import (check_model, field, make_params, read_json, sampling_kwargs, stream_options,
-                                     text_of)
+from tfserve.server.protocol import (field, make_params, read_json, sampling_kwargs, stream_options, text_of,
+                                     use_model)
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
@@ -26,8 +26,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    state.check_available()
-    model = check_model(body, state)
+    model = await use_model(request, body, state)
     messages = parse_messages(body)
     tools = parse_tools(body)
     prompt_ids = render_chat(state.engine.tokenizer, messages, tools)

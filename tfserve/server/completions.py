@@ -12,7 +12,7 @@ from aiohttp import web
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
 from tfserve.server.logprobs import completion_logprobs
-from tfserve.server.protocol import check_model, field, make_params, read_json, sampling_kwargs, stream_options
+from tfserve.server.protocol import field, make_params, read_json, sampling_kwargs, stream_options, use_model
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 
@@ -20,8 +20,7 @@ from tfserve.server.state import STATE
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    state.check_available()
-    model = check_model(body, state)
+    model = await use_model(request, body, state)
     prompts = parse_prompts(body, state.engine.tokenizer)
     echo = field(body, "echo", bool, False)
     kwargs = sampling_kwargs(body, default_max_tokens=16)  # OpenAI's default for this API

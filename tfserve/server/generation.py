@@ -29,6 +29,7 @@ class Usage:
     ttft_s: float | None = None  # of the first sequence to produce a token
     num_cached_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    outputs: list[Any] = field(default_factory=list)  # each sequence's final RequestOutput (for telemetry)
 
     def to_openai(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -94,6 +95,7 @@ async def run_choices(state: ServerState, usage: Usage, prompts: list[list[int]]
                 num_left -= 1
                 _check_finished(output)
                 usage.completion_tokens += len(output.generated_tokens)
+                usage.outputs.append(output)
                 if output.metrics is not None:
                     usage.num_cached_tokens += output.metrics.num_cached_tokens
                 state.metrics.observe_finished(output)

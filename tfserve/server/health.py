@@ -1,4 +1,5 @@
-"""GET /health: 200 once the model is loaded, 503 while loading or draining (load balancers read the code)."""
+"""GET /health: 200 once the model is loaded (and while another is loaded on demand), 503 while the first
+loads, while draining, or when no model is loaded (load balancers read the code)."""
 
 from __future__ import annotations
 
@@ -14,5 +15,11 @@ async def health(request: web.Request) -> web.Response:
         state.check_available()
     except ApiError as error:
         return web.json_response({"status": state.status, **error.body()}, status=error.status)
-    return web.json_response({"status": "ok", "model": state.model_name,
-                              "num_running": state.engine.num_running, "num_waiting": state.engine.num_waiting})
+    engine, loading = state.engine, state.models.loading
+    if engine is None and loading is None:
+        error = ApiError(503, "no model is loaded; a request naming one loads it", code="model_not_loaded")
+        return web.json_response({"status": "no_model", **error.body()}, status=503)
+    # a model being swapped in keeps the server healthy: requests for it wait, they do not fail
+    return web.json_response({"status": "ok", "model": state.model_name, "loading": loading,
+                              "num_running": engine.num_running if engine else 0,
+                              "num_waiting": engine.num_waiting if engine else 0})

@@ -1,4 +1,5 @@
-"""GET /v1/models and GET /v1/models/{id}: the model this server serves."""
+"""GET /v1/models and GET /v1/models/{id}: the served model first, then the store's other models, which a
+request may name to have them loaded on demand."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ def _model_object(state, name: str) -> dict:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = [_model_object(state, state.model_name)] if state.model_name else []
-    return web.json_response({"object": "list", "data": data})
+    names = [state.model_name] if state.model_name else []
+    names += state.models.other_models()
+    return web.json_response({"object": "list", "data": [_model_object(state, name) for name in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model_id = request.match_info["model_id"]
-    if state.model_name is None or model_id not in state.model_aliases:
+    if state.model_name is not None and model_id in state.model_aliases:
+        return web.json_response(_model_object(state, state.model_name))
+    if not state.models.on_demand:
         raise ApiError(404, f"The model {model_id!r} does not exist or is not served here", param="model",
                        code="model_not_found")
-    return web.json_response(_model_object(state, state.model_name))
+    state.models.check_loadable(model_id)  # 404 model_not_found unless the store or HF cache has it
+    return web.json_response(_model_object(state, model_id))

@@ -161,10 +161,11 @@ def text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def check_model(body: dict[str, Any], state: Any) -> str:
-    """The model a request names; 404 `model_not_found` unless it is the served one."""
+async def use_model(request: web.Request, body: dict[str, Any], state: Any) -> str:
+    """The served name of the model a request names, leased until its response is done (loaded first when it
+    is another model this server can load); 404 `model_not_found` for a model it cannot serve."""
     name = field(body, "model", str)
-    return state.resolve_model_name(name)
+    return await state.models.acquire(request, name)
 
 
 def too_many(message: str) -> ApiError:

@@ -15,7 +15,7 @@ from aiohttp import web
 from tfserve.server.chat import render_chat
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
-from tfserve.server.protocol import check_model, field, make_params, read_json, sampling_kwargs, text_of
+from tfserve.server.protocol import field, make_params, read_json, sampling_kwargs, text_of, use_model
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 
@@ -25,8 +25,7 @@ _ROLES = ("system", "developer", "user", "assistant")
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    state.check_available()
-    model = check_model(body, state)
+    model = await use_model(request, body, state)
     for unsupported in ("previous_response_id", "conversation"):
         if body.get(unsupported) is not None:
             raise bad_request(f"{unsupported} is not supported: this server keeps no conversation state", unsupported)

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from aiohttp import web
 
-
+from tfserve.server.registry import in_daemon_thread
 from tfserve.server.state import STATE, ServerState
 
 logger = logging.getLogger("tfserve.server")
@@ -45,38 +43,20 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
     finally:
         state.stop()
         await runner.cleanup()
+        if state.telemetry is not None:
+            state.telemetry.shutdown()
 
 
 async def _load(state: ServerState, load: Callable[[], tuple], stop: asyncio.Event) -> bool:
-    # a daemon thread, so that a signal during a long load can still end the process
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def target() -> None:
-        try:
-            result = load()
-        except BaseException as exc:  # handed to the loop, raised there
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
-
-    threading.Thread(target=target, name="tfserve-load", daemon=True).start()
+    loading = asyncio.ensure_future(in_daemon_thread(load))
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([future, stopped], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
-    if not future.done():
+    if not loading.done():
+        loading.cancel()
         return False
-    state.set_engine(*future.result())
+    state.set_engine(*loading.result())
     return True
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
 
 
 async def drain(state: ServerState, timeout: float) -> int:

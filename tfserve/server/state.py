@@ -1,5 +1,5 @@
 """What every handler shares: the loaded engine (None while loading), the served model's names, the
-server's lifecycle (loading -> ready -> draining) and its counters."""
+server's lifecycle (loading -> ready -> draining), its counters, the model registry and telemetry."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from aiohttp import web
 from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
 from tfserve.server.metrics import ServerMetrics
+from tfserve.server.registry import Loader, ModelRegistry
 
 LOADING, READY, DRAINING = "loading", "ready", "draining"
 
@@ -20,10 +21,11 @@ LOADING, READY, DRAINING = "loading", "ready", "draining"
 class ServerState:
     """The model holder and lifecycle of one server. Lives on the event loop's thread."""
 
-    def __init__(self, *, max_queued: int = 1024, force_model: bool = False) -> None:
+    def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None) -> None:
         self.engine: Any = None  # tfserve Engine, once loaded
         self.async_engine: Any = None
         self.model_name: str | None = None
+        self.model_spec: str | None = None  # what reloads the served model after a failed swap
         self.model_aliases: set[str] = set()  # other names a request may use for the served model
         self.created = int(time.time())
         self.status = LOADING
@@ -33,15 +35,24 @@ class ServerState:
         self.num_active = 0  # HTTP requests being answered (draining waits for 0)
         self.token_texts: TokenTexts | None = None
         self.metrics = ServerMetrics(self)
+        self.models = ModelRegistry(self, load)  # `load(spec)` loads other models on demand; None: never
+        self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
 
     def set_engine(self, engine: Any, async_engine: Any, name: str, path: str | Path | None = None) -> None:
         """Serve `engine` (already started) under `name`; the server becomes ready."""
         self.engine, self.async_engine, self.model_name = engine, async_engine, name
+        self.model_spec = str(path) if path is not None else name
         self.model_aliases = {name}
         if path is not None:
             self.model_aliases |= {str(path), Path(path).name}
         self.token_texts = TokenTexts(engine.tokenizer) if engine.tokenizer is not None else None
-        self.status = READY
+        if self.status == LOADING:
+            self.status = READY
+
+    def clear_engine(self) -> None:
+        """Forget the served model (the registry stops and frees it); the server stays ready."""
+        self.engine = self.async_engine = self.model_name = self.token_texts = None
+        self.model_aliases = set()
 
     def begin_drain(self) -> None:
         """Stop accepting requests: new ones and /health get 503; in-flight ones go on."""

@@ -1,0 +1,160 @@
+"""Models on demand: /v1/models lists the store; a request naming another store model evicts the resident
+one (once its requests finish) and loads it; concurrent requests share one load; --force-model pins."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import LiveServer, build_engine
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class FakeStore:
+    """Store entries under a tmp TFSERVE_HOME, and a loader that builds a tiny engine for each."""
+
+    def __init__(self, root, tokenizer, names) -> None:
+        self.tokenizer = tokenizer
+        self.loaded: list[str] = []
+        self.engines: dict[str, weakref.ref] = {}
+        self.async_engines: dict[str, object] = {}
+        self.gate = threading.Event()  # cleared: loads wait (to look at the server mid-load)
+        self.gate.set()
+        self.fail = set()
+        for name in names:
+            path = root / "models" / name
+            path.mkdir(parents=True)
+            (path / "config.json").write_text("{}")
+            (path / "model.safetensors").write_bytes(b"")
+
+    def load(self, spec: str) -> tuple:
+        """Like the CLI's loader: a store name, or (restoring the previous model) its directory."""
+        from tfserve.engine.async_engine import AsyncEngine
+        from tfserve.models import store
+
+        self.gate.wait(30)
+        spec = Path(spec).name
+        self.loaded.append(spec)
+        if spec in self.fail:
+            raise RuntimeError(f"{spec} is broken")
+        engine = build_engine(self.tokenizer, num_blocks=64)
+        self.engines[spec] = weakref.ref(engine)
+        async_engine = AsyncEngine(engine).start()
+        self.async_engines[spec] = weakref.ref(async_engine)
+        return engine, async_engine, spec, store.model_path(spec)
+
+
+@pytest.fixture
+def fake_store(tmp_path, monkeypatch, tokenizer):
+    monkeypatch.setenv("TFSERVE_HOME", str(tmp_path))
+    return FakeStore(tmp_path, tokenizer, ["model-a", "model-b", "model-c", "model-bad"])
+
+
+@pytest.fixture
+def live(fake_store):
+    from tfserve.server.state import ServerState
+
+    state = ServerState(load=fake_store.load)
+    state.set_engine(*fake_store.load("model-a"))
+    server = LiveServer(state)
+    yield server
+    server.close()
+    state.stop()
+
+
+def chat(live, model, **kwargs):
+    return live.client().chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, **kwargs)
+
+
+def test_models_lists_the_store(live):
+    client = live.client()
+    assert [m.id for m in client.models.list()] == ["model-a", "model-b", "model-bad", "model-c"]
+    assert client.models.retrieve("model-b").owned_by == "tfserve"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("model-z")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_a_request_for_another_model_loads_it_and_evicts_the_idle_one(live, fake_store):
+    assert chat(live, "model-a").model == "model-a"
+    assert chat(live, "model-b").model == "model-b"
+    assert fake_store.loaded == ["model-a", "model-b"]
+    gc.collect()
+    assert fake_store.engines["model-a"]() is None, "the evicted engine is still referenced"
+    assert fake_store.async_engines["model-a"]() is None
+    assert chat(live, None).model == "model-b"  # no `model`: the resident one
+    status, _, body = live.request("GET", "/health")
+    assert status == 200 and body["model"] == "model-b"
+    assert [m.id for m in live.client().models.list()][0] == "model-b"
+
+
+def test_concurrent_requests_for_the_model_being_loaded_wait_for_it(live, fake_store):
+    fake_store.gate.clear()
+    with ThreadPoolExecutor(3) as pool:
+        replies = [pool.submit(chat, live, "model-c") for _ in range(2)]
+        for _ in range(200):
+            if live.state.models.loading == "model-c":
+                break
+            time.sleep(0.01)
+        status, _, body = live.request("GET", "/health")
+        assert status == 200 and body["loading"] == "model-c"
+        default = pool.submit(chat, live, None)  # waits for the swap too, then uses model-c
+        fake_store.gate.set()
+        assert [r.result(60).model for r in replies] == ["model-c", "model-c"]
+        assert default.result(60).model == "model-c"
+    assert fake_store.loaded == ["model-a", "model-c"]
+
+
+def test_eviction_waits_for_in_flight_requests(live, fake_store):
+    stream = live.client().chat.completions.create(model="model-a", messages=MESSAGES, max_tokens=40, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(chat, live, "model-b")
+        rest = list(chunks)
+        assert other.result(60).model == "model-b"
+    assert first.model == "model-a" and rest[-1].usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+
+
+def test_unknown_models_and_paths_are_404_and_load_nothing(live, fake_store):
+    for name in ["model-z", "../model-a", "/etc", "org/not-cached"]:
+        with pytest.raises(openai.NotFoundError) as info:
+            chat(live, name)
+        assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    assert fake_store.loaded == ["model-a"]
+
+
+def test_a_failed_load_is_500_and_the_previous_model_comes_back(live, fake_store):
+    fake_store.fail.add("model-bad")
+    with pytest.raises(openai.InternalServerError) as info:
+        chat(live, "model-bad")
+    assert info.value.body["code"] == "model_load_failed" and "model-bad is broken" in info.value.body["message"]
+    assert fake_store.loaded == ["model-a", "model-bad", "model-a"]
+    assert chat(live, None).model == "model-a"
+    assert live.request("GET", "/health")[0] == 200
+
+
+def test_force_model_ignores_hints_and_loads_nothing(fake_store):
+    from tfserve.server.state import ServerState
+
+    state = ServerState(load=fake_store.load, force_model=True)
+    state.set_engine(*fake_store.load("model-a"))
+    live = LiveServer(state)
+    try:
+        assert chat(live, "model-b").model == "model-a"
+        assert [m.id for m in live.client().models.list()] == ["model-a"]
+        assert fake_store.loaded == ["model-a"]
+    finally:
+        live.close()
+        state.stop()

@@ -1,0 +1,218 @@
+"""Models on demand: one model resident; a request naming another model of the store (or the local HF
+cache) evicts the resident one once its in-flight requests finish, then loads the new one.
+
+Every generating request holds a lease on the resident model from `acquire` until its response is done
+(the `_observe` middleware releases it), so `state.engine` never changes under a request. While a swap is
+pending no new lease is granted: requests for the model being loaded wait for it and share its outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from tfserve.errors import TfserveError
+from tfserve.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from tfserve.server.state import ServerState
+
+logger = logging.getLogger("tfserve.server")
+
+LEASE = web.RequestKey("tfserve_model_lease", str)  # request[LEASE]: the model the request holds
+# what a client may name: a store name or a hub id ("org/name"), never a filesystem path
+_LOADABLE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+Loader = Callable[[str], tuple]  # spec -> the arguments of ServerState.set_engine (runs on a thread)
+
+
+class ModelRegistry:
+    """Which model is resident, and swapping it for another on request. Lives on the event loop's thread."""
+
+    def __init__(self, state: ServerState, load: Loader | None = None) -> None:
+        self.state = state
+        self.load = load  # None: serve the loaded model only (as with --force-model)
+        self.num_leases = 0  # requests using the resident model
+        self.loading: str | None = None  # the model being swapped in
+        self._swap: asyncio.Future | None = None
+        self._idle: asyncio.Event | None = None  # set when num_leases is 0; made on the loop
+
+    @property
+    def on_demand(self) -> bool:
+        return self.load is not None and not self.state.force_model
+
+    # -- leases -------------------------------------------------------------------------------------------
+
+    async def acquire(self, request: web.Request, name: str | None) -> str:
+        """Lease the model a request names (None: the resident one), loading it first when it is another
+        model this server can load. Returns the served model's name."""
+        state = self.state
+        state.check_available()
+        if not self.on_demand:
+            name = state.resolve_model_name(name)  # 404 for any other model unless pinned
+            return self._lease(request)
+        while True:
+            swap, target = self._swap, self.loading
+            if swap is None:
+                if state.engine is not None and (name is None or name in state.model_aliases):
+                    return self._lease(request)
+                if name is None:
+                    raise ApiError(503, "no model is loaded; name one in `model` (see GET /v1/models)",
+                                   code="model_not_loaded")
+                self.check_loadable(name)
+                swap, target = self._start_swap(name), name
+            try:
+                await asyncio.shield(swap)
+            except ApiError:
+                if target == name:
+                    raise
+            state.check_available()  # draining may have begun while we waited
+
+    def _lease(self, request: web.Request) -> str:
+        self.num_leases += 1
+        self._idle_event().clear()
+        request[LEASE] = self.state.model_name
+        return self.state.model_name
+
+    def release(self, request: web.Request) -> None:
+        """End the request's lease, if it holds one (called once its response is done)."""
+        if request.pop(LEASE, None) is not None:
+            self.num_leases -= 1
+            if not self.num_leases:
+                self._idle_event().set()
+
+    def _idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if not self.num_leases:
+                self._idle.set()
+        return self._idle
+
+    # -- what can be served -------------------------------------------------------------------------------
+
+    def check_loadable(self, name: str) -> None:
+        """404 model_not_found unless `name` is a store model or a hub id in the local HF cache."""
+        from tfserve.errors import ModelNotFoundError
+        from tfserve.models.loading import resolve_model
+
+        why = "names must be store models or hub ids, not paths"
+        if _LOADABLE_NAME.match(name) and ".." not in name:
+            try:
+                kind = resolve_model(name).kind
+            except ModelNotFoundError as exc:
+                why = str(exc)
+            else:
+                if kind in ("store", "hf_cache"):
+                    return
+        raise ApiError(404, f"The model {name!r} does not exist or is not served here ({why}); see GET /v1/models",
+                       param="model", code="model_not_found")
+
+    def other_models(self) -> list[str]:
+        """Names of the store's complete models other than the resident one (empty unless on demand)."""
+        if not self.on_demand:
+            return []
+        from tfserve.models import store
+
+        return [name for name in store.stored_names()
+                if name not in self.state.model_aliases and store.is_complete(store.model_path(name))]
+
+    # -- swapping -----------------------------------------------------------------------------------------
+
+    def _start_swap(self, name: str) -> asyncio.Future:
+        self.loading = name
+        self._swap = asyncio.ensure_future(self._swap_to(name))
+        self._swap.add_done_callback(self._swap_done)
+        return self._swap
+
+    def _swap_done(self, swap: asyncio.Future) -> None:
+        self._swap, self.loading = None, None
+        if not swap.cancelled():
+            swap.exception()  # retrieved here: a swap nobody waits for any more must not warn
+
+    async def _swap_to(self, name: str) -> None:
+        state = self.state
+        previous = state.model_spec
+        await self._idle_event().wait()
+        state.check_available()  # draining began while the resident model finished its requests
+        if state.engine is not None:
+            logger.info("evicting %s to load %s", state.model_name, name)
+            await self.unload()
+        started = time.perf_counter()
+        try:
+            await self._load(name)
+        except ApiError:  # draining
+            raise
+        except Exception as exc:
+            logger.exception("loading %s failed", name)
+            if previous is not None:
+                await self._restore(previous)
+            status = 503 if _is_out_of_memory(exc) else 500
+            message = str(exc) if isinstance(exc, TfserveError) else f"{type(exc).__name__}: {exc}"
+            raise ApiError(status, f"loading model {name!r} failed: {message}", param="model",
+                           code="model_load_failed") from None
+        logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
+
+    async def _load(self, spec: str) -> None:
+        engine, async_engine, name, *path = await in_daemon_thread(self.load, spec)
+        try:
+            self.state.check_available()  # the server began draining while we loaded
+        except ApiError:
+            async_engine.stop()
+            raise
+        self.state.set_engine(engine, async_engine, name, *path)
+        self.state.model_aliases.add(spec)
+
+    async def _restore(self, spec: str) -> None:
+        try:
+            await self._load(spec)
+        except Exception:
+            logger.exception("reloading %s failed too; no model is loaded", spec)
+
+    async def unload(self) -> None:
+        """Stop the resident engine (no lease is held) and free its memory."""
+        state, async_engine = self.state, self.state.async_engine
+        state.clear_engine()
+        if async_engine is not None:
+            await asyncio.to_thread(async_engine.stop)
+        del async_engine
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+
+
+async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread (a signal during a long model load can still end the process)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the loop, raised there
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name="tfserve-load", daemon=True).start()
+    return await future
