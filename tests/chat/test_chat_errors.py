@@ -148,7 +148,7 @@ def test_server_gone_mid_session(console):
 
 
 def test_api_key_from_the_environment(async_engine, monkeypatch):
-    live = LiveServer(async_engine, api_key="sekrit")
+    live = LiveServer.for_engine(async_engine, api_key="sekrit")
     try:
         monkeypatch.delenv("TFSERVE_API_KEY", raising=False)
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)

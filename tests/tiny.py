@@ -1,0 +1,116 @@
+"""Tiny things the server and chat tests share: a ChatML tokenizer trained in-process, a random-weight
+llama sized to it, and a real tfserve app on a free port served from a background thread.
+
+(The conftests of tests/server and tests/chat put `tests/` on sys.path and import this as `tiny`.)"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+
+CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a tiny model that served many requests at once.",
+    "héllo wörld 日本語 🎉 The capital of France is Paris. What is the weather?",
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+] * 5
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{%- endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MODEL_NAME = "tiny-llama"
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", unk_token="<unk>",
+                                      additional_special_tokens=["<|im_start|>"])
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_llama(tokenizer, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+class LiveServer:
+    """An app on 127.0.0.1 (free port) served by an event loop on a background thread."""
+
+    def __init__(self, state, **app_kwargs) -> None:
+        from aiohttp import web
+
+        from tfserve.server.app import create_app
+
+        self.state = state
+        self.app = create_app(state, **app_kwargs)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def start():
+            runner = web.AppRunner(self.app, shutdown_timeout=0.5)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            return runner
+
+        self.runner = self.call(start())
+        self.port = self.runner.addresses[0][1]
+        self.base_url = self.url = f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def for_engine(cls, async_engine, **app_kwargs) -> LiveServer:
+        """A server whose state holds `async_engine` as the model `MODEL_NAME`."""
+        from tfserve.server.state import ServerState
+
+        state = ServerState()
+        state.set_engine(async_engine.engine, async_engine, MODEL_NAME)
+        return cls(state, **app_kwargs)
+
+    def call(self, coro, timeout: float = 60):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def client(self, api_key: str = "x", **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None):
+        """A raw request -> (status, headers, body parsed as JSON when it is JSON, else text)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        if body is not None and not isinstance(body, (bytes, str)):
+            body = json.dumps(body)
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        raw = response.read().decode()
+        conn.close()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError:
+            data = raw
+        return response.status, dict(response.getheaders()), data
+
+    def close(self) -> None:
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
