@@ -161,3 +161,9 @@ def test_launch_that_dies_is_one_readable_line(tmp_path):
     assert result.exit_code == 1
     assert "exited with code 3" in result.output
     assert "Traceback" not in result.output
+
+
+def test_unreachable_server_is_one_readable_line():
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{_free_port()}", "-n", "1"])
+    assert result.exit_code == 1
+    assert "cannot reach" in result.output and "Traceback" not in result.output

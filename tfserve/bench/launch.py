@@ -33,6 +33,13 @@ def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen 
     raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s")
 
 
+def check_reachable(base_url: str) -> None:
+    """One readable line when nothing answers at `base_url` (any HTTP status counts as an answer)."""
+    root = server_root(base_url)
+    if _status(root + "/health") is None:
+        raise TfserveError(f"cannot reach {root} — is the server running? (or pass --launch)")
+
+
 def _status(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:

@@ -117,7 +117,7 @@ def serve(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tfserve.bench.datasets import builtin_prompts, load_file, random_text_prompts, take
-    from tfserve.bench.launch import launched
+    from tfserve.bench.launch import check_reachable, launched
     from tfserve.bench.metrics import summarize
     from tfserve.bench.online import OnlineConfig, run_online
     from tfserve.bench.report import plot_sweep
@@ -138,6 +138,7 @@ def serve(
 
     runs = []
     with launched(launch, base_url, launch_timeout):
+        check_reachable(base_url)
         for value in sweep_values:
             config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
                                   request_rate=request_rate, endpoint=endpoint, api_key=api_key,
