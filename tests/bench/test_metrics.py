@@ -63,14 +63,17 @@ def test_result_table_and_compare(tmp_path):
     slow = summarize([RequestRecord(ok=True, output_tokens=100, ttft_s=0.2, e2e_s=4.0, token_times_s=[0.2, 4.0])], 4.0)
     text = _render(result_table(fast, "run"))
     assert "Output throughput (tok/s)" in text and "100.0" in text
-    (tmp_path / "a.json").write_text(json.dumps(fast))
+    (tmp_path / "single.json").write_text(json.dumps(fast))
+    assert load_runs(tmp_path / "single.json") == [("single", fast)]
+    (tmp_path / "a.json").write_text(json.dumps({"sweep": "concurrency", "values": [1], "runs": [fast]}))
     (tmp_path / "b.json").write_text(json.dumps({"sweep": "concurrency", "values": [1, 8], "runs": [slow, fast]}))
     runs = load_runs(tmp_path / "a.json") + load_runs(tmp_path / "b.json")
-    assert [label for label, _ in runs] == ["a", "b concurrency=1", "b concurrency=8"]
+    assert [label for label, _ in runs] == ["a c=1", "b c=1", "b c=8"]
     text = _render(compare_table(runs))
-    assert "output_throughput" in text
-    assert "0.25x" in text  # slow's throughput is a quarter of the first run's
+    assert "output tok/s" in text
+    assert "0.25x" in text  # b's throughput at c=1 is a quarter of a's at c=1
     assert "4.00x" in text  # and its TTFT four times
+    assert "1.00x" not in text  # a reference shows no ratio to itself
 
 
 def test_load_runs_rejects_other_json(tmp_path):

@@ -121,7 +121,7 @@ def test_cli_sweep_and_request_rate(fake_server, tmp_path):
     assert data["sweep"] == "concurrency" and data["values"] == [1, 4]
     assert all(set(run) == KEYS and run["completed"] == 4 for run in data["runs"])
     compared = CliRunner().invoke(app, ["bench", "compare", str(out)])
-    assert compared.exit_code == 0 and "concurrency=4" in compared.output
+    assert compared.exit_code == 0 and "c=4" in compared.output
 
 
 def _free_port() -> int:

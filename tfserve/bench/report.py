@@ -23,6 +23,8 @@ def _fmt(value) -> str:
         return "-"
     if isinstance(value, int):
         return str(value)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
     return f"{value:,.1f}" if abs(value) >= 10 else f"{value:,.2f}"
 
 
@@ -59,29 +61,40 @@ def load_runs(path: str | Path) -> list[tuple[str, dict]]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TfserveError(f"cannot read benchmark result {path}: {exc}") from None
     if isinstance(data, dict) and "runs" in data:
-        return [(f"{path.stem} {data['sweep']}={v}", run) for v, run in zip(data["values"], data["runs"])]
+        key = {"concurrency": "c", "request_rate": "rate"}.get(data["sweep"], data["sweep"])
+        return [(f"{path.stem} {key}={v}", run) for v, run in zip(data["values"], data["runs"])]
     if isinstance(data, dict) and "output_throughput" in data:
         return [(path.stem, data)]
     raise TfserveError(f"{path} is not a tfserve bench result")
 
 
+_COMPARE_COLUMNS = (("output_throughput", "output tok/s"), ("ttft_ms.p50", "TTFT p50 ms"),
+                    ("ttft_ms.p99", "TTFT p99 ms"), ("tpot_ms.p50", "TPOT p50 ms"), ("itl_ms.p50", "ITL p50 ms"),
+                    ("e2e_ms.p50", "E2E p50 ms"))
+
+
 def compare_table(runs: list[tuple[str, dict]]) -> Table:
-    """Metrics down, runs across; every run after the first also shows its ratio to the first."""
+    """One row per run, the headline metrics across. Each value after the reference also shows its ratio
+    to it (green where better): the reference is the first run at the same sweep point, else the first run."""
     table = Table(title="Comparison", header_style="bold")
-    table.add_column("Metric")
-    for i, (label, _) in enumerate(runs):
-        table.add_column(label if i == 0 else f"{label} (x first)", justify="right")
-    flats = [flatten(run) for _, run in runs]
-    for key in flats[0]:
-        row = [key]
-        base = flats[0].get(key)
-        for i, flat in enumerate(flats):
-            value = flat.get(key)
+    table.add_column("run", no_wrap=True)
+    table.add_column("ok/failed", justify="right")
+    for _, name in _COMPARE_COLUMNS:
+        table.add_column(name, justify="right")
+    references: dict[str, dict] = {}
+    for label, run in runs:
+        point = label.split(" ", 1)[1] if " " in label else ""
+        flat = flatten(run)
+        reference = references.setdefault(point, flat)
+        row = [label, f"{run['completed']}/{run['failed']}"]
+        for key, _ in _COMPARE_COLUMNS:
+            value, base = flat.get(key), reference.get(key)
             cell = _fmt(value)
-            if i > 0 and isinstance(value, (int, float)) and isinstance(base, (int, float)) and base:
+            if flat is not reference and isinstance(value, (int, float)) and isinstance(base, (int, float)) \
+                    and base and not math.isnan(base) and not math.isnan(value):
                 ratio = value / base
                 good = (ratio >= 1) == (key.split(".")[0] in _HIGHER_IS_BETTER)
-                cell += f" ([{'green' if good else 'red'}]{ratio:.2f}x[/])"
+                cell += f" [{'green' if good else 'red'}]{ratio:.2f}x[/]"
             row.append(cell)
         table.add_row(*row)
     return table
