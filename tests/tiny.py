@@ -1,5 +1,6 @@
 """Tiny things the server and chat tests share: a ChatML tokenizer trained in-process, a random-weight
-llama sized to it, and a real tfserve app on a free port served from a background thread.
+llama sized to it, a real tfserve app on a free port served from a background thread, a scripted model,
+and helpers to read SSE bodies, drive the chat REPL and wait for the engine to go idle.
 
 (The conftests of tests/server and tests/chat put `tests/` on sys.path and import this as `tiny`.)"""
 
@@ -9,6 +10,7 @@ import asyncio
 import http.client
 import json
 import threading
+import time
 
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog.",
@@ -80,11 +82,7 @@ class LiveServer:
     @classmethod
     def for_engine(cls, async_engine, **app_kwargs) -> LiveServer:
         """A server whose state holds `async_engine` as the model `MODEL_NAME`."""
-        from tfserve.server.state import ServerState
-
-        state = ServerState()
-        state.set_engine(async_engine.engine, async_engine, MODEL_NAME)
-        return cls(state, **app_kwargs)
+        return cls(make_state(async_engine), **app_kwargs)
 
     def call(self, coro, timeout: float = 60):
         """Run a coroutine on the server's loop and wait for its result."""
@@ -114,3 +112,84 @@ class LiveServer:
         self.call(self.runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+def build_engine(tokenizer, **kwargs):
+    from tfserve import Engine
+
+    kwargs = {"block_size": 16, "num_blocks": 1024, "max_num_seqs": 64, "max_batch_tokens": 1024, **kwargs}
+    return Engine(build_llama(tokenizer), tokenizer, **kwargs)
+
+
+def make_state(async_engine, **kwargs):
+    from tfserve.server.state import ServerState
+
+    state = ServerState(**kwargs)
+    state.set_engine(async_engine.engine, async_engine, MODEL_NAME, path=f"/models/{MODEL_NAME}")
+    return state
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+
+
+def scripted_generate(pieces: list[str], finish_reason: str = "stop", stop_token_id: int | None = 2,
+                      fail_with: BaseException | None = None, error: str | None = None):
+    """A stand-in for `ServerState.generate` that "generates" `pieces`, one token each (a scripted model)."""
+    from tfserve.engine.request import RequestMetrics, RequestOutput
+
+    def generate(prompt_ids, params):
+        async def outputs():
+            if fail_with is not None:
+                raise fail_with
+            tokens, text = [], ""
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                tokens.append(10 + i)
+                text += piece
+                yield RequestOutput(
+                    request_id="scripted", prompt_token_ids=list(prompt_ids), generated_tokens=list(tokens),
+                    text=text, finish_reason=finish_reason if last else None, delta_text=piece,
+                    delta_tokens=[10 + i], error=error if last else None,
+                    stop_reason=stop_token_id if last and finish_reason == "stop" else None,
+                    metrics=RequestMetrics(arrival_time=0.0, ttft_s=0.001, e2e_s=0.002) if last else None)
+                await asyncio.sleep(0)
+
+        return outputs()
+
+    return generate
+
+
+def sse_events(raw: str) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded ("[DONE]" kept as a string)."""
+    events = []
+    for block in raw.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def run_keys(session, keys: str) -> str:
+    """Type `keys` into the REPL (Enter is \\r; end with /exit or Ctrl-D) and return what the chat printed."""
+    from prompt_toolkit.history import InMemoryHistory
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from tfserve.chat.repl import run_repl
+
+    with create_pipe_input() as pipe:
+        pipe.send_text(keys)
+        run_repl(session, input=pipe, output=DummyOutput(), history=InMemoryHistory())
+    return session.console.file.getvalue()
+
+
+def wait_until_idle(engine, timeout: float = 5.0) -> bool:
+    """True once the engine runs nothing and every KV block is free (an abort lands a step later)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (engine.num_running == 0 and not engine.has_unfinished
+                and engine.block_pool.num_free_blocks == engine.block_pool.num_blocks):
+            return True
+        time.sleep(0.02)
+    return False

@@ -9,15 +9,13 @@ import sys
 from pathlib import Path
 
 import io
-import time
 
 import pytest
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared `tiny` helpers
-from tiny import MODEL_NAME, LiveServer, build_llama, build_tokenizer  # noqa: E402,F401
+from tiny import GREEDY, LiveServer, build_llama, build_tokenizer  # noqa: E402
 
-GREEDY = {"temperature": 0.0, "max_tokens": 8}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,26 +86,3 @@ def session(backend, console):
     return ChatSession(backend, console, settings=Settings(**GREEDY))
 
 
-def run_keys(session, keys: str) -> str:
-    """Type `keys` into the REPL (Enter is \\r; end with /exit or Ctrl-D) and return what the chat printed."""
-    from prompt_toolkit.history import InMemoryHistory
-    from prompt_toolkit.input import create_pipe_input
-    from prompt_toolkit.output import DummyOutput
-
-    from tfserve.chat.repl import run_repl
-
-    with create_pipe_input() as pipe:
-        pipe.send_text(keys)
-        run_repl(session, input=pipe, output=DummyOutput(), history=InMemoryHistory())
-    return session.console.file.getvalue()
-
-
-def wait_until_idle(engine, timeout: float = 5.0) -> bool:
-    """True once the engine runs nothing and every KV block is free (an abort lands a step later)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (engine.num_running == 0 and not engine.has_unfinished
-                and engine.block_pool.num_free_blocks == engine.block_pool.num_blocks):
-            return True
-        time.sleep(0.02)
-    return False

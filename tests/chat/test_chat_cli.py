@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_NAME, build_llama
+from tiny import MODEL_NAME, build_llama
 from typer.testing import CliRunner
 
 from tfserve.chat.client import normalize_url

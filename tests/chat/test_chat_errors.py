@@ -7,7 +7,7 @@ import socket
 import threading
 
 import pytest
-from conftest import MODEL_NAME, LiveServer, run_keys, wait_until_idle
+from tiny import MODEL_NAME, LiveServer, run_keys, wait_until_idle
 
 from tfserve.chat.client import ChatError, ConnectionLost, RemoteBackend, ServerError
 from tfserve.chat.conversation import Settings

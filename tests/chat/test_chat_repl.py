@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from conftest import MODEL_NAME, run_keys
+from tiny import MODEL_NAME, run_keys
 
 from tfserve.chat.client import ReplyStats
 from tfserve.chat.conversation import Settings

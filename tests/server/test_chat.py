@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import MODEL_NAME, scripted_generate, sse_events
+from tiny import MODEL_NAME, scripted_generate, sse_events
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
 GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import MODEL_NAME, scripted_generate, sse_events
+from tiny import MODEL_NAME, scripted_generate, sse_events
 
 GREEDY = {"temperature": 0, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
 

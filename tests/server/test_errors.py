@@ -8,7 +8,7 @@ import threading
 import openai
 import pytest
 
-from conftest import MODEL_NAME, scripted_generate
+from tiny import MODEL_NAME, scripted_generate
 
 CHAT = "/v1/chat/completions"
 OK_MESSAGES = [{"role": "user", "content": "hi"}]

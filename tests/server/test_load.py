@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import MODEL_NAME, build_engine, make_state, wait_for_free_blocks
+from tiny import MODEL_NAME, build_engine, make_state, wait_until_idle
 
 CHAT = "/v1/chat/completions"
 
@@ -59,7 +59,7 @@ def test_40_streams_15_leave_midway(server, engine):
         assert chunks[-1]["usage"]["completion_tokens"] == 40
         assert len({c["id"] for c in chunks}) == 1
     assert registry.get_sample_value("tfserve_requests_total", labels) - num_left_before == 15
-    assert wait_for_free_blocks(engine), "KV blocks leaked"
+    assert wait_until_idle(engine), "KV blocks leaked"
     assert server.state.num_waiting == 0
     status, _, body = server.request("GET", "/health")
     assert status == 200 and body["num_running"] == 0 and body["num_waiting"] == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import LiveServer, build_engine
+from tiny import LiveServer, build_engine
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

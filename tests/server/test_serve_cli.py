@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from conftest import MODEL_NAME, make_state
+from tiny import MODEL_NAME, make_state
 
 runner = CliRunner()
 
@@ -93,7 +93,7 @@ def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
     import httpx2
     import openai
 
-    from conftest import build_llama
+    from tiny import build_llama
 
     model_dir = tmp_path / "tiny-chat"
     build_llama(tokenizer).save_pretrained(model_dir)
@@ -135,7 +135,7 @@ def test_default_model_knows_the_capital_of_france(default_model_dir):
     from tfserve.engine.engine import Engine
     from tfserve.models.loading import load_model
 
-    from conftest import LiveServer
+    from tiny import LiveServer
 
     loaded = load_model(str(default_model_dir))
     engine = Engine(loaded.model, loaded.tokenizer, num_blocks=256)

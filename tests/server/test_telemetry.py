@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import MODEL_NAME, make_state
+from tiny import MODEL_NAME, make_state
 
 pytest.importorskip("opentelemetry.sdk")
 

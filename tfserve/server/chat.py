@@ -4,15 +4,13 @@ OpenAI sends them (role chunk, content chunks, a finish chunk per choice, a usag
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
 from tfserve.server.errors import ApiError, bad_request
-from tfserve.server.generation import admit, run_choices
+from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs
 from tfserve.server.protocol import (field, make_params, read_json, sampling_kwargs, stream_options, text_of,
                                      use_model)
@@ -138,13 +136,14 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list | None) -> lis
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
-class _Reply:
+class _Reply(Reply):
     """Builds one request's response objects."""
 
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, state: Any, model: str, num_top: int | None, parse_tools_enabled: bool) -> None:
-        self.state, self.model, self.num_top, self.tools = state, model, num_top, parse_tools_enabled
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        super().__init__(model, "chatcmpl")
+        self.state, self.num_top, self.tools = state, num_top, parse_tools_enabled
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         if self.num_top is None:
@@ -169,16 +168,7 @@ class _Reply:
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),
                             "finish_reason": finish_reason})
-        return web.json_response({"id": self.id, "object": "chat.completion", "created": self.created,
-                                  "model": self.model, "system_fingerprint": None, "choices": choices,
-                                  "usage": usage.to_openai()})
-
-    def _chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            chunk["usage"] = usage
-        return chunk
+        return web.json_response(self.envelope("chat.completion", choices, usage=usage.to_openai()))
 
     async def stream(self, request: web.Request, outputs, usage, include_usage: bool, n: int) -> web.StreamResponse:
         sse = EventStream(request)
@@ -188,18 +178,18 @@ class _Reply:
             async for index, output in outputs:
                 if index not in started:
                     started.add(index)
-                    await sse.send(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                    await sse.send(self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], include_usage))
                 for delta in self._deltas(index, output, parsers.get(index)):
-                    await sse.send(self._chunk([delta], include_usage))
+                    await sse.send(self.chunk([delta], include_usage))
                 if output.finished:
                     finish_reason = output.finish_reason
                     if finish_reason == "stop" and parsers.get(index) and parsers[index].num_calls:
                         finish_reason = "tool_calls"
-                    await sse.send(self._chunk([{"index": index, "delta": {}, "logprobs": None,
+                    await sse.send(self.chunk([{"index": index, "delta": {}, "logprobs": None,
                                                  "finish_reason": finish_reason}], include_usage))
             if include_usage:
-                await sse.send(self._chunk([], True, usage.to_openai()))
+                await sse.send(self.chunk([], True, usage.to_openai()))
         except ApiError as exc:
             if not sse.is_open:
                 raise

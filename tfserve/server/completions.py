@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
 from tfserve.server.errors import ApiError, bad_request
-from tfserve.server.generation import admit, run_choices
+from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import completion_logprobs
 from tfserve.server.protocol import field, make_params, read_json, sampling_kwargs, stream_options, use_model
 from tfserve.server.sse import EventStream
@@ -71,11 +69,12 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Reply:
+class _Reply(Reply):
+    chunk_object = "text_completion"
+
     def __init__(self, state: Any, model: str, num_top: int | None, echo_texts: list[str] | None, n: int) -> None:
-        self.state, self.model, self.num_top, self.echo_texts, self.n = state, model, num_top, echo_texts, n
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        super().__init__(model, "cmpl")
+        self.state, self.num_top, self.echo_texts, self.n = state, num_top, echo_texts, n
 
     def _echo(self, index: int) -> str:
         return self.echo_texts[index // self.n] if self.echo_texts is not None else ""
@@ -93,16 +92,7 @@ class _Reply:
         choices = [{"index": i, "text": self._echo(i) + finals[i].text,
                     "logprobs": self._logprobs(_visible(finals[i].logprobs, finals[i]), 0),
                     "finish_reason": finals[i].finish_reason} for i in sorted(finals)]
-        return web.json_response({"id": self.id, "object": "text_completion", "created": self.created,
-                                  "model": self.model, "system_fingerprint": None, "choices": choices,
-                                  "usage": usage.to_openai()})
-
-    def _chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            chunk["usage"] = usage
-        return chunk
+        return web.json_response(self.envelope("text_completion", choices, usage=usage.to_openai()))
 
     async def stream(self, request: web.Request, outputs, usage, include_usage: bool) -> web.StreamResponse:
         sse = EventStream(request)
@@ -112,19 +102,19 @@ class _Reply:
                 if index not in offsets:
                     offsets[index] = 0
                     if self.echo_texts is not None:
-                        await sse.send(self._chunk([{"index": index, "text": self._echo(index), "logprobs": None,
+                        await sse.send(self.chunk([{"index": index, "text": self._echo(index), "logprobs": None,
                                                      "finish_reason": None}], include_usage))
                 entries = _visible(output.delta_logprobs, output) if output.finished else output.delta_logprobs
                 if output.delta_text or entries:
                     logprobs = self._logprobs(entries, offsets[index])
                     offsets[index] += len(output.delta_text)
-                    await sse.send(self._chunk([{"index": index, "text": output.delta_text, "logprobs": logprobs,
+                    await sse.send(self.chunk([{"index": index, "text": output.delta_text, "logprobs": logprobs,
                                                  "finish_reason": None}], include_usage))
                 if output.finished:
-                    await sse.send(self._chunk([{"index": index, "text": "", "logprobs": None,
+                    await sse.send(self.chunk([{"index": index, "text": "", "logprobs": None,
                                                  "finish_reason": output.finish_reason}], include_usage))
             if include_usage:
-                await sse.send(self._chunk([], True, usage.to_openai()))
+                await sse.send(self.chunk([], True, usage.to_openai()))
         except ApiError as exc:
             if not sse.is_open:
                 raise

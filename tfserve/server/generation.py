@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,3 +130,25 @@ def _check_finished(output: Any) -> None:
         raise ApiError(500, f"generation failed: {output.error or 'unknown error'}", code="generation_error")
     if output.finish_reason == "abort":
         raise ApiError(503, "the request was aborted: the server is shutting down", code="server_draining")
+
+
+class Reply:
+    """What one request's response objects share: id, creation time, model, and the envelope around the
+    choices (`chat.completion`, `text_completion` and their stream chunks)."""
+
+    chunk_object = ""  # the `object` of a stream chunk
+
+    def __init__(self, model: str, id_prefix: str) -> None:
+        self.model = model
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, **extra}
+
+    def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
+        body = self.envelope(self.chunk_object, choices)
+        if include_usage:
+            body["usage"] = usage
+        return body
