@@ -141,3 +141,18 @@ def test_health_and_metrics(server):
         assert name in text, name
     value = next(line for line in text.splitlines() if line.startswith("tfserve_generation_tokens_total"))
     assert float(value.split()[-1]) >= 3
+
+
+def test_huggingface_hub_inference_client_works_unmodified(server, monkeypatch):
+    """InferenceClient pointed at a base URL sends the placeholder model "dummy": it means the served one."""
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: False)  # the tests' offline mode; this is localhost
+
+    client = InferenceClient(base_url=f"{server.base_url}/v1")
+    reply = client.chat_completion(messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0)
+    assert reply.model == MODEL_NAME
+    assert reply.usage.completion_tokens >= 1
+    chunks = list(client.chat_completion(messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+                                         temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content

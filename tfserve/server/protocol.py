@@ -161,10 +161,17 @@ def text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+# Names that clients send when they mean "whatever this server serves": huggingface_hub's InferenceClient
+# sends "dummy" (older versions "tgi") when it is pointed at a base URL without a model.
+PLACEHOLDER_MODELS = frozenset({"dummy", "tgi"})
+
+
 async def use_model(request: web.Request, body: dict[str, Any], state: Any) -> str:
     """The served name of the model a request names, leased until its response is done (loaded first when it
     is another model this server can load); 404 `model_not_found` for a model it cannot serve."""
     name = field(body, "model", str)
+    if name in PLACEHOLDER_MODELS:
+        name = None
     return await state.models.acquire(request, name)
 
 
