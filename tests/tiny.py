@@ -12,6 +12,19 @@ import json
 import threading
 import time
 
+import pytest
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from threads on a busy 2-core machine (conftests import this fixture)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog.",
     "Once upon a time there was a tiny model that served many requests at once.",

@@ -15,18 +15,8 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared `tiny` helpers
 from tiny import GREEDY, LiveServer, build_llama, build_tokenizer  # noqa: E402
+from tiny import one_torch_thread as _one_torch_thread  # noqa: E402,F401  (an autouse fixture)
 
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from threads on a busy 2-core machine."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(autouse=True)

@@ -14,17 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared `tiny` helpers
 from tiny import LiveServer, build_engine, build_tokenizer, make_state  # noqa: E402
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from threads on a busy 2-core machine."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tiny import one_torch_thread as _one_torch_thread  # noqa: E402,F401  (an autouse fixture)
 
 
 @pytest.fixture(scope="session")
