@@ -1,22 +1,19 @@
 """Offline throughput: the engine in-process against transformers' own ways of generating, on the same
-prompts and weights.
-
-    python -m tfserve.bench.offline --model smollm2-135m-instruct --num-prompts 64 --output-len 128
-"""
+prompts and weights (`tfserve bench offline`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass(slots=True)
 class OfflineResult:
+    """What an offline run produced and how long it took."""
+
     engine: str
     num_prompts: int
     num_prompt_tokens: int
@@ -26,9 +23,6 @@ class OfflineResult:
     @property
     def output_throughput(self) -> float:
         return self.num_output_tokens / self.duration_s
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "output_throughput": self.output_throughput}
 
 
 def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -91,8 +85,9 @@ def run_transformers_cb(model, prompts: list[list[int]], output_len: int, max_nu
 
 @torch.inference_mode()
 def run_hf_static(model, prompts: list[list[int]], output_len: int) -> OfflineResult:
-    """One left-padded `model.generate` over all prompts."""
+    """One left-padded `model.generate` over all prompts (with one prompt: single-stream `generate`)."""
     model.set_attn_implementation("sdpa")
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
     max_len = max(map(len, prompts))
     input_ids = torch.tensor([[0] * (max_len - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p in prompts])
@@ -102,63 +97,3 @@ def run_hf_static(model, prompts: list[list[int]], output_len: int) -> OfflineRe
     duration = time.perf_counter() - start
     num_output = (out.shape[1] - max_len) * len(prompts)
     return OfflineResult("transformers-generate-static", len(prompts), int(mask.sum()), num_output, duration)
-
-
-@torch.inference_mode()
-def run_hf_single(model, prompt: list[int], output_len: int) -> OfflineResult:
-    """Single-stream `model.generate`."""
-    model.set_attn_implementation("sdpa")
-    input_ids = torch.tensor([prompt])
-    model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    start = time.perf_counter()
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=output_len,
-                         min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-    duration = time.perf_counter() - start
-    return OfflineResult("transformers-generate-single", 1, len(prompt), out.shape[1] - len(prompt), duration)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--min-input-len", type=int, default=30)
-    parser.add_argument("--max-input-len", type=int, default=80)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-batch-tokens", type=int, default=512)
-    parser.add_argument("--engines", default="tfserve,tfserve-single,transformers,static,single")
-    parser.add_argument("--output-json", default=None)
-    args = parser.parse_args(argv)
-
-    from tfserve.models.loading import load_model
-
-    loaded = load_model(args.model) if args.model else load_model()
-    model = loaded.model
-    torch.set_num_threads(torch.get_num_threads())
-    prompts = random_prompts(args.num_prompts, args.min_input_len, args.max_input_len,
-                             model.config.get_text_config().vocab_size)
-    results = []
-    for name in args.engines.split(","):
-        if name == "tfserve":
-            result = run_tfserve(model, prompts, args.output_len, args.max_num_seqs, args.max_batch_tokens)
-        elif name == "tfserve-single":
-            result = run_tfserve(model, prompts[:1], args.output_len, 1, args.max_batch_tokens)
-            result.engine = "tfserve-single"
-        elif name == "transformers":
-            result = run_transformers_cb(model, prompts, args.output_len, args.max_num_seqs, args.max_batch_tokens)
-        elif name == "static":
-            result = run_hf_static(model, prompts, args.output_len)
-        elif name == "single":
-            result = run_hf_single(model, prompts[0], args.output_len)
-        else:
-            raise SystemExit(f"unknown engine {name!r}")
-        results.append(result)
-        print(f"{result.engine:32s} {result.num_output_tokens:6d} tokens in {result.duration_s:7.2f} s "
-              f"= {result.output_throughput:7.1f} tok/s", flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=2)
-
-
-if __name__ == "__main__":
-    main()

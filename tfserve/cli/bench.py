@@ -35,7 +35,9 @@ def offline(
     dataset: DatasetOpt = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences.")] = 32,
     max_batch_tokens: Annotated[int, typer.Option("--max-batch-tokens", min=1, help="Token budget per step.")] = 512,
-    engine: Annotated[str, typer.Option("--engine", help="tfserve, or transformers (its generate_batch).")] = "tfserve",
+    engine: Annotated[str, typer.Option(
+        "--engine", help="tfserve; transformers (its generate_batch); transformers-static (one left-padded "
+                         "model.generate of all prompts: with --num-prompts 1, single-stream generate).")] = "tfserve",
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
     output_json: OutputJsonOpt = None,
@@ -46,14 +48,16 @@ def offline(
 
       tfserve bench offline --num-prompts 64 --output-len 128
       tfserve bench offline --engine transformers -o transformers.json
+      tfserve bench offline --num-prompts 1 --max-num-seqs 1           # one stream
+      tfserve bench offline --engine transformers-static --num-prompts 1
     """
     from tfserve.bench import offline as bench_offline
     from tfserve.bench.metrics import summarize
     from tfserve.cli.progress import step_progress
     from tfserve.models.loading import load_model
 
-    if engine not in ("tfserve", "transformers"):
-        raise TfserveError(f"--engine must be tfserve or transformers, not {engine!r}")
+    if engine not in ("tfserve", "transformers", "transformers-static"):
+        raise TfserveError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
     with step_progress() as progress:
         loaded = load_model(model, dtype=dtype.value, device=device, progress=progress)
     tokenizer = loaded.tokenizer
@@ -69,8 +73,10 @@ def offline(
         if engine == "tfserve":
             run = bench_offline.run_tfserve(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens,
                                             records=records)
-        else:
+        elif engine == "transformers":
             run = bench_offline.run_transformers_cb(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens)
+        else:
+            run = bench_offline.run_hf_static(loaded.model, prompts, output_len)
     if records:
         result = summarize(records, run.duration_s)
     else:
