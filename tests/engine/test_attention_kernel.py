@@ -5,25 +5,27 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tfserve.engine.attention import AttentionGroup, _group_attention  # noqa: E402
-from tfserve.engine.kernels import paged_attention_ops  # noqa: E402
+from tfserve.engine.kernels import cpu_ops  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ops():
-    module = paged_attention_ops()
+    module = cpu_ops()
     if module is None:
         pytest.skip("CPU kernel unavailable here (no compiler or TFSERVE_CPU_KERNELS=0)")
     return module
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1), (9, 3)])
+@pytest.mark.parametrize("head_dim,block_size", [(16, 4), (64, 16), (24, 4)])
 @pytest.mark.parametrize("sliding_window,softcap", [(None, None), (5, None), (None, 30.0)])
-def test_decode_kernel_matches_torch_path(ops, num_heads, num_kv_heads, sliding_window, softcap):
+def test_decode_kernel_matches_torch_path(ops, num_heads, num_kv_heads, head_dim, block_size, sliding_window,
+                                         softcap):
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, head_dim, num_seqs = 40, 4, 16, 5
+    num_blocks, num_seqs = 40, 5
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    context_lens = [1, 3, 4, 9, 17]
+    context_lens = [1, 3, 4, 9, 17] if block_size == 4 else [1, 16, 17, 40, 150]
     tables = [torch.randperm(num_blocks, generator=gen)[: -(-n // block_size)].tolist() for n in context_lens]
     max_blocks = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])

@@ -13,12 +13,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 
 
 @cache
-def paged_attention_ops():
-    """The compiled module (with `paged_decode_attention`), or None where it is off or cannot be built."""
+def cpu_ops():
+    """The compiled module (`paged_decode_attention`, `rotary_embedding_`), or None where it is off or cannot be built."""
     if os.environ.get("TFSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -26,12 +26,15 @@ def paged_attention_ops():
 
         logger.debug("building tfserve's CPU paged-attention kernel (once; cached by torch)")
         return load(
-            name="tfserve_paged_attention",
+            name="tfserve_cpu_ops",
             sources=[str(_SOURCE)],
             # -fopenmp compiles at::parallel_for to OpenMP, but we link no OpenMP runtime of our own: the
             # symbols resolve to the one torch ships, so there is one thread pool, not two fighting.
             # -fno-math-errno lets exp() vectorise (glibc's libmvec); results stay within float rounding.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the rotary embedding
+            # rounds exactly as transformers' separate ops do.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                          "-ffp-contract=off"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves

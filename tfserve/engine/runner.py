@@ -10,6 +10,7 @@ import torch
 
 from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION
 from tfserve.engine import attention, cpu_linear, kernels
+from tfserve.engine.lean_forward import LeanForward
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
@@ -43,7 +44,8 @@ class ModelRunner:
         if pack_weights or (pack_weights is None and cpu_linear.can_pack(model)):
             cpu_linear.pack_linear_weights(model, max_num_seqs)
         self.sampler = Sampler(self.device)
-        self.decode_kernel = kernels.paged_attention_ops() if self.device.type == "cpu" else None
+        self.decode_kernel = kernels.cpu_ops() if self.device.type == "cpu" else None
+        self.lean_forward = LeanForward.for_model(model)  # None: the model's own forward
 
     @property
     def block_bytes(self) -> int:
@@ -97,13 +99,15 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             groups=groups, kv_caches=self.kv_caches, block_size=size, decode_kernel=self.decode_kernel,
         ))
+        input_ids = torch.tensor(input_ids, device=device)
+        positions = torch.tensor(positions, device=device)
+        sample_index = torch.tensor(sample_index, dtype=torch.long, device=device)
         try:
-            logits = self.model(
-                input_ids=torch.tensor([input_ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                logits_to_keep=torch.tensor(sample_index, dtype=torch.long, device=device),
-                use_cache=False,
-            ).logits[0]
+            if self.lean_forward is not None:
+                logits = self.lean_forward(input_ids, positions, sample_index)
+            else:
+                logits = self.model(input_ids=input_ids[None], position_ids=positions[None],
+                                    logits_to_keep=sample_index, use_cache=False).logits[0]
         finally:
             attention.set_metadata(None)
         if not samplers:

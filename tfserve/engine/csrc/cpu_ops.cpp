@@ -1,0 +1,296 @@
+// CPU kernels of the engine, compiled on first use (kernels.py): paged decode attention, reading keys and
+// values in place from the block cache through the block table (no gather, no padding), and a rotary embedding.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+// Ask for the slot `ahead` tokens on while this one is computed: the cache is read cold, and two threads
+// alone do not keep enough loads in flight to use the memory bandwidth.
+template <typename scalar_t>
+static inline void prefetch_slot(const scalar_t* cache, const int64_t* table, int64_t t, int64_t end,
+                                 int64_t block_size, int64_t block_stride, int64_t token_stride) {
+  if (t >= end) return;
+  const char* p = reinterpret_cast<const char*>(cache + table[t / block_size] * block_stride +
+                                                (t % block_size) * token_stride);
+  const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+template <typename scalar_t>
+static inline float dot(const float* a, const scalar_t* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * static_cast<float>(b[d]);
+  return acc;
+}
+
+// One sequence per work item: its blocks are read front to back, all KV heads of a slot at once, so every
+// block (block_size * num_kv_heads * head_dim values) is one contiguous stream for the prefetcher.
+template <typename scalar_t>
+static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                          const int64_t* block_tables, const int64_t* context_lens, scalar_t* out,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, int64_t max_blocks, double scale, int64_t sliding_window,
+                          double softcap) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;      // between consecutive slots of a block
+  const int64_t block_stride = block_size * token_stride;     // between blocks
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t ctx = context_lens[seq];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      const int64_t n = ctx - first;
+      scores.assign(num_heads * n, 0.f);  // [num_heads, n]
+      const scalar_t* q_seq = q + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
+      const int64_t* table = block_tables + seq * max_blocks;
+      constexpr int64_t ahead = 4;
+      for (int64_t t = first; t < std::min(first + ahead, ctx); ++t)
+        prefetch_slot(k_cache, table, t, ctx, block_size, block_stride, token_stride);
+      for (int64_t t = first; t < ctx; ++t) {
+        prefetch_slot(k_cache, table, t + ahead, ctx, block_size, block_stride, token_stride);
+        if (t + ahead - n >= first)  // the first values, for the loop below
+          prefetch_slot(v_cache, table, t + ahead - n, ctx, block_size, block_stride, token_stride);
+        const scalar_t* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float s = dot(qf.data() + h * head_dim, k + (h / group) * head_dim, head_dim);
+          if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+          scores[h * n + (t - first)] = s;
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* row = scores.data() + h * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, row[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < n; ++i) row[i] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = first; t < ctx; ++t) {
+        prefetch_slot(v_cache, table, t + ahead, ctx, block_size, block_stride, token_stride);
+        const scalar_t* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * n + (t - first)];
+          const scalar_t* vh = v + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+        }
+      }
+      scalar_t* o = out + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+// The float32 kernel on AVX-512, one pass over the context with an online softmax (flash-decoding): per
+// block, scores for its tokens, a running max and sum per head, values accumulated in place. Each key and
+// value row is loaded once into registers and used by every query head of its KV head. V = head_dim / 16.
+template <int V>
+static void decode_kernel_avx512(const float* q, const float* k_cache, const float* v_cache,
+                                 const int64_t* block_tables, const int64_t* context_lens, float* out,
+                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                                 int64_t max_blocks, float scale, int64_t sliding_window, float softcap) {
+  constexpr int64_t D = V * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t lines_per_token = token_stride * 4 / 64;
+  // Split the sequences into one contiguous run per thread with about equal context each.
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  std::vector<int64_t> bounds{0};
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += context_lens[s];
+  int64_t running = 0;
+  for (int64_t s = 0; s < num_seqs && static_cast<int64_t>(bounds.size()) < num_threads; ++s) {
+    running += context_lens[s];
+    if (running * num_threads >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(s + 1);
+  }
+  while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_seqs);
+  bounds.back() = num_seqs;
+  at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
+    std::vector<float> scores(group * block_size), acc_buf(num_heads * D), m(num_heads), l(num_heads);
+    for (int64_t seq = bounds[first_part]; seq < bounds[last_part]; ++seq) {
+      const int64_t ctx = context_lens[seq];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      const int64_t* table = block_tables + seq * max_blocks;
+      const float* q_seq = q + seq * num_heads * D;
+      std::fill(acc_buf.begin(), acc_buf.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t last_block = (ctx - 1) / block_size;
+      for (int64_t b = first / block_size; b <= last_block; ++b) {
+        const int64_t lo = std::max(first, b * block_size) - b * block_size;
+        const int64_t hi = std::min(ctx, (b + 1) * block_size) - b * block_size;
+        const float* kb = k_cache + table[b] * block_stride;
+        const float* vb = v_cache + table[b] * block_stride;
+#ifndef PF_DIST
+#define PF_DIST 1
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+        const char* next_k = PF_DIST && b + PF_DIST <= last_block ? reinterpret_cast<const char*>(k_cache + table[b + PF_DIST] * block_stride) : nullptr;
+        const char* next_v = PF_DIST && b + PF_DIST <= last_block ? reinterpret_cast<const char*>(v_cache + table[b + PF_DIST] * block_stride) : nullptr;
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          // Ask for the next block while this one is computed: a slice of it per KV head.
+          if (next_k) {
+            const int64_t lines = block_size * lines_per_token;
+            for (int64_t line = kvh * lines / num_kv_heads; line < (kvh + 1) * lines / num_kv_heads; ++line) {
+              _mm_prefetch(next_k + line * 64, PF_HINT);
+              _mm_prefetch(next_v + line * 64, PF_HINT);
+            }
+          }
+          const int64_t h0 = kvh * group;
+          // scores[g * block_size + i]: query head h0 + g against token i of the block
+          for (int64_t i = lo; i < hi; ++i) {
+            const float* k = kb + i * token_stride + kvh * D;
+            __m512 kv[V];
+            for (int j = 0; j < V; ++j) kv[j] = _mm512_loadu_ps(k + 16 * j);
+            for (int64_t g = 0; g < group; ++g) {
+              const float* qh = q_seq + (h0 + g) * D;
+              __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+              for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], s);
+              float x = _mm512_reduce_add_ps(s) * scale;
+              if (softcap > 0) x = std::tanh(x / softcap) * softcap;
+              scores[g * block_size + i] = x;
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = h0 + g;
+            float* row = scores.data() + g * block_size;
+            float mx = m[h];
+            for (int64_t i = lo; i < hi; ++i) mx = std::max(mx, row[i]);
+            const float alpha = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = lo; i < hi; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
+            l[h] = l[h] * alpha + sum;
+            m[h] = mx;
+            if (alpha != 1.f) {
+              float* a = acc_buf.data() + h * D;
+              const __m512 al = _mm512_set1_ps(alpha);
+              for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), al));
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            float* a = acc_buf.data() + (h0 + g) * D;
+            const float* p = scores.data() + g * block_size;
+            __m512 av[V];
+            for (int j = 0; j < V; ++j) av[j] = _mm512_loadu_ps(a + 16 * j);
+            for (int64_t i = lo; i < hi; ++i) {
+              const float* v = vb + i * token_stride + kvh * D;
+              const __m512 pi = _mm512_set1_ps(p[i]);
+              for (int j = 0; j < V; ++j) av[j] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * j), av[j]);
+            }
+            for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, av[j]);
+          }
+        }
+      }
+      float* o = out + seq * num_heads * D;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc_buf[h * D + d] * inv;
+      }
+    }
+  });
+}
+
+// The AVX-512 kernel where it applies (float32, head_dim 16, 32, 64 or 128); false where it does not.
+static bool decode_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& bt, const torch::Tensor& cl, torch::Tensor& out, double scale,
+                          int64_t sliding_window, double softcap) {
+  if (q.scalar_type() != torch::kFloat32) return false;
+  auto run = [&](auto v) {
+    decode_kernel_avx512<decltype(v)::value>(
+        q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
+        cl.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
+        bt.size(1), static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
+    return true;
+  };
+  switch (q.size(2)) {
+    case 16: return run(std::integral_constant<int, 1>{});
+    case 32: return run(std::integral_constant<int, 2>{});
+    case 64: return run(std::integral_constant<int, 4>{});
+    case 128: return run(std::integral_constant<int, 8>{});
+    default: return false;
+  }
+}
+#else
+static bool decode_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const torch::Tensor&, torch::Tensor&, double, int64_t, double) {
+  return false;
+}
+#endif
+
+// q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 -> [num_seqs, num_heads, head_dim]
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t sliding_window, double softcap) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64);
+  auto bt = block_tables.contiguous();
+  auto cl = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  if (decode_avx512(q, k_cache, v_cache, bt, cl, out, scale, sliding_window, softcap)) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
+                            q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), scale,
+                            sliding_window, softcap);
+  });
+  return out;
+}
+
+// In place, transformers' rotary embedding `x * cos + rotate_half(x) * sin` on float32 queries and keys,
+// every product rounded before the sum (the extension is built with -ffp-contract=off), so the result is
+// bit-identical to its separate ops. q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads,
+// head_dim], cos and sin: [num_tokens, head_dim].
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "q and k must be contiguous");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+              cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "float32 only");
+  auto c = cos.contiguous();
+  auto s = sin.contiguous();
+  const int64_t num_tokens = q.size(0), head_dim = q.size(2), half = head_dim / 2;
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  for (auto* x : {&q, &k}) {
+    float* xp = x->data_ptr<float>();
+    const int64_t heads = x->size(1);
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* ct = cp + t * head_dim;
+        const float* st = sp + t * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* row = xp + (t * heads + h) * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d) {
+            const float x1 = row[d], x2 = row[d + half];
+            const float a = x1 * ct[d], b = x2 * st[d];
+            const float a2 = x2 * ct[d + half], b2 = x1 * st[d + half];
+            row[d] = a - b;
+            row[d + half] = a2 + b2;
+          }
+        }
+      }
+    });
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)");
+}
