@@ -16,6 +16,7 @@ from transformers import (  # noqa: E402
 )
 
 from tfserve import Engine, SamplingParams  # noqa: E402
+from tfserve.engine import lean_forward  # noqa: E402
 from tfserve.engine.lean_forward import LeanForward  # noqa: E402
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -33,11 +34,14 @@ def _model(arch):
     raise ValueError(arch)
 
 
-def _step_logits(model, lean: bool) -> list[torch.Tensor]:
+def _step_logits(model, lean: bool, kernels: bool = True) -> list[torch.Tensor]:
     """The logits of every step of a small mixed workload (prefills, chunks, decodes)."""
     engine = Engine(model, block_size=4, num_blocks=64, max_batch_tokens=24)
     if not lean:
         engine.runner.lean_forward = None
+    elif not kernels:  # the torch versions of the fused ops
+        engine.runner.lean_forward.rotary = lean_forward._rotary_embedding_
+        engine.runner.lean_forward.rms_norm = lean_forward._rms_norm
     captured = []
     sampler = engine.runner.sampler
     engine.runner.sampler = lambda logits, requests: (captured.append(logits.clone()), sampler(logits, requests))[1]
@@ -47,11 +51,11 @@ def _step_logits(model, lean: bool) -> list[torch.Tensor]:
     return captured
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-def test_lean_logits_are_bit_identical(arch):
+@pytest.mark.parametrize("arch,kernels", [("llama", True), ("mistral", True), ("qwen3", True), ("llama", False)])
+def test_lean_logits_are_bit_identical(arch, kernels):
     model = _model(arch).eval()
     assert LeanForward.for_model(model) is not None
-    lean, reference = _step_logits(model, lean=True), _step_logits(model, lean=False)
+    lean, reference = _step_logits(model, lean=True, kernels=kernels), _step_logits(model, lean=False)
     assert len(lean) == len(reference) > 10
     for a, b in zip(lean, reference):
         assert torch.equal(a, b)

@@ -68,7 +68,7 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
     block_size: int
-    decode_kernel: object = None  # compiled CPU op reading the cache in place (see kernels.py), or None
+    cpu_ops: object = None  # the compiled CPU kernels (see kernels.py), or None
 
 
 _metadata: AttentionMetadata | None = None
@@ -105,15 +105,19 @@ def paged_attention_forward(
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
+    if meta.cpu_ops is not None:
+        meta.cpu_ops.write_kv_(new_keys.contiguous(), new_values.contiguous(), k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_keys)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_values)
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     group_size = num_heads // num_kv_heads
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
-        if group.pad_index is None and meta.decode_kernel is not None:
-            out[group.start : group.end] = meta.decode_kernel.paged_decode_attention(
+        if group.pad_index is None and meta.cpu_ops is not None:
+            out[group.start : group.end] = meta.cpu_ops.paged_decode_attention(
                 q.transpose(0, 1).contiguous(), k_cache, v_cache, group.block_tables, group.key_lens,
                 head_dim**-0.5 if scaling is None else scaling, sliding_window or -1, softcap or 0.0)
             continue

@@ -2,8 +2,9 @@
 
 The model's own forward spends most of a small step outside arithmetic: module calls, keyword plumbing,
 mask construction, and half a dozen element-wise ops per RMSNorm and a dozen per rotary embedding. This
-walks the same modules and weights with the same operations in the same order, fewer of them: RMSNorm is
-`F.rms_norm` and rotary is one fused op, both bit-identical to transformers' versions in float32, so the
+walks the same modules and weights with the same operations in the same order, fewer of them: the residual
+add and RMSNorm are one op, and so is the rotary embedding, all bit-identical to transformers' versions in
+float32 (see csrc/cpu_ops.cpp; in torch where the kernels are off), so the
 engine's output is unchanged (the golden tests compare it with `model.generate`). Models it does not
 recognise keep the transformers forward.
 """
@@ -38,6 +39,7 @@ class LeanForward:
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
         ops = kernels.cpu_ops() if next(model.parameters()).device.type == "cpu" else None
         self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
+        self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> LeanForward | None:
@@ -68,10 +70,11 @@ class LeanForward:
         x = model.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
         cos, sin = cos[0], sin[0]
-        hidden = (x.shape[-1],)
+        rms_norm = self.rms_norm
+        residual = None  # the last block's output, added to x by the next norm
         for layer, window in zip(self.layers, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
-            h = F.rms_norm(x, hidden, layer.input_layernorm.weight, eps)
+            h = rms_norm(x, layer.input_layernorm.weight, eps, residual)
             q = attn.q_proj.forward(h).view(num_tokens, heads, head_dim)
             k = attn.k_proj.forward(h).view(num_tokens, kv_heads, head_dim)
             v = attn.v_proj.forward(h).view(num_tokens, kv_heads, head_dim)
@@ -82,11 +85,18 @@ class LeanForward:
             # [1, heads, num_tokens, head_dim] views, as transformers hands them to attention
             o, _ = paged_attention_forward(attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], None, scaling=attn.scaling, sliding_window=window)
-            x = x + attn.o_proj.forward(o.view(num_tokens, heads * head_dim))
-            h = F.rms_norm(x, hidden, layer.post_attention_layernorm.weight, eps)
-            x = x + mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
-        x = F.rms_norm(x.index_select(0, logits_index), hidden, model.model.norm.weight, eps)
-        return model.lm_head.forward(x)
+            residual = attn.o_proj.forward(o.view(num_tokens, heads * head_dim))
+            h = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
+            residual = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+        x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
+        return model.lm_head.forward(rms_norm(x, model.model.norm.weight, eps, residual))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's contract in torch: `x += residual` in place (if given), then transformers' RMSNorm."""
+    if residual is not None:
+        x.add_(residual)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

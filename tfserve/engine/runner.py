@@ -44,7 +44,7 @@ class ModelRunner:
         if pack_weights or (pack_weights is None and cpu_linear.can_pack(model)):
             cpu_linear.pack_linear_weights(model, max_num_seqs)
         self.sampler = Sampler(self.device)
-        self.decode_kernel = kernels.cpu_ops() if self.device.type == "cpu" else None
+        self.cpu_ops = kernels.cpu_ops() if self.device.type == "cpu" else None
         self.lean_forward = LeanForward.for_model(model)  # None: the model's own forward
 
     @property
@@ -97,7 +97,7 @@ class ModelRunner:
             groups.append(self._group(plan, num_decodes, len(plan.requests), num_decodes))
         attention.set_metadata(AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            groups=groups, kv_caches=self.kv_caches, block_size=size, decode_kernel=self.decode_kernel,
+            groups=groups, kv_caches=self.kv_caches, block_size=size, cpu_ops=self.cpu_ops,
         ))
         input_ids = torch.tensor(input_ids, device=device)
         positions = torch.tensor(positions, device=device)

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <type_traits>
 #include <limits>
@@ -94,19 +95,66 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+// exp on 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (about 1 ulp).
+// Lanes below -87 give a tiny positive number, not 0; callers mask them.
+static inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Where a thread's reads will be a few blocks from now: its sequences' blocks in the order it visits them.
+// Each block's rows in use are one contiguous range of keys and one of values; the kernel asks for them a
+// few lines at a time as it works, so that loads are in flight all the while without flooding the queues.
+struct BlockCursor {
+  const int64_t *block_tables, *context_lens;
+  int64_t max_blocks, block_size, sliding_window, seq, seq_end, block = -1, last_block = -1;
+
+  // Move to the next block; false past the thread's last sequence. Sets the block's row range.
+  bool next(int64_t& lo, int64_t& hi, int64_t& block_id) {
+    while (block >= last_block) {
+      if (block >= 0) ++seq;
+      if (seq >= seq_end) return false;
+      const int64_t ctx = context_lens[seq];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      block = first / block_size - 1;
+      last_block = (ctx - 1) / block_size;
+      if (block >= last_block) { block = last_block; continue; }  // (an empty sequence)
+    }
+    ++block;
+    const int64_t ctx = context_lens[seq];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+    lo = std::max(first, block * block_size) - block * block_size;
+    hi = std::min(ctx, (block + 1) * block_size) - block * block_size;
+    block_id = block_tables[seq * max_blocks + block];
+    return true;
+  }
+};
+
 // The float32 kernel on AVX-512, one pass over the context with an online softmax (flash-decoding): per
-// block, scores for its tokens, a running max and sum per head, values accumulated in place. Each key and
-// value row is loaded once into registers and used by every query head of its KV head. V = head_dim / 16.
+// chunk of up to 16 tokens, a vector of scores per head, a running max and sum, values accumulated in
+// registers. Each key and value row is loaded once and used by every query head of its KV head.
+// V = head_dim / 16.
 template <int V>
 static void decode_kernel_avx512(const float* q, const float* k_cache, const float* v_cache,
                                  const int64_t* block_tables, const int64_t* context_lens, float* out,
                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                                  int64_t max_blocks, float scale, int64_t sliding_window, float softcap) {
   constexpr int64_t D = V * 16;
+  constexpr int64_t kAhead = 2;  // blocks between the one computed and the one asked for
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t lines_per_token = token_stride * 4 / 64;
   // Split the sequences into one contiguous run per thread with about equal context each.
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_seqs);
   std::vector<int64_t> bounds{0};
@@ -120,7 +168,29 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
   while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_seqs);
   bounds.back() = num_seqs;
   at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
-    std::vector<float> scores(group * block_size), acc_buf(num_heads * D), m(num_heads), l(num_heads);
+    std::vector<float> scores(group * 16), acc_buf(num_heads * D), m(num_heads), l(num_heads);
+    BlockCursor cursor{block_tables, context_lens, max_blocks, block_size, sliding_window,
+                       bounds[first_part], bounds[last_part]};
+    // The prefetch stream: [pf_k, pf_k + pf_bytes) of keys and the same range of values.
+    const char *pf_k = nullptr, *pf_v = nullptr;
+    int64_t pf_bytes = 0;
+    auto refill = [&] {
+      int64_t lo, hi, id;
+      if (!cursor.next(lo, hi, id)) { pf_bytes = 0; return; }
+      pf_k = reinterpret_cast<const char*>(k_cache + id * block_stride + lo * token_stride);
+      pf_v = reinterpret_cast<const char*>(v_cache + id * block_stride + lo * token_stride);
+      pf_bytes = (hi - lo) * token_stride * static_cast<int64_t>(sizeof(float));
+    };
+    auto prefetch_lines = [&](int64_t lines) {
+      for (; lines > 0 && pf_bytes > 0; --lines, pf_bytes -= 64, pf_k += 64, pf_v += 64) {
+        _mm_prefetch(pf_k, _MM_HINT_T0);
+        _mm_prefetch(pf_v, _MM_HINT_T0);
+      }
+    };
+    for (int64_t i = 0; i < kAhead; ++i) { refill(); prefetch_lines(1 << 30); }
+    refill();
+    const int64_t lines_per_row = (token_stride * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+
     for (int64_t seq = bounds[first_part]; seq < bounds[last_part]; ++seq) {
       const int64_t ctx = context_lens[seq];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
@@ -131,77 +201,62 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t last_block = (ctx - 1) / block_size;
       for (int64_t b = first / block_size; b <= last_block; ++b) {
-        const int64_t lo = std::max(first, b * block_size) - b * block_size;
-        const int64_t hi = std::min(ctx, (b + 1) * block_size) - b * block_size;
+        const int64_t block_lo = std::max(first, b * block_size) - b * block_size;
+        const int64_t block_hi = std::min(ctx, (b + 1) * block_size) - b * block_size;
         const float* kb = k_cache + table[b] * block_stride;
         const float* vb = v_cache + table[b] * block_stride;
-#ifndef PF_DIST
-#define PF_DIST 1
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-        const char* next_k = PF_DIST && b + PF_DIST <= last_block ? reinterpret_cast<const char*>(k_cache + table[b + PF_DIST] * block_stride) : nullptr;
-        const char* next_v = PF_DIST && b + PF_DIST <= last_block ? reinterpret_cast<const char*>(v_cache + table[b + PF_DIST] * block_stride) : nullptr;
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          // Ask for the next block while this one is computed: a slice of it per KV head.
-          if (next_k) {
-            const int64_t lines = block_size * lines_per_token;
-            for (int64_t line = kvh * lines / num_kv_heads; line < (kvh + 1) * lines / num_kv_heads; ++line) {
-              _mm_prefetch(next_k + line * 64, PF_HINT);
-              _mm_prefetch(next_v + line * 64, PF_HINT);
-            }
-          }
-          const int64_t h0 = kvh * group;
-          // scores[g * block_size + i]: query head h0 + g against token i of the block
-          for (int64_t i = lo; i < hi; ++i) {
-            const float* k = kb + i * token_stride + kvh * D;
-            __m512 kv[V];
-            for (int j = 0; j < V; ++j) kv[j] = _mm512_loadu_ps(k + 16 * j);
-            for (int64_t g = 0; g < group; ++g) {
-              const float* qh = q_seq + (h0 + g) * D;
-              __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-              for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], s);
-              float x = _mm512_reduce_add_ps(s) * scale;
-              if (softcap > 0) x = std::tanh(x / softcap) * softcap;
-              scores[g * block_size + i] = x;
-            }
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = h0 + g;
-            float* row = scores.data() + g * block_size;
-            float mx = m[h];
-            for (int64_t i = lo; i < hi; ++i) mx = std::max(mx, row[i]);
-            const float alpha = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = lo; i < hi; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
-            l[h] = l[h] * alpha + sum;
-            m[h] = mx;
-            if (alpha != 1.f) {
-              float* a = acc_buf.data() + h * D;
-              const __m512 al = _mm512_set1_ps(alpha);
-              for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), al));
-            }
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            float* a = acc_buf.data() + (h0 + g) * D;
-            const float* p = scores.data() + g * block_size;
-            __m512 av[V];
-            for (int j = 0; j < V; ++j) av[j] = _mm512_loadu_ps(a + 16 * j);
+        for (int64_t lo = block_lo; lo < block_hi; lo += 16) {
+          const int64_t hi = std::min(block_hi, lo + 16);
+          const __mmask16 mask = static_cast<__mmask16>((1u << (hi - lo)) - 1);
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            const int64_t h0 = kvh * group;
+            // scores[g * 16 + i]: query head h0 + g against token lo + i
             for (int64_t i = lo; i < hi; ++i) {
-              const float* v = vb + i * token_stride + kvh * D;
-              const __m512 pi = _mm512_set1_ps(p[i]);
-              for (int j = 0; j < V; ++j) av[j] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * j), av[j]);
+              if (kvh == 0) {  // one row's worth per row computed keeps the stream kAhead blocks ahead
+                if (pf_bytes <= 0) refill();
+                prefetch_lines(lines_per_row);
+              }
+              const float* k = kb + i * token_stride + kvh * D;
+              __m512 kv[V];
+              for (int j = 0; j < V; ++j) kv[j] = _mm512_loadu_ps(k + 16 * j);
+              for (int64_t g = 0; g < group; ++g) {
+                const float* qh = q_seq + (h0 + g) * D;
+                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+                for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], s);
+                float x = _mm512_reduce_add_ps(s) * scale;
+                if (softcap > 0) x = std::tanh(x / softcap) * softcap;
+                scores[g * 16 + (i - lo)] = x;
+              }
             }
-            for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, av[j]);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = h0 + g;
+              const __m512 sc = _mm512_maskz_loadu_ps(mask, scores.data() + g * 16);
+              const float mx = std::max(m[h], _mm512_mask_reduce_max_ps(mask, sc));
+              const float alpha = std::exp(m[h] - mx);  // 0 on the first chunk (m = -inf)
+              const __m512 p = _mm512_maskz_mov_ps(mask, exp_avx512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+              _mm512_storeu_ps(scores.data() + g * 16, p);
+              l[h] = l[h] * alpha + _mm512_reduce_add_ps(p);
+              m[h] = mx;
+              float* a = acc_buf.data() + h * D;
+              const float* pg = scores.data() + g * 16;
+              __m512 av[V];
+              const __m512 al = _mm512_set1_ps(alpha);
+              for (int j = 0; j < V; ++j) av[j] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), al);
+              for (int64_t i = lo; i < hi; ++i) {
+                const float* v = vb + i * token_stride + kvh * D;
+                const __m512 pi = _mm512_set1_ps(pg[i - lo]);
+                for (int j = 0; j < V; ++j) av[j] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * j), av[j]);
+              }
+              for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, av[j]);
+            }
           }
         }
       }
       float* o = out + seq * num_heads * D;
       for (int64_t h = 0; h < num_heads; ++h) {
-        const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc_buf[h * D + d] * inv;
+        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+        for (int j = 0; j < V; ++j)
+          _mm512_storeu_ps(o + h * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc_buf.data() + h * D + 16 * j), inv));
       }
     }
   });
@@ -290,7 +345,64 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
   }
 }
 
+// transformers' RMSNorm on float32 rows, bit-identical: the mean of squares is torch's own sum (same
+// reduction order) divided by the width, then rsqrt as 1 / sqrt and two rounded products, as its separate
+// ops compute them. With `residual`, first x += residual in place (the decoder's skip connection), so one
+// call does the add and the norm. x: [num_tokens, hidden]; returns the normalised rows.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: contiguous float32 [rows, hidden]");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight: contiguous float32");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  float* xp = x.data_ptr<float>();
+  auto squares = torch::empty_like(x);
+  float* sq = squares.data_ptr<float>();
+  const float* res = residual ? residual->data_ptr<float>() : nullptr;
+  if (res) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual: like x");
+  for (int64_t i = 0; i < rows * hidden; ++i) {
+    if (res) xp[i] = xp[i] + res[i];
+    sq[i] = xp[i] * xp[i];
+  }
+  const auto sums = squares.sum(-1);  // [rows]
+  const float* sp = sums.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  auto out = torch::empty_like(x);
+  float* op = out.data_ptr<float>();
+  const float n = static_cast<float>(hidden), e = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / std::sqrt(sp[r] / n + e);
+    const float* xr = xp + r * hidden;
+    float* o = op + r * hidden;
+#pragma omp simd
+    for (int64_t d = 0; d < hidden; ++d) o[d] = w[d] * (xr[d] * inv);
+  }
+  return out;
+}
+
+// Write a step's new keys and values into their cache slots. k, v: [num_tokens, num_kv_heads, head_dim];
+// caches: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [num_tokens] int64.
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
+  const int64_t num_tokens = k.size(0);
+  const int64_t row_bytes = k.numel() / std::max<int64_t>(num_tokens, 1) * k.element_size();
+  const int64_t num_slots = k_cache.numel() * k_cache.element_size() / row_bytes;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range");
+    std::memcpy(kc + sp[t] * row_bytes, kp + t * row_bytes, row_bytes);
+    std::memcpy(vc + sp[t] * row_bytes, vp + t * row_bytes, row_bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)");
   m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)");
 }
