@@ -79,6 +79,10 @@ def set_metadata(metadata: AttentionMetadata | None) -> None:
     _metadata = metadata
 
 
+def get_metadata() -> AttentionMetadata | None:
+    return _metadata
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]

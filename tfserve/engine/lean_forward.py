@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tfserve.engine import kernels
+from tfserve.engine import attention, kernels
 from tfserve.engine.attention import paged_attention_forward
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -37,9 +37,17 @@ class LeanForward:
         # Mistral passes the config's window to attention; Qwen2/3 keep one per layer; Llama has none.
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
-        ops = kernels.cpu_ops() if next(model.parameters()).device.type == "cpu" else None
+        self.ops = ops = kernels.cpu_ops() if next(model.parameters()).device.type == "cpu" else None
         self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
         self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
+        self.packed_rows = set(getattr(self.layers[0].self_attn.q_proj, "_tfserve_packed", ()))
+        # Per layer, in the order the forward unpacks them (columns: one list per field).
+        self._layers = list(zip(*[
+            (_Attention(l.self_attn), l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
+             l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj, l.input_layernorm.weight,
+             l.post_attention_layernorm.weight, window)
+            for l, window in zip(self.layers, self.windows)
+        ]))
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> LeanForward | None:
@@ -55,9 +63,14 @@ class LeanForward:
         for module in model.modules():
             if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
                 return None
-        norms = [model.model.norm] + [m for layer in model.model.layers
-                                      for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        layers = model.model.layers
+        norms = [model.model.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         if any(type(norm).__name__ not in _NORMS for norm in norms):
+            return None
+        linears = [model.lm_head] + [m for layer in layers for m in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        if any(type(m) is not torch.nn.Linear for m in linears):  # quantized layers keep their own forward
             return None
         return cls(model)
 
@@ -67,29 +80,60 @@ class LeanForward:
         model = self.model
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        linear = self._linear_for(num_tokens)
+        rms_norm, rotary = self.rms_norm, self.rotary
+        meta = attention.get_metadata()
+        decode = meta.groups[0] if self.ops is not None and len(meta.groups) == 1 and meta.groups[0].pad_index is None else None
         x = model.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
         cos, sin = cos[0], sin[0]
-        rms_norm = self.rms_norm
         residual = None  # the last block's output, added to x by the next norm
-        for layer, window in zip(self.layers, self.windows):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = rms_norm(x, layer.input_layernorm.weight, eps, residual)
-            q = attn.q_proj.forward(h).view(num_tokens, heads, head_dim)
-            k = attn.k_proj.forward(h).view(num_tokens, kv_heads, head_dim)
-            v = attn.v_proj.forward(h).view(num_tokens, kv_heads, head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
+        for (attn, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, norm1, norm2, window,
+             (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
+            h = rms_norm(x, norm1, eps, residual)
+            q = linear(h, q_proj).view(num_tokens, heads, head_dim)
+            k = linear(h, k_proj).view(num_tokens, kv_heads, head_dim)
+            v = linear(h, v_proj).view(num_tokens, kv_heads, head_dim)
+            if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
                 q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            self.rotary(q, k, cos, sin)
-            # [1, heads, num_tokens, head_dim] views, as transformers hands them to attention
-            o, _ = paged_attention_forward(attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], None, scaling=attn.scaling, sliding_window=window)
-            residual = attn.o_proj.forward(o.view(num_tokens, heads * head_dim))
-            h = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
-            residual = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+            rotary(q, k, cos, sin)
+            if decode is not None:  # one call: cache write and attention
+                o = self.ops.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.key_lens,
+                                                    attn.scaling, window or -1, 0.0, k, v, meta.slot_mapping)
+            else:  # [1, heads, num_tokens, head_dim] views, as transformers hands them to attention
+                o, _ = paged_attention_forward(attn.module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], None, scaling=attn.scaling,
+                                               sliding_window=window)
+            residual = linear(o.view(num_tokens, heads * head_dim), o_proj)
+            h = rms_norm(x, norm2, eps, residual)
+            residual = linear(F.silu(linear(h, gate_proj), inplace=True).mul_(linear(h, up_proj)), down_proj)
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
         return model.lm_head.forward(rms_norm(x, model.model.norm.weight, eps, residual))
+
+    def _linear_for(self, num_tokens: int):
+        """`linear(x, layer)` for a step of `num_tokens` rows: MKL's packed weights where cpu_linear packed
+        them for this row count, else `x @ weight.T` (+ bias) as F.linear computes it."""
+        if num_tokens in self.packed_rows:
+            mkl_linear = torch.ops.mkl._mkl_linear
+            return lambda x, layer: mkl_linear(x, layer._tfserve_packed[num_tokens], layer.weight, layer.bias, num_tokens)
+        return _plain_linear
+
+
+def _plain_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    if layer.bias is None:
+        return torch.mm(x, layer.weight.t())
+    return torch.addmm(layer.bias, x, layer.weight.t())
+
+
+class _Attention:
+    """What the lean forward reads of an attention module."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.scaling = module.scaling
+        self.q_norm = getattr(module, "q_norm", None)
+        self.k_norm = getattr(module, "k_norm", None)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -289,11 +289,35 @@ static bool decode_avx512(const torch::Tensor&, const torch::Tensor&, const torc
 }
 #endif
 
+// Write a step's new keys and values into their cache slots. k, v: [num_tokens, num_kv_heads, head_dim];
+// caches: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [num_tokens] int64.
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
+  const int64_t num_tokens = k.size(0);
+  const int64_t row_bytes = k.numel() / std::max<int64_t>(num_tokens, 1) * k.element_size();
+  const int64_t num_slots = k_cache.numel() * k_cache.element_size() / row_bytes;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range");
+    std::memcpy(kc + sp[t] * row_bytes, kp + t * row_bytes, row_bytes);
+    std::memcpy(vc + sp[t] * row_bytes, vp + t * row_bytes, row_bytes);
+  }
+}
+
 // q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 -> [num_seqs, num_heads, head_dim]
+// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 -> [num_seqs, num_heads, head_dim].
+// With new_k, new_v and slots, first writes the step's keys and values into the cache (write_kv_).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t sliding_window, double softcap) {
+                                     int64_t sliding_window, double softcap, c10::optional<torch::Tensor> new_k,
+                                     c10::optional<torch::Tensor> new_v, c10::optional<torch::Tensor> slots) {
+  if (new_k) write_kv_(*new_k, *new_v, k_cache, v_cache, *slots);
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64);
   auto bt = block_tables.contiguous();
@@ -378,29 +402,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
   return out;
 }
 
-// Write a step's new keys and values into their cache slots. k, v: [num_tokens, num_kv_heads, head_dim];
-// caches: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [num_tokens] int64.
-void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
-  const int64_t num_tokens = k.size(0);
-  const int64_t row_bytes = k.numel() / std::max<int64_t>(num_tokens, 1) * k.element_size();
-  const int64_t num_slots = k_cache.numel() * k_cache.element_size() / row_bytes;
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(k.data_ptr());
-  const auto* vp = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range");
-    std::memcpy(kc + sp[t] * row_bytes, kp + t * row_bytes, row_bytes);
-    std::memcpy(vc + sp[t] * row_bytes, vp + t * row_bytes, row_bytes);
-  }
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("new_k") = py::none(), py::arg("new_v") = py::none(),
+        py::arg("slots") = py::none());
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)");
