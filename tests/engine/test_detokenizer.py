@@ -164,7 +164,7 @@ def test_leading_space_matches_decode_of_generated_ids(kind):
     assert tokenizer.convert_ids_to_tokens(token_ids)[0].startswith("▁")
     _, deltas, _ = _stream(tokenizer, token_ids)
     assert deltas[0].startswith("t")  # the first "▁" is dropped, as decode drops it ...
-    assert any(d.startswith(" ") for d in deltas[1:])  # ... and later ones render as spaces
+    assert " " in "".join(deltas[1:])  # ... and later ones render as spaces (wherever training put them)
     assert "".join(deltas) == "the quick brown fox" == tokenizer.decode(token_ids, skip_special_tokens=True)
 
 

@@ -1,11 +1,12 @@
-"""Pre-packed MKL weights for the model's linear layers on CPU.
+"""Panel-packed weights for the model's linear layers on CPU (float32, AVX-512).
 
-A decode step multiplies every weight by only as many rows as there are running sequences, where MKL's
-plain sgemm reaches about two thirds of what it does on MKL's own packed weight layout. So, for float32
-models on CPU, each `nn.Linear` keeps packed copies of its weight for a few row counts that full decode
-batches have (`max_num_seqs`, and 32 and 16 below it) and uses one when a step has exactly that many
-tokens; any other shape takes the ordinary path. From 16 rows up the results are bit-identical to
-`F.linear` (below 16 MKL takes another path, so those sizes are not packed).
+A decode step multiplies every weight by only as many rows as there are running sequences, so it is bound
+by reading the weights, and MKL's general GEMM reads them at about half the memory bandwidth at those
+shapes (at 8 rows it is 2x slower than at 1). Each `nn.Linear` keeps a copy of its weight in panels of 32
+output columns for the `linear` kernel in csrc/cpu_ops.cpp, used for every input of 2 rows or more; one
+row keeps `F.linear` (a matrix-vector product already at the bandwidth, and bit-identical to what
+`model.generate` computes for one sequence). The kernel computes every row the same way whatever the
+number of rows, so a request's output does not depend on the rest of its batch.
 """
 
 from __future__ import annotations
@@ -15,41 +16,46 @@ import types
 import torch
 import torch.nn.functional as F
 
-MAX_PACKED_BYTES = 2 << 30  # packed copies of the weights, all sizes together
-MIN_PACKED_ROWS = 16
+from tfserve.engine import kernels
+
+MAX_PACKED_BYTES = 4 << 30  # the packed copy is as large as the weights
 
 
 def can_pack(model: torch.nn.Module) -> bool:
-    """True where packing applies: float32 weights on CPU with MKL's packed GEMM available."""
+    """True where packing applies: float32 weights on CPU and the kernel built with AVX-512."""
     param = next(model.parameters())
+    ops = kernels.cpu_ops() if param.device.type == "cpu" else None
     return (
-        param.device.type == "cpu"
+        ops is not None
+        and hasattr(ops, "linear")
         and param.dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-        and _weight_bytes(model) <= MAX_PACKED_BYTES
+        and 0 < _weight_bytes(model) <= MAX_PACKED_BYTES
     )
 
 
-def packed_row_counts(max_num_seqs: int, weight_bytes: int) -> list[int]:
-    """The row counts to pack for, largest first, as many as the memory budget allows."""
-    sizes = sorted({n for n in (max_num_seqs, 32, 16) if MIN_PACKED_ROWS <= n <= max_num_seqs}, reverse=True)
-    return sizes[: max(MAX_PACKED_BYTES // max(weight_bytes, 1), 0)]
-
-
-def pack_linear_weights(model: torch.nn.Module, max_num_seqs: int) -> list[int]:
-    """Give every plain `nn.Linear` weights packed for full decode batches. Returns the row counts."""
-    sizes = packed_row_counts(max_num_seqs, _weight_bytes(model))
-    for module in _linears(model) if sizes else []:
-        weight = module.weight.detach()
-        module._tfserve_packed = {rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows) for rows in sizes}
+def pack_linear_weights(model: torch.nn.Module) -> int:
+    """Give every plain float32 `nn.Linear` a panel-packed weight and the forward that uses it. Returns how
+    many layers were packed."""
+    ops = kernels.cpu_ops()
+    layers = _linears(model)
+    for module in layers:
+        module._tfserve_panels = ops.pack_linear_weight(module.weight.detach())
+        module._tfserve_linear = ops.linear
         module.forward = types.MethodType(_packed_forward, module)
-    return sizes
+    return len(layers)
+
+
+def packed_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """`F.linear(x, layer.weight, layer.bias)` for a 2-D `x` through the packed weight (2+ rows) or MKL."""
+    panels = getattr(layer, "_tfserve_panels", None)
+    if panels is None or x.shape[0] < 2:
+        return F.linear(x, layer.weight, layer.bias)
+    return layer._tfserve_linear(x, panels, layer.out_features, layer.bias)
 
 
 def _linears(model: torch.nn.Module):
     # Exact type: quantized layers (bitsandbytes) subclass nn.Linear and must keep their own forward.
-    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -58,8 +64,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    packed = self._tfserve_packed.get(rows)
-    if packed is not None and not torch.is_grad_enabled():
-        out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, self.weight, self.bias, rows)
-        return out.view(*x.shape[:-1], -1)
-    return F.linear(x, self.weight, self.bias)
+    if rows < 2 or torch.is_grad_enabled():
+        return F.linear(x, self.weight, self.bias)
+    return self._tfserve_linear(x.reshape(rows, -1), self._tfserve_panels, self.out_features, self.bias).view(
+        *x.shape[:-1], -1)

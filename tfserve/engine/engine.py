@@ -33,7 +33,7 @@ class Engine:
         )
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, block_size, num_blocks, kv_cache_memory, max_num_seqs, pack_weights)
+        self.runner = ModelRunner(model, block_size, num_blocks, kv_cache_memory, pack_weights)
         self.block_pool = BlockPool(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, max_batch_tokens, max_num_seqs)
         text_config = model.config.get_text_config()

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tfserve.engine import attention, kernels
+from tfserve.engine import attention, cpu_linear, kernels
 from tfserve.engine.attention import paged_attention_forward
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -40,7 +40,6 @@ class LeanForward:
         self.ops = ops = kernels.cpu_ops() if next(model.parameters()).device.type == "cpu" else None
         self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
         self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
-        self.packed_rows = set(getattr(self.layers[0].self_attn.q_proj, "_tfserve_packed", ()))
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
             (_Attention(l.self_attn), l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
@@ -112,11 +111,10 @@ class LeanForward:
         return model.lm_head.forward(rms_norm(x, model.model.norm.weight, eps, residual))
 
     def _linear_for(self, num_tokens: int):
-        """`linear(x, layer)` for a step of `num_tokens` rows: MKL's packed weights where cpu_linear packed
-        them for this row count, else `x @ weight.T` (+ bias) as F.linear computes it."""
-        if num_tokens in self.packed_rows:
-            mkl_linear = torch.ops.mkl._mkl_linear
-            return lambda x, layer: mkl_linear(x, layer._tfserve_packed[num_tokens], layer.weight, layer.bias, num_tokens)
+        """`linear(x, layer)` for a step of `num_tokens` rows: the packed kernel (cpu_linear) where the layers
+        have it, else `x @ weight.T` (+ bias) exactly as F.linear computes it."""
+        if num_tokens >= 2 and hasattr(self.layers[0].self_attn.q_proj, "_tfserve_panels"):
+            return cpu_linear.packed_linear
         return _plain_linear
 
 

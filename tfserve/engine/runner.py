@@ -21,7 +21,7 @@ class ModelRunner:
     """Owns the model, its KV cache tensors and the sampler."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int | None,
-                 kv_cache_memory: float | int | None, max_num_seqs: int = 64,
+                 kv_cache_memory: float | int | None,
                  pack_weights: bool | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -42,7 +42,7 @@ class ModelRunner:
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
         if pack_weights or (pack_weights is None and cpu_linear.can_pack(model)):
-            cpu_linear.pack_linear_weights(model, max_num_seqs)
+            cpu_linear.pack_linear_weights(model)
         self.sampler = Sampler(self.device)
         self.cpu_ops = kernels.cpu_ops() if self.device.type == "cpu" else None
         self.lean_forward = LeanForward.for_model(model)  # None: the model's own forward

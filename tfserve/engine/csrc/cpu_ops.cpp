@@ -6,6 +6,7 @@
 #include <cstring>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -333,6 +334,97 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// ---- Linear layers for steps of a few to a few hundred rows ----------------------------------------------
+// A decode step multiplies every weight by only as many rows as there are sequences, so it is bound by
+// reading the weights, where a general GEMM tuned for big matrices loses most of the bandwidth. The weight
+// is repacked once into panels of 32 output columns ([panels][K][32], contiguous per panel), and a tile of
+// up to 14 rows x 32 columns keeps 28 accumulators in registers while the panel streams past once, with
+// prefetches ahead of it. Every row is computed the same way whatever the number of rows, so a request's
+// result does not depend on what else is in the batch.
+#ifdef __AVX512F__
+constexpr int64_t kPanelCols = 32;
+constexpr int64_t kTileRows = 14;
+
+torch::Tensor pack_linear_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "weight: float32 [out_features, in_features]");
+  auto wc = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanelCols - 1) / kPanelCols;
+  auto out = torch::zeros({panels, k, kPanelCols}, w.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanelCols + c] = src[(p * kPanelCols + c) * k + i];
+  });
+  return out;
+}
+
+template <int R>
+static inline void linear_tile(const float* x, int64_t k, const float* panel, const float* bias, float* y,
+                               int64_t ldy, int64_t cols) {
+  __m512 acc0[R], acc1[R];
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) { acc0[r] = b0; acc1[r] = b1; }
+  for (int64_t i = 0; i < k; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (i + 24) * kPanelCols), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (i + 24) * kPanelCols + 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(panel + i * kPanelCols);
+    const __m512 w1 = _mm512_loadu_ps(panel + i * kPanelCols + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k + i]);
+      acc0[r] = _mm512_fmadd_ps(a, w0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(a, w1, acc1[r]);
+    }
+  }
+  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc0[r]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc1[r]);
+  }
+}
+
+template <int... Rs>
+static void linear_tile_of(int rows, std::integer_sequence<int, Rs...>, const float* x, int64_t k,
+                           const float* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  ((rows == Rs + 1 ? (linear_tile<Rs + 1>(x, k, panel, bias, y, ldy, cols), true) : false) || ...);
+}
+
+// y = x @ W.T + bias, W packed by pack_linear_weight. x: [rows, in_features] -> [rows, out_features].
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
+  auto xc = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = out_features;
+  TORCH_CHECK(packed.size(1) == k && packed.size(2) == kPanelCols && panels * kPanelCols >= n, "packed weight mismatch");
+  auto y = torch::empty({m, n}, x.options());
+  torch::Tensor bias_padded;
+  const float* bp = nullptr;
+  if (bias) {  // padded to whole panels so that every tile loads 32 values
+    bias_padded = torch::zeros({panels * kPanelCols}, x.options());
+    bias_padded.narrow(0, 0, n).copy_(*bias);
+    bp = bias_padded.data_ptr<float>();
+  }
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t tile_rows = num_tiles ? (m + num_tiles - 1) / num_tiles : 0;  // balanced: 32 rows -> 11, 11, 10
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+        linear_tile_of(rows, std::make_integer_sequence<int, kTileRows>{}, xp + r0 * k, k, wp + p * k * kPanelCols,
+                       bp ? bp + p * kPanelCols : nullptr, yp + r0 * n + p * kPanelCols, n, cols);
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 // In place, transformers' rotary embedding `x * cos + rotate_half(x) * sin` on float32 queries and keys,
 // every product rounded before the sum (the extension is built with -ffp-contract=off), so the result is
 // bit-identical to its separate ops. q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads,
@@ -407,6 +499,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("new_k") = py::none(), py::arg("new_v") = py::none(),
         py::arg("slots") = py::none());
+#ifdef __AVX512F__
+  m.def("pack_linear_weight", &pack_linear_weight, "Repack a float32 weight into panels for `linear` (CPU)");
+  m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", py::arg("x"),
+        py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+#endif
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)");
