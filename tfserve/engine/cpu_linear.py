@@ -63,8 +63,6 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if rows < 2 or torch.is_grad_enabled():
+    if torch.is_grad_enabled():  # the kernel has no backward
         return F.linear(x, self.weight, self.bias)
-    return self._tfserve_linear(x.reshape(rows, -1), self._tfserve_panels, self.out_features, self.bias).view(
-        *x.shape[:-1], -1)
+    return packed_linear(x.reshape(x.numel() // x.shape[-1], x.shape[-1]), self).view(*x.shape[:-1], self.out_features)

@@ -1,7 +1,8 @@
 """Optional C++ kernels for CPU, compiled once on first use (about 30 s) and cached by torch.
 
 `TFSERVE_CPU_KERNELS=0` turns them off; when the compiler is missing or the build fails, the engine says
-so once and keeps to its pure-torch path, which gives the same results.
+so once and keeps to its pure-torch paths: the same results, except that linear layers of 2+ rows then
+use F.linear (equally accurate, other rounding; see cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def cpu_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        logger.debug("building tfserve's CPU paged-attention kernel (once; cached by torch)")
+        logger.debug("building tfserve's CPU kernels (once; cached by torch)")
         return load(
             name="tfserve_cpu_ops",
             sources=[str(_SOURCE)],
@@ -38,5 +39,5 @@ def cpu_ops():
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch paths", exc)
         return None

@@ -1,5 +1,6 @@
 // CPU kernels of the engine, compiled on first use (kernels.py): paged decode attention, reading keys and
-// values in place from the block cache through the block table (no gather, no padding), and a rotary embedding.
+// values in place from the block cache through the block table (no gather, no padding); the KV-cache write;
+// a linear kernel for steps of a few rows; and transformers' RMSNorm and rotary embedding, bit-identical.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -9,6 +10,11 @@
 #include <utility>
 #include <limits>
 #include <vector>
+
+// The first token a sequence of `ctx` tokens attends to: all of them, or the last `sliding_window`.
+static inline int64_t window_start(int64_t ctx, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+}
 
 // Ask for the slot `ahead` tokens on while this one is computed: the cache is read cold, and two threads
 // alone do not keep enough loads in flight to use the memory bandwidth.
@@ -45,7 +51,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
     std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t ctx = context_lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      const int64_t first = window_start(ctx, sliding_window);
       const int64_t n = ctx - first;
       scores.assign(num_heads * n, 0.f);  // [num_heads, n]
       const scalar_t* q_seq = q + seq * num_heads * head_dim;
@@ -114,6 +120,12 @@ static inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The rows of block `b` that a sequence attending to tokens [first, ctx) uses: [lo, hi) within the block.
+static inline void block_rows(int64_t first, int64_t ctx, int64_t b, int64_t block_size, int64_t& lo, int64_t& hi) {
+  lo = std::max(first, b * block_size) - b * block_size;
+  hi = std::min(ctx, (b + 1) * block_size) - b * block_size;
+}
+
 // Where a thread's reads will be a few blocks from now: its sequences' blocks in the order it visits them.
 // Each block's rows in use are one contiguous range of keys and one of values; the kernel asks for them a
 // few lines at a time as it works, so that loads are in flight all the while without flooding the queues.
@@ -127,16 +139,14 @@ struct BlockCursor {
       if (block >= 0) ++seq;
       if (seq >= seq_end) return false;
       const int64_t ctx = context_lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      const int64_t first = window_start(ctx, sliding_window);
       block = first / block_size - 1;
       last_block = (ctx - 1) / block_size;
       if (block >= last_block) { block = last_block; continue; }  // (an empty sequence)
     }
     ++block;
     const int64_t ctx = context_lens[seq];
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
-    lo = std::max(first, block * block_size) - block * block_size;
-    hi = std::min(ctx, (block + 1) * block_size) - block * block_size;
+    block_rows(window_start(ctx, sliding_window), ctx, block, block_size, lo, hi);
     block_id = block_tables[seq * max_blocks + block];
     return true;
   }
@@ -194,7 +204,7 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
 
     for (int64_t seq = bounds[first_part]; seq < bounds[last_part]; ++seq) {
       const int64_t ctx = context_lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      const int64_t first = window_start(ctx, sliding_window);
       const int64_t* table = block_tables + seq * max_blocks;
       const float* q_seq = q + seq * num_heads * D;
       std::fill(acc_buf.begin(), acc_buf.end(), 0.f);
@@ -202,8 +212,8 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t last_block = (ctx - 1) / block_size;
       for (int64_t b = first / block_size; b <= last_block; ++b) {
-        const int64_t block_lo = std::max(first, b * block_size) - b * block_size;
-        const int64_t block_hi = std::min(ctx, (b + 1) * block_size) - b * block_size;
+        int64_t block_lo, block_hi;
+        block_rows(first, ctx, b, block_size, block_lo, block_hi);
         const float* kb = k_cache + table[b] * block_stride;
         const float* vb = v_cache + table[b] * block_stride;
         for (int64_t lo = block_lo; lo < block_hi; lo += 16) {
