@@ -14,6 +14,8 @@ import pytest
 
 # Set before anything imports huggingface_hub, which reads it once.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# one build of the CPU kernels for every test session on this machine, whatever TFSERVE_HOME a test sets
+os.environ.setdefault("TFSERVE_KERNELS_DIR", str(Path.home() / ".cache" / "tfserve-test" / "kernels"))
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 FAKE_GGUF = b"GGUF" + b"\x00" * 60 + b"not really a model"

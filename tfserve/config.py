@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running sequences at most
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # longest prompt + output; None: the model's context length
+    generation_config: str = "auto"  # "auto": the model's generation_config gives absent sampling fields; "none"
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -31,6 +32,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1 (got {self.max_num_seqs})")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2 (got {self.max_model_len})")
+        _check(self.generation_config in ("auto", "none"), "generation_config",
+               f"must be auto or none (got {self.generation_config!r})")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -35,6 +36,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        for name in _FLOAT_FIELDS:  # floats from here on: an int past int64 would overflow the sampler's tensors
+            value = getattr(self, name)
+            _check(_is_number(value), name, "must be a finite number")
+            setattr(self, name, float(value))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -92,8 +97,17 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number a float can hold: not a bool, NaN, infinity or an int past 1.8e308."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check(ok: bool, name: str, what: str, value: Any = None) -> None:

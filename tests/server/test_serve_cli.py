@@ -25,13 +25,29 @@ def invoke(*args: str):
     return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """`serve` points the tfserve logger at CliRunner's streams; later tests must not log into closed ones."""
+    import logging
+
+    logger = logging.getLogger("tfserve")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
 def test_help_lists_the_flags_and_examples():
     result = invoke("serve", "--help")
     assert result.exit_code == 0
     for flag in ["--model", "--host", "--port", "--dtype", "--device", "--quantization", "--attn-implementation",
                  "--max-batch-tokens", "--max-num-seqs", "--kv-cache-memory", "--block-size", "--no-prefix-caching",
                  "--max-body-size", "--max-queued", "--api-key", "TFSERVE_API_KEY", "--cors-allow-origins",
-                 "--drain-timeout", "--force-model", "--otel", "Examples"]:
+                 "--drain-timeout", "--force-model", "--otel", "--model-timeout", "--default-seed", "--enable-cors",
+                 "--reasoning", "--chat-template-kwargs", "--generation-config", "--num-blocks",
+                 "--continuous-batching", "--cb-block-size", "--cb-num-blocks", "--cb-max-batch-tokens",
+                 "--cb-max-memory-percent", "--compile", "transformers serve", "Examples"]:
         assert flag in result.output, flag
 
 
@@ -44,7 +60,7 @@ def test_bad_flags_fail_in_one_line(args, message, tmp_path):
     if args[:2] == ["--model", "/"]:
         (tmp_path / "config.json").write_text("{}")
         args = ["--model", str(tmp_path), *args[2:]]
-        message = "--block-size must be a power of two"
+        message = "must be a power of two (got 3)"
     result = invoke("serve", *args)
     assert result.exit_code != 0
     assert message in result.output
@@ -80,6 +96,117 @@ def test_banner(async_engine, monkeypatch):
     for part in [MODEL_NAME, "float32", "cpu", f"{engine.block_pool.num_blocks} blocks", "http://127.0.0.1:8000/v1",
                  "API key required"]:
         assert part in text, part
+    assert "paged" in text and "Weights" not in text
+
+
+def test_banner_states_the_quantization(async_engine, monkeypatch):
+    from tfserve.cli import output
+    from tfserve.cli.serve import print_banner
+
+    capture = Console(file=io.StringIO(), width=100, force_terminal=False)
+    monkeypatch.setattr(output, "console", capture)
+    monkeypatch.setattr(async_engine.engine, "quantization", "bnb-4bit", raising=False)
+    print_banner(make_state(async_engine), "http://127.0.0.1:8000", has_api_key=False)
+    assert "bnb-4bit (compute float32)" in capture.file.getvalue()
+
+
+def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkeypatch):
+    """Server defaults (--chat-template-kwargs / --reasoning) under the request's own chat_template_kwargs,
+    for chat completions and responses; a non-object is a 400 naming the field."""
+    from tfserve.server import chat
+
+    seen = []
+    real_render = chat.render_chat
+
+    def render(tok, messages, tools, template_kwargs=None):
+        seen.append(template_kwargs)
+        return real_render(tok, messages, tools, template_kwargs)
+
+    monkeypatch.setattr(chat, "render_chat", render)
+    from tfserve.server import responses
+
+    monkeypatch.setattr(responses, "render_chat", render)
+    live = start_server(state_kwargs={"chat_template_kwargs": {"enable_thinking": False, "style": "terse"}})
+    client = live.client()
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=1)
+    assert seen == [{"enable_thinking": True, "style": "terse"}, {"enable_thinking": False, "style": "terse"}]
+    status, _, body = live.request("POST", "/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"})
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+
+
+def test_render_chat_passes_template_variables():
+    from tfserve.server.chat import render_chat
+
+    class Recorder:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.kwargs = kwargs
+            return {"input_ids": [1, 2]}
+
+    tokenizer = Recorder()
+    assert render_chat(tokenizer, [{"role": "user", "content": "hi"}], None, {"enable_thinking": False}) == [1, 2]
+    assert tokenizer.kwargs["enable_thinking"] is False
+    # what rendering needs stays ours: a request cannot turn tokenizing or the generation prompt off
+    render_chat(tokenizer, [], None, {"tokenize": False, "add_generation_prompt": False, "chat_template": "x"})
+    assert tokenizer.kwargs["tokenize"] and tokenizer.kwargs["add_generation_prompt"]
+    assert tokenizer.kwargs["chat_template"] is None
+
+
+def test_default_seed_makes_unseeded_sampling_repeatable(tokenizer):
+    """--default-seed seeds torch's global generator, which unseeded requests sample from."""
+    import torch
+
+    from tfserve import SamplingParams
+    from tiny import build_engine
+
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for _ in range(2):  # two "server starts"
+        engine = build_engine(tokenizer, num_blocks=64)
+        torch.manual_seed(1234)
+        runs.append([o.generated_tokens for o in engine.generate_batch(["hello world", "the quick"], params).values()])
+    assert runs[0] == runs[1]
+
+
+def test_model_timeout_unloads_the_idle_model_and_the_next_request_loads_it(tokenizer, tmp_path):
+    from tfserve.engine.async_engine import AsyncEngine
+    from tfserve.server.state import ServerState
+    from tiny import LiveServer, build_engine
+
+    loads = []
+
+    def load(spec):
+        loads.append(spec)
+        engine = build_engine(tokenizer, num_blocks=64)
+        return engine, AsyncEngine(engine).start(), MODEL_NAME, tmp_path / MODEL_NAME
+
+    state = ServerState(load=load, model_timeout_s=0.3)
+    state.set_engine(*load(str(tmp_path / MODEL_NAME)))
+    live = LiveServer(state)
+    try:
+        client = live.client()
+        assert client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2).model == MODEL_NAME
+        for _ in range(100):
+            if state.engine is None and state.model_name is not None:  # unloaded, and its names kept
+                break
+            time.sleep(0.05)
+        assert state.engine is None and state.models.asleep is not None
+        status, _, body = live.request("GET", "/health")
+        assert status == 200 and body["model"] == MODEL_NAME  # asleep is healthy: the next request loads it
+        assert [m.id for m in client.models.list()] == [MODEL_NAME]
+        for model in (None, MODEL_NAME):  # no model named, then by name: both wake it
+            reply = live.request("POST", "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **({"model": model} if model else {})})
+            assert reply[0] == 200, reply
+        assert len(loads) == 2 and state.engine is not None
+    finally:
+        live.close()
+        state.stop()
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tfserve.chat.conversation import Settings
+from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
 from tfserve.errors import TfserveError
 
 API_KEY_ENVVARS = ("TFSERVE_API_KEY", "OPENAI_API_KEY")
@@ -121,15 +121,27 @@ class RemoteBackend:
     def stream(self, messages: list[dict[str, str]], settings: Settings) -> Reply:
         import openai
 
+        kwargs = settings.sampling_kwargs()
+        capped = settings.max_tokens is None
+        if capped:
+            kwargs["max_tokens"] = DEFAULT_MAX_TOKENS
         try:
-            stream = self.client.chat.completions.create(
-                model=self.model, messages=messages, stream=True, stream_options={"include_usage": True},
-                **settings.sampling_kwargs())
+            try:
+                stream = self._create(messages, kwargs)
+            except openai.BadRequestError as exc:
+                if not (capped and _context_too_short(exc)):
+                    raise
+                # the context leaves less than the default cap: let the server give what it leaves
+                stream = self._create(messages, {k: v for k, v in kwargs.items() if k != "max_tokens"})
         except openai.APIConnectionError:
             raise ConnectionLost(self.unreachable_message) from None
         except openai.APIError as exc:
             raise describe(exc) from None
         return _RemoteReply(stream)
+
+    def _create(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> Any:
+        return self.client.chat.completions.create(model=self.model, messages=messages, stream=True,
+                                                   stream_options={"include_usage": True}, **kwargs)
 
     def close(self) -> None:
         self.client.close()
@@ -165,6 +177,12 @@ class _RemoteReply:
     def close(self) -> None:
         """Close the HTTP response: the server sees the client leave and aborts the generation."""
         self._stream.close()
+
+
+def _context_too_short(exc: Any) -> bool:
+    # servers name it differently: OpenAI and tfserve by code, others by the field
+    return getattr(exc, "code", None) == "context_length_exceeded" or getattr(exc, "param", None) in (
+        "max_tokens", "max_completion_tokens")
 
 
 def describe(exc: Any) -> ServerError:

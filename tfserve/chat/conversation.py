@@ -10,15 +10,19 @@ from typing import Any
 from tfserve.sampling_params import SamplingParams
 
 FORMAT = "tfserve-chat/1"
+# a reply's cap when max_tokens is not set, or less where the context leaves less (a small model sampling
+# freely can otherwise run to the end of its context)
+DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass(slots=True)
 class Settings:
-    """Sampling settings sent with every turn; None leaves the choice to the server (or the model)."""
+    """Sampling settings sent with every turn; None leaves the choice to the server (or the model), except
+    max_tokens, whose None is a cap of DEFAULT_MAX_TOKENS."""
 
     temperature: float | None = None
     top_p: float | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, or what the context leaves if less
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

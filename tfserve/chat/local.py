@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tfserve.chat.client import ChatError, ReplyStats
-from tfserve.chat.conversation import Settings
+from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
 from tfserve.engine.request import RequestOutput
-from tfserve.sampling_params import SamplingParams
 
 POLL_S = 0.1  # wait for outputs in slices so Ctrl-C is seen at once
 
@@ -32,14 +31,11 @@ class LocalBackend:
 
     def stream(self, messages: list[dict[str, str]], settings: Settings) -> _LocalReply:
         prompt_ids = self._render(messages)
-        kwargs = settings.sampling_kwargs()
-        if kwargs.get("max_tokens") is None:  # what is left of the context and of the KV cache, as the server does
-            pool = self.engine.block_pool
-            capacity = min(self.engine.max_model_len, pool.num_blocks * pool.block_size)
-            kwargs["max_tokens"] = max(1, capacity - len(prompt_ids))
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        try:
-            params = SamplingParams(**kwargs)
+        try:  # the model's generation_config fills what the settings leave out, as the server does
+            params = self.engine.sampling_params(len(prompt_ids), **settings.sampling_kwargs())
+            if settings.max_tokens is None and params.max_tokens > DEFAULT_MAX_TOKENS:
+                params = params.replace(max_tokens=DEFAULT_MAX_TOKENS)
             request_id = self.manager.add_request(prompt_ids, params=params, stream=True, sink=outputs.put)
         except ValueError as exc:
             raise ChatError(str(exc)) from None

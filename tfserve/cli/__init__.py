@@ -16,6 +16,7 @@ from tfserve.cli import chat as chat_cli
 from tfserve.cli import bench as bench_cli
 from tfserve.cli import models as models_cli
 from tfserve.cli import serve as serve_cli
+from tfserve.cli.serve_compat import ServeCommand
 from tfserve.errors import TfserveError
 
 class _Group(TyperGroup):
@@ -43,7 +44,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(models_cli.app, name="models")
-app.command("serve")(serve_cli.serve)
+app.command("serve", cls=ServeCommand)(serve_cli.serve)
 app.command("chat")(chat_cli.chat)
 app.add_typer(bench_cli.app, name="bench")
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from tfserve.chat.conversation import DEFAULT_MAX_TOKENS
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, Quantization,
                                  QuantizationOpt, TrustRemoteCodeOpt)
 
@@ -31,8 +32,9 @@ def chat(
                                                       rich_help_panel=GENERATION)] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling: keep the tokens of this much probability.",
                                                 show_default=False, rich_help_panel=GENERATION)] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens (default: what the context allows).",
-                                                   show_default=False, rich_help_panel=GENERATION)] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        help=f"Longest reply, in tokens (default: {DEFAULT_MAX_TOKENS}, or what the context leaves if less; "
+             "/set max_tokens in the chat changes it).", show_default=False, rich_help_panel=GENERATION)] = None,
     seed: Annotated[int | None, typer.Option(help="Make replies repeatable.", show_default=False,
                                              rich_help_panel=GENERATION)] = None,
     no_markdown: Annotated[bool, typer.Option("--no-markdown", help="Show replies as plain text, not markdown.",

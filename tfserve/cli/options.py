@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from enum import Enum
 from typing import Annotated
 
@@ -53,17 +54,51 @@ QuantizationOpt = Annotated[
     Quantization,
     typer.Option("--quantization", "-q", help="bitsandbytes runtime quantization.", rich_help_panel=LOAD),
 ]
+# transformers' attention names -> what tfserve runs: its own paged attention (SDPA over the KV block cache)
+# serves every model; flash_attention_2 swaps in flash-attn's kernel over the same cache.
+PAGED_ATTENTION_NAMES = ("paged", "sdpa", "eager", "paged|sdpa", "paged|eager", "sdpa_paged", "eager_paged",
+                         "paged_attention", "tfserve_paged")
+FLASH_ATTENTION_NAMES = ("flash_attention_2", "paged|flash_attention_2", "flash_paged")
+
+
+def attn_implementation(value: str | None) -> str | None:
+    """--attn-implementation -> what the loader asks transformers for: None (tfserve's paged attention) or
+    "flash_attention_2"; one line saying what works for a name tfserve cannot serve."""
+    if value is None:
+        return None
+    name = value.strip().lower()
+    if name in PAGED_ATTENTION_NAMES:
+        if name not in ("paged", "tfserve_paged"):
+            from tfserve.cli.output import err_console
+
+            err_console.print(f"[cyan]Note:[/] --attn-implementation {value}: tfserve serves with its paged "
+                              "attention (SDPA over the KV block cache), which this maps to", highlight=False,
+                              soft_wrap=True)
+        return None
+    if name in FLASH_ATTENTION_NAMES:
+        if importlib.util.find_spec("flash_attn") is None:
+            raise typer.BadParameter(
+                f"{value} needs the flash-attn package (pip install flash-attn --no-build-isolation) and a CUDA "
+                "GPU; leave it unset (or pass sdpa) for tfserve's paged attention, which runs everywhere")
+        return "flash_attention_2"
+    raise typer.BadParameter(f"tfserve cannot serve with {value!r}: use sdpa (default: tfserve's paged attention; "
+                             "eager and paged|sdpa map to it too) or flash_attention_2 (flash-attn, CUDA)")
+
+
 AttnImplementationOpt = Annotated[
     str | None,
     typer.Option(
         "--attn-implementation",
-        help="Attention kernel for the model (e.g. sdpa, eager); default: tfserve's paged attention when serving.",
+        help="Attention: default (or sdpa, eager, paged|sdpa) is tfserve's paged attention over the KV block "
+             "cache; flash_attention_2 uses flash-attn's kernel over the same cache (CUDA, float16/bfloat16).",
+        callback=attn_implementation,
         rich_help_panel=LOAD,
     ),
 ]
 TrustRemoteCodeOpt = Annotated[
     bool,
-    typer.Option("--trust-remote-code", help="Allow custom modelling code from the model's directory.", rich_help_panel=LOAD),
+    typer.Option("--trust-remote-code/--no-trust-remote-code",
+                 help="Allow custom modelling code from the model's directory.", rich_help_panel=LOAD),
 ]
 
 __all__ = [

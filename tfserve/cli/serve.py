@@ -8,16 +8,51 @@ from __future__ import annotations
 import logging
 import os
 import re
+from enum import Enum
 from typing import Annotated
 
 import typer
 
+from tfserve.cli import serve_compat as compat
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
                                  Quantization, QuantizationOpt, TrustRemoteCodeOpt)
+from tfserve.cli.serve_compat import Reasoning
 from tfserve.errors import TfserveError
 
 ENGINE = "Engine"
 SERVER = "Server"
+
+
+class GenerationConfig(str, Enum):
+    auto = "auto"
+    none = "none"
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+    critical = "critical"
+    detail = "detail"  # transformers' name for debug with file and line
+
+
+def _power_of_two(value: int | None) -> int | None:
+    if value is not None and value & (value - 1):
+        raise typer.BadParameter(f"must be a power of two (got {value})")
+    return value
+
+
+def _seed(value: int | None) -> int | None:
+    if value is not None and not 0 <= value < 2**64:
+        raise typer.BadParameter(f"must be an integer from 0 to 2**64 - 1 (got {value})")
+    return value
+
+
+def _fraction(value: float | None) -> float | None:
+    if value is not None and not 0 < value <= 1:
+        raise typer.BadParameter(f"must be a fraction in (0, 1] (got {value})")
+    return value
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -34,58 +69,115 @@ def parse_size(text: str, name: str) -> float:
 
 
 def serve(
+    ctx: typer.Context,
+    model_arg: Annotated[str | None, typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="Model to serve, pinned as with --force-model (as `transformers serve MODEL`).")] = None,
     model: ModelOpt = DEFAULT_MODEL,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",
                                       rich_help_panel=SERVER)] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on.", rich_help_panel=SERVER)] = 8000,
+    port: Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="Port to listen on.",
+                                      rich_help_panel=SERVER)] = 8000,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
     quantization: QuantizationOpt = Quantization.none,
     attn_implementation: AttnImplementationOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
-    max_batch_tokens: Annotated[int, typer.Option(help="Token budget of one engine step (prefill chunks + decodes).",
-                                                  rich_help_panel=ENGINE)] = 512,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded together, at most.",
+    generation_config: Annotated[GenerationConfig, typer.Option(
+        help="auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, "
+             "max_tokens) take the model's generation_config; none: OpenAI's defaults.",
+        rich_help_panel=ENGINE)] = GenerationConfig.auto,
+    max_batch_tokens: Annotated[int, typer.Option(min=1, help="Token budget of one engine step (prefill chunks + "
+                                                              "decodes).", rich_help_panel=ENGINE)] = 512,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together, at most.",
                                               rich_help_panel=ENGINE)] = 64,
     kv_cache_memory: Annotated[str | None, typer.Option(
         help="KV cache size: bytes (2GiB, 512MiB) or a fraction of free memory (0.5). "
              "Default: 1 GiB on CPU, 70% of free GPU memory.", rich_help_panel=ENGINE)] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV cache block (a power of two).",
+    num_blocks: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="KV cache blocks (instead of sizing the cache by --kv-cache-memory).",
+        rich_help_panel=ENGINE)] = None,
+    block_size: Annotated[int, typer.Option(min=1, callback=_power_of_two,
+                                            help="Tokens per KV cache block (a power of two).",
                                             rich_help_panel=ENGINE)] = 16,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching",
                                                     help="Do not reuse the KV of shared prompt prefixes.",
                                                     rich_help_panel=ENGINE)] = False,
     max_body_size: Annotated[str, typer.Option(help="Largest request body; bigger ones get 413.",
                                                rich_help_panel=SERVER)] = "16MiB",
-    max_queued: Annotated[int, typer.Option(help="Sequences waiting for their first token, at most; more get 429 "
-                                                 "(0: no limit).", rich_help_panel=SERVER)] = 1024,
+    max_queued: Annotated[int, typer.Option(min=0, help="Sequences waiting for their first token, at most; more get "
+                                                        "429 (0: no limit).", rich_help_panel=SERVER)] = 1024,
     api_key: Annotated[str | None, typer.Option(envvar="TFSERVE_API_KEY", show_envvar=True,
                                                 help="Require `Authorization: Bearer KEY` on /v1/* (/health stays open).",
                                                 rich_help_panel=SERVER)] = None,
     cors_allow_origins: Annotated[list[str] | None, typer.Option(
         help="Origin browsers may call from (repeatable; * for any).", rich_help_panel=SERVER)] = None,
-    drain_timeout: Annotated[float, typer.Option(help="Seconds SIGINT/SIGTERM waits for in-flight requests.",
+    enable_cors: Annotated[bool, typer.Option("--enable-cors/--no-enable-cors",
+                                              help="Let browsers call from any origin: --cors-allow-origins '*'.",
+                                              rich_help_panel=SERVER)] = False,
+    drain_timeout: Annotated[float, typer.Option(min=0, help="Seconds SIGINT/SIGTERM waits for in-flight requests.",
                                                  rich_help_panel=SERVER)] = 30.0,
     force_model: Annotated[str | None, typer.Option(help="Serve this model whatever a request's `model` names "
                                                          "(overrides --model; no other model is loaded on demand).",
                                                     rich_help_panel=SERVER)] = None,
+    model_timeout: Annotated[float, typer.Option(
+        min=-1, metavar="SECONDS",
+        help="Unload the model after SECONDS without requests; the next request loads it again. -1 (or 0): never "
+             "(transformers serve's default is 300). No effect on a pinned model.", rich_help_panel=SERVER)] = -1,
+    default_seed: Annotated[int | None, typer.Option(
+        callback=_seed, show_default=False,
+        help="Seed torch once the model is loaded: requests without a seed then sample the same tokens after a "
+             "restart (for the same requests in the same order).", rich_help_panel=SERVER)] = None,
+    reasoning: Annotated[Reasoning, typer.Option(
+        help="on/off: render chat templates with enable_thinking true/false (Qwen3 and other reasoning models); "
+             "auto: the template's default.", rich_help_panel=SERVER)] = Reasoning.auto,
+    chat_template_kwargs: Annotated[str | None, typer.Option(
+        metavar="JSON", callback=compat.check_json_object, show_default=False,
+        help="Chat template variables for every request, a JSON object (e.g. '{\"enable_thinking\": false}'); "
+             "a request's own chat_template_kwargs override them.", rich_help_panel=SERVER)] = None,
     otel: Annotated[bool, typer.Option("--otel", help="Export a trace per request and the engine's gauges over "
                                                       "OTLP (OTEL_* variables configure it; needs the otel extra).",
                                        rich_help_panel=SERVER)] = False,
-    log_level: Annotated[str, typer.Option(help="debug, info (one access-log line per request), warning or error.",
-                                           rich_help_panel=SERVER)] = "info",
+    log_level: Annotated[LogLevel, typer.Option(case_sensitive=False,
+                                                help="info logs one access line per request; also sets "
+                                                     "transformers' level (except info).",
+                                                rich_help_panel=SERVER)] = LogLevel.info,
+    continuous_batching: compat.ContinuousBatchingOpt = None,
+    cb_block_size: Annotated[int | None, typer.Option(
+        min=1, callback=_power_of_two, show_default=False, help="Same as --block-size.",
+        rich_help_panel=compat.COMPAT)] = None,
+    cb_num_blocks: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Same as --num-blocks.", rich_help_panel=compat.COMPAT)] = None,
+    cb_max_batch_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Same as --max-batch-tokens.", rich_help_panel=compat.COMPAT)] = None,
+    cb_max_memory_percent: Annotated[float | None, typer.Option(
+        callback=_fraction, show_default=False, rich_help_panel=compat.COMPAT,
+        help="Same as --kv-cache-memory FRACTION: the KV cache as a fraction of free memory.")] = None,
+    cb_use_cuda_graph: compat.CbUseCudaGraphOpt = None,
+    compile_model: compat.CompileOpt = None,
+    decision_config: compat.DecisionConfigOpt = None,
+    input_validation: compat.InputValidationOpt = False,
+    non_blocking: compat.NonBlockingOpt = False,
+    load_in_4bit: compat.LoadIn4bitOpt = False,
+    load_in_8bit: compat.LoadIn8bitOpt = False,
+    bnb_4bit_quant_type: compat.Bnb4bitQuantTypeOpt = None,
+    use_bnb_nested_quant: compat.UseBnbNestedQuantOpt = False,
+    torch_dtype: compat.TorchDtypeOpt = None,
 ) -> None:
     """Serve a model over the OpenAI API: chat completions, responses, completions, models, health, metrics.
 
     Any OpenAI client works against it: point its base URL at http://HOST:PORT/v1.
     A request naming another model of the store loads it on demand, evicting the idle one.
     SIGINT/SIGTERM stop accepting requests, let in-flight ones finish (up to --drain-timeout) and exit 0.
+    `transformers serve` command lines work unchanged, underscore spellings (--max_num_seqs) included;
+    docs/transformers-serve.md says what each of its flags maps to.
 
     [bold]Examples[/bold]
 
       tfserve serve                                        # the default model on 127.0.0.1:8000
       tfserve serve -m ./my-hf-model --port 9000 --api-key secret
       tfserve serve --max-num-seqs 128 --kv-cache-memory 4GiB --cors-allow-origins '*'
+      tfserve serve Qwen/Qwen3-1.7B --reasoning off        # pinned, as transformers serve
       OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 tfserve serve --otel
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hello!"}]}'
@@ -98,28 +190,53 @@ def serve(
     from tfserve.server.state import ServerState
     from tfserve.server.telemetry import from_options
 
+    force_model = _pinned_model(model_arg, force_model)
+    for line in compat.notes({
+        "continuous_batching": continuous_batching, "compile": compile_model, "cb_use_cuda_graph": cb_use_cuda_graph,
+        "decision_config": decision_config, "input_validation": input_validation, "non_blocking": non_blocking,
+        "bnb_4bit_quant_type": bnb_4bit_quant_type, "use_bnb_nested_quant": use_bnb_nested_quant,
+        "model_timeout": model_timeout, "force_model": force_model}):
+        _note(line)
+    quantization = compat.legacy_quantization(quantization.value, load_in_4bit, load_in_8bit)
+    dtype = _dtype(dtype, torch_dtype)
+    device = f"cuda:{device}" if device.isdigit() else device  # transformers takes a bare GPU index
     spec = force_model or model
     if spec != DEFAULT_MODEL:
         resolve_model(spec)  # a wrong name fails now, before the port is bound
-    kv_bytes = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
-    engine_kwargs = {"max_batch_tokens": max_batch_tokens, "max_num_seqs": max_num_seqs, "block_size": block_size,
-                     "kv_cache_memory": kv_bytes, "enable_prefix_caching": not no_prefix_caching}
+    engine_kwargs = {
+        "max_batch_tokens": _same(ctx, "max_batch_tokens", max_batch_tokens, cb_max_batch_tokens),
+        "max_num_seqs": max_num_seqs, "block_size": _same(ctx, "block_size", block_size, cb_block_size),
+        "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
+        "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
+        "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value}
     _check_engine_config(engine_kwargs)
-    _configure_logging(log_level)
+    _configure_logging(log_level.value)
+    _check_attention(attn_implementation, device, dtype)
     load_options = {"dtype": dtype, "device": device, "quantization": quantization,
                     "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
 
     def load_on_demand(other: str) -> tuple:
         return load_engine(other, load_options, engine_kwargs, show_progress=False)
 
-    state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand)
+    state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand,
+                        model_timeout_s=model_timeout if model_timeout > 0 else None,
+                        chat_template_kwargs=compat.chat_template_kwargs(chat_template_kwargs, reasoning))
     state.telemetry = from_options(state, otel)
-    app = create_app(state, api_key=api_key or None, cors_allow_origins=cors_allow_origins or (),
-                     max_body_size=int(parse_size(max_body_size, "--max-body-size")))
+    origins = [*(cors_allow_origins or ()), *(["*"] if enable_cors else [])]
+    app = create_app(state, api_key=api_key or None, cors_allow_origins=origins,
+                     max_body_size=_body_size(max_body_size))
     url = f"http://{host}:{port}"
 
     def load():
-        return load_engine(spec, load_options, engine_kwargs)
+        try:
+            loaded = load_engine(spec, load_options, engine_kwargs)
+        except ValueError as exc:  # e.g. a KV cache too small for one block
+            raise TfserveError(f"cannot serve {spec}: {exc}") from None
+        if default_seed is not None:  # after loading, so the first request draws the seed's first numbers
+            import torch
+
+            torch.manual_seed(default_seed)
+        return loaded
 
     def on_ready():
         print_banner(state, url, api_key is not None)
@@ -138,16 +255,20 @@ def load_engine(spec: str, load_options: dict, engine_kwargs: dict, show_progres
     from contextlib import nullcontext
 
     from tfserve.cli.progress import step_progress
+    from tfserve.engine import kernels
     from tfserve.engine.async_engine import AsyncEngine
     from tfserve.engine.engine import Engine
     from tfserve.models.loading import load_model
 
     with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
         loaded = load_model(spec, progress=progress, **load_options)
+        if loaded.device == "cpu" and kernels.needs_build():
+            progress(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
+            kernels.cpu_ops()
         progress("Allocating the KV cache")
         engine = Engine(loaded.model, loaded.tokenizer, **engine_kwargs)
     engine.model_name = loaded.name
-    engine.device, engine.dtype = loaded.device, loaded.dtype
+    engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
     return engine, AsyncEngine(engine).start(), loaded.name, loaded.path
 
 
@@ -164,14 +285,91 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("Model", state.model_name)
-    table.add_row("Dtype", str(getattr(engine, "dtype", engine.runner.dtype)).removeprefix("torch."))
+    dtype = str(getattr(engine, "dtype", engine.runner.dtype)).removeprefix("torch.")
+    quantization = getattr(engine, "quantization", "none")
+    if quantization != "none":
+        table.add_row("Weights", f"{quantization} (compute {dtype})")
+    else:
+        table.add_row("Dtype", dtype)
     table.add_row("Device", str(getattr(engine, "device", engine.runner.device)))
+    flash = getattr(engine.runner, "flash_attention", False)
+    table.add_row("Attention", "flash-attn over the paged KV cache" if flash else "paged (SDPA over the KV blocks)")
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
     table.add_row("Context", f"{engine.max_model_len} tokens")
     table.add_row("URL", f"{url}/v1" + ("  (API key required)" if has_api_key else ""))
     console.print(Panel(table, title="tfserve serve", expand=False))
     console.print(f"Health: {url}/health   Metrics: {url}/metrics   Ctrl+C drains and stops.")
+
+
+def _note(message: str) -> None:
+    from tfserve.cli.output import err_console
+
+    err_console.print(f"[cyan]Note:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def _pinned_model(model_arg: str | None, force_model: str | None) -> str | None:
+    """The positional MODEL is transformers serve's pinned model: the same as --force-model."""
+    if model_arg is not None and force_model is not None and model_arg != force_model:
+        raise TfserveError(f"MODEL {model_arg!r} and --force-model {force_model!r} disagree: give one")
+    return model_arg or force_model
+
+
+def _same(ctx: typer.Context, param: str, ours, theirs):
+    """An option and its --cb-* spelling (transformers'): either one, or both when they agree."""
+    if theirs is None or ours == theirs:
+        return ours
+    if ctx.get_parameter_source(param).name != "DEFAULT":
+        name = "--" + param.replace("_", "-")
+        raise TfserveError(f"{name} {ours} and --cb-{name[2:]} {theirs} disagree: give one")
+    return theirs
+
+
+def _dtype(dtype: Dtype, torch_dtype: str | None) -> str:
+    """--dtype, or transformers 4.x's --torch-dtype when --dtype is left at auto."""
+    if torch_dtype is None or dtype != Dtype.auto:
+        return dtype.value
+    try:
+        return Dtype(torch_dtype.lower()).value
+    except ValueError:
+        raise typer.BadParameter(f"{torch_dtype!r} is not one of {', '.join(d.value for d in Dtype)}",
+                                 param_hint="--torch-dtype") from None
+
+
+def _kv_cache_memory(text: str | None, fraction: float | None) -> float | int | None:
+    """--kv-cache-memory (bytes, or a fraction of free memory) or --cb-max-memory-percent (a fraction)."""
+    if text is not None and fraction is not None:
+        raise TfserveError("--kv-cache-memory and --cb-max-memory-percent both size the KV cache: give one")
+    if text is None:
+        return fraction
+    value = parse_size(text, "--kv-cache-memory")
+    if value > 1 and value != int(value):
+        raise typer.BadParameter(f"{text!r} is neither a fraction in (0, 1] nor a whole number of bytes "
+                                 "(e.g. 0.5, 2GiB)", param_hint="--kv-cache-memory")
+    return int(value) if value > 1 else value
+
+
+def _body_size(text: str) -> int:
+    num_bytes = int(parse_size(text, "--max-body-size"))
+    if num_bytes < 1:
+        raise typer.BadParameter(f"{text!r} is not a size of at least one byte (e.g. 16MiB)",
+                                 param_hint="--max-body-size")
+    return num_bytes
+
+
+def _check_attention(attn_implementation: str | None, device: str, dtype: str) -> None:
+    """flash_attention_2 (options.attn_implementation has checked that flash-attn imports) needs CUDA and a
+    16-bit dtype; one line saying what works instead, before anything loads."""
+    if attn_implementation != "flash_attention_2":
+        return
+    from tfserve.models.loading import resolve_device
+
+    if not resolve_device(device).startswith("cuda"):
+        raise TfserveError("--attn-implementation flash_attention_2 needs a CUDA GPU (this server would run on "
+                           "cpu); leave it unset for tfserve's paged attention, which runs everywhere")
+    if dtype == Dtype.float32.value:
+        raise TfserveError("--attn-implementation flash_attention_2 runs in float16 or bfloat16: pass "
+                           "--dtype bfloat16 (or leave --dtype auto)")
 
 
 def _check_engine_config(engine_kwargs: dict) -> None:
@@ -184,9 +382,13 @@ def _check_engine_config(engine_kwargs: dict) -> None:
 
 
 def _configure_logging(level: str) -> None:
-    numeric = logging.getLevelName(level.upper())
+    numeric = logging.DEBUG if level == "detail" else logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise typer.BadParameter(f"unknown log level {level!r}", param_hint="--log-level")
+    if numeric != logging.INFO:  # as transformers serve; at info (our default) transformers' chatter stays off
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(numeric)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("tfserve")

@@ -8,6 +8,10 @@ sets an `AttentionMetadata` for the step and calls the model. Each attention lay
    over sequences: each group is one batched `scaled_dot_product_attention`.
 Grouped-query attention folds the query heads sharing a KV head into the query-length axis, so keys and
 values are never repeated.
+
+A model loaded with `attn_implementation="flash_attention_2"` attends through flash-attn instead (CUDA,
+float16/bfloat16): the same cache writes, then one `flash_attn_varlen_func` call per layer over each
+sequence's keys gathered from the cache (`FlashLayout`, built once per step).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "tfserve_paged"
+FLASH_ATTN_IMPLEMENTATION = "flash_attention_2"  # a model loaded with it attends through flash-attn
 
 
 @dataclass(slots=True)
@@ -69,6 +74,36 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
     block_size: int
     cpu_ops: object = None  # the compiled CPU kernels (see kernels.py), or None
+    flash: bool = False  # attend with flash-attn (see FlashLayout) instead of SDPA per group
+    flash_layout: FlashLayout | None = None  # made by the first layer of the step, shared by the others
+
+
+@dataclass(slots=True)
+class FlashLayout:
+    """One step's sequences in flash-attn's varlen layout: queries as packed, keys gathered from the cache."""
+
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: where each sequence's queries start
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: where each sequence's keys start
+    max_seqlen_q: int
+    max_seqlen_k: int
+    key_slots: torch.Tensor  # [total_keys] int64: the cache slot of each gathered key, sequence by sequence
+
+    @classmethod
+    def for_groups(cls, groups: list[AttentionGroup], block_size: int) -> FlashLayout:
+        q_lens, k_lens, slots = [], [], []
+        for group in groups:
+            key_lens = group.key_lens
+            q_lens.append(key_lens - group.query_positions[:, 0])  # new tokens: context after - before
+            k_lens.append(key_lens)
+            offsets = torch.arange(block_size, device=key_lens.device)
+            group_slots = (group.block_tables[:, :, None] * block_size + offsets).flatten(1)  # [num_seqs, num_keys]
+            keep = torch.arange(group_slots.shape[1], device=key_lens.device) < key_lens[:, None]
+            slots.append(group_slots[keep])  # row-major: each sequence's keys in order
+        q_len, k_len = torch.cat(q_lens), torch.cat(k_lens)
+        zero = q_len.new_zeros(1)
+        return cls(cu_seqlens_q=torch.cat([zero, q_len.cumsum(0)]).to(torch.int32),
+                   cu_seqlens_k=torch.cat([zero, k_len.cumsum(0)]).to(torch.int32),
+                   max_seqlen_q=int(q_len.max()), max_seqlen_k=int(k_len.max()), key_slots=torch.cat(slots))
 
 
 _metadata: AttentionMetadata | None = None
@@ -116,6 +151,8 @@ def paged_attention_forward(
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_keys)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_values)
 
+    if meta.flash:
+        return _flash_attention(query, k_cache, v_cache, meta, scaling, sliding_window, softcap), None
     out = query.new_empty(num_tokens, num_heads, head_dim)
     group_size = num_heads // num_kv_heads
     for group in meta.groups:  # at most two: decodes, prefills
@@ -129,6 +166,30 @@ def paged_attention_forward(
             q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
         )
     return out.unsqueeze(0), None
+
+
+def _flash_attention(query, k_cache, v_cache, meta: AttentionMetadata, scaling, sliding_window,
+                     softcap) -> torch.Tensor:
+    """[1, num_tokens, num_heads, head_dim]: every sequence of the step in one flash-attn varlen call."""
+    if meta.flash_layout is None:
+        meta.flash_layout = FlashLayout.for_groups(meta.groups, meta.block_size)
+    layout = meta.flash_layout
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, layout.key_slots)  # [total_keys, kv_heads, dim]
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, layout.key_slots)
+    # causal is aligned to the end of each sequence's keys; a window of w keys is (w - 1) before the query
+    out = flash_attn_varlen_func()(
+        query[0].transpose(0, 1).contiguous(), k, v, layout.cu_seqlens_q, layout.cu_seqlens_k,
+        layout.max_seqlen_q, layout.max_seqlen_k, softmax_scale=scaling, causal=True,
+        window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1), softcap=softcap or 0.0)
+    return out.unsqueeze(0)
+
+
+def flash_attn_varlen_func():
+    """flash-attn's varlen kernel (imported when first used; tests put a torch reference in its place)."""
+    from flash_attn import flash_attn_varlen_func as kernel
+
+    return kernel
 
 
 def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int, scaling, sliding_window,

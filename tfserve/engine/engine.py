@@ -25,11 +25,13 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: float | int | None = None, max_batch_tokens: int = 512,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, pack_weights: bool | None = None) -> None:
+                 max_model_len: int | None = None, pack_weights: bool | None = None,
+                 generation_config: str = "auto") -> None:
         self.config = EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            generation_config=generation_config,
         )
         self.model = model
         self.tokenizer = tokenizer
@@ -40,6 +42,8 @@ class Engine:
         self.vocab_size = text_config.vocab_size
         self.max_model_len = max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        # what a request that leaves a sampling field out gets (as vLLM's --generation-config auto)
+        self.sampling_defaults = sampling_defaults(model) if generation_config == "auto" else {}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -94,6 +98,18 @@ class Engine:
                     stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output)
             requests.append(request)
         return requests
+
+    def sampling_params(self, num_prompt_tokens: int, **kwargs: Any) -> SamplingParams:
+        """SamplingParams for a prompt of `num_prompt_tokens`: fields left out (or None) take the model's
+        generation_config defaults; a max_tokens still unset is what is left of the context and of the KV
+        cache. Raises ValueError naming a bad field."""
+        kwargs = {**self.sampling_defaults, **{k: v for k, v in kwargs.items() if v is not None}}
+        if isinstance(kwargs.get("top_k"), int) and kwargs["top_k"] >= self.vocab_size:
+            kwargs["top_k"] = 0  # keeps every token: the same as no top-k
+        if kwargs.get("max_tokens") is None:
+            capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
+            kwargs["max_tokens"] = max(1, capacity - num_prompt_tokens)
+        return SamplingParams(**kwargs)
 
     def enqueue(self, request: Request) -> None:
         """Hand a request made by `make_requests` to the scheduler."""
@@ -311,6 +327,27 @@ def _as_sampling_params(params: SamplingParams | Any | None) -> SamplingParams:
     if type(params).__name__ == "GenerationConfig":
         return SamplingParams.from_generation_config(params)
     raise ValueError(f"params must be a SamplingParams or a transformers GenerationConfig, not {type(params).__name__}")
+
+
+# generation_config field -> SamplingParams field, for the defaults a model's authors recommend
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(model) -> dict[str, Any]:
+    """The sampling fields the model's `generation_config` sets to other than transformers' defaults,
+    as SamplingParams keyword arguments (empty when it sets none)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    diff = config.to_diff_dict()
+    defaults = {ours: diff[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if diff.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:  # a broken generation_config must not break every request
+        logger.warning("ignoring the model's generation_config sampling defaults %s: %s", defaults, exc)
+        return {}
+    return defaults
 
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:

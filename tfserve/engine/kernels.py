@@ -1,4 +1,10 @@
-"""Optional C++ kernels for CPU, compiled once on first use (about 30 s) and cached by torch.
+"""Optional C++ kernels for CPU, compiled once on first use and cached under `$TFSERVE_HOME/kernels/`
+(`$TFSERVE_KERNELS_DIR` moves them).
+
+The build (about a minute on 2 cores) lands in a directory named by a key over everything that shapes the
+binary: the source, the compiler and its flags, torch's and Python's versions, and the CPU's instruction-set
+features (the build uses `-march=native`). Two installs or checkouts on one machine share a build when they
+agree and never overwrite each other's when they do not.
 
 `TFSERVE_CPU_KERNELS=0` turns them off; when the compiler is missing or the build fails, the engine says
 so once and keeps to its pure-torch paths: the same results, except that linear layers of 2+ rows then
@@ -7,37 +13,112 @@ use F.linear (equally accurate, other rounding; see cpu_linear.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
+import sys
+import time
 from functools import cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# -fopenmp compiles at::parallel_for to OpenMP, but we link no OpenMP runtime of our own: the symbols resolve
+# to the one torch ships, so there is one thread pool, not two fighting.
+# -fno-math-errno lets exp() vectorise (glibc's libmvec); results stay within float rounding.
+# -ffp-contract=off: no fused multiply-adds the source does not ask for, so the rotary embedding rounds
+# exactly as transformers' separate ops do.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# instruction sets the kernels have paths for, best first, as /proc/cpuinfo names them
+_ISAS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"), ("neon", "NEON"))
+
+
+def enabled() -> bool:
+    """False when `TFSERVE_CPU_KERNELS=0` turns the kernels off."""
+    return os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0"
+
+
+@cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, ARM `Features`); empty where /proc/cpuinfo is not there."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def isa() -> str:
+    """The widest vector instruction set the kernels use on this CPU: AVX-512, AVX2, NEON or scalar."""
+    features = cpu_features()
+    return next((name for flag, name in _ISAS if flag in features), "scalar")
+
+
+@cache
+def cache_key() -> str:
+    """What the build depends on, hashed: source, compiler and flags, torch, Python, machine and CPU features."""
+    import torch
+
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    parts = [*_CFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.version, platform.machine(),
+             *sorted(cpu_features())]
+    digest.update("\0".join(parts).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where this machine's build of the kernels lives: under `$TFSERVE_KERNELS_DIR`, default
+    `$TFSERVE_HOME/kernels`."""
+    from tfserve.models.store import home
+
+    root = os.environ.get("TFSERVE_KERNELS_DIR") or home() / "kernels"
+    return Path(root).expanduser() / f"cpu_ops-{cache_key()}"
+
+
+def _module_name() -> str:
+    return f"tfserve_cpu_ops_{cache_key()}"
+
+
+def needs_build() -> bool:
+    """True when the kernels are on but not built for this machine yet (the next `cpu_ops()` compiles)."""
+    if not enabled() or cpu_ops.cache_info().currsize:
+        return False
+    return not (build_dir() / f"{_module_name()}.so").is_file()
 
 
 @cache
 def cpu_ops():
-    """The compiled module (`paged_decode_attention`, `rotary_embedding_`), or None where it is off or cannot be built."""
-    if os.environ.get("TFSERVE_CPU_KERNELS", "1") == "0":
+    """The compiled module (`paged_decode_attention`, `rotary_embedding_`, ...), or None where it is off or
+    cannot be built."""
+    if not enabled():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        logger.debug("building tfserve's CPU kernels (once; cached by torch)")
-        return load(
-            name="tfserve_cpu_ops",
-            sources=[str(_SOURCE)],
-            # -fopenmp compiles at::parallel_for to OpenMP, but we link no OpenMP runtime of our own: the
-            # symbols resolve to the one torch ships, so there is one thread pool, not two fighting.
-            # -fno-math-errno lets exp() vectorise (glibc's libmvec); results stay within float rounding.
-            # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the rotary embedding
-            # rounds exactly as transformers' separate ops do.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-                          "-ffp-contract=off"],
-            verbose=False,
-        )
+        directory = build_dir()
+        fresh = not (directory / f"{_module_name()}.so").is_file()
+        if fresh:
+            logger.info("building tfserve's CPU kernels for %s into %s (first run on this machine and install; "
+                        "about a minute)", isa(), directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        module = load(name=_module_name(), sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                      build_directory=str(directory), verbose=False)
+        if fresh:
+            logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
+        logger.debug("CPU kernels: %s (%s)", isa(), directory)
+        return module
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
-        logger.warning("CPU kernels unavailable (%s); using the torch paths", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch paths", _first_line(exc))
         return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -38,6 +38,9 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
+        # the attention the model was loaded with picks ours: flash-attn for flash_attention_2, else paged SDPA
+        loaded_with = getattr(model.config, "_attn_implementation", None)
+        self.flash_attention = loaded_with == attention.FLASH_ATTN_IMPLEMENTATION
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
@@ -98,6 +101,7 @@ class ModelRunner:
         attention.set_metadata(AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             groups=groups, kv_caches=self.kv_caches, block_size=size, cpu_ops=self.cpu_ops,
+            flash=self.flash_attention,
         ))
         input_ids = torch.tensor(input_ids, device=device)
         positions = torch.tensor(positions, device=device)

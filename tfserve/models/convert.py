@@ -11,17 +11,20 @@ import json
 from pathlib import Path
 
 from tfserve.errors import ModelStoreError
+from tfserve.models.registry import recommend_sampling
 
 
-def gguf_to_hf(gguf_path: Path, out_dir: Path, *, show_hf_progress: bool = True) -> None:
-    """Write `gguf_path` as a float32 HF model directory `out_dir` (created; must not exist)."""
+def gguf_to_hf(gguf_path: Path, out_dir: Path, *, show_hf_progress: bool = True,
+               sampling: dict[str, float] | None = None) -> None:
+    """Write `gguf_path` as a float32 HF model directory `out_dir` (created; must not exist), with
+    `sampling` (the model's recommended temperature, top_p...) in its generation_config.json."""
     from tfserve.models.loading import hf_progress_bars
 
     with hf_progress_bars(enabled=show_hf_progress):
-        _convert(gguf_path, out_dir)
+        _convert(gguf_path, out_dir, sampling or {})
 
 
-def _convert(gguf_path: Path, out_dir: Path) -> None:
+def _convert(gguf_path: Path, out_dir: Path, sampling: dict[str, float]) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -40,6 +43,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
+    recommend_sampling(model.generation_config, sampling)
     del gguf_model
 
     out_dir.mkdir(parents=True)

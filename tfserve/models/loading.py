@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError
 from tfserve.models import store
-from tfserve.models.registry import DEFAULT_MODEL
+from tfserve.models.registry import DEFAULT_MODEL, get_known, recommend_sampling
 
 ModelKind = Literal["store", "hf_dir", "gguf", "hf_cache"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -114,6 +114,9 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     if quantization == "none":
         model = model.to(device)
     model.eval()
+    known = get_known(resolved.name) if resolved.kind == "store" else None
+    if known is not None:  # a store model converted before its recommended sampling was written
+        recommend_sampling(model.generation_config, known.sampling)
     return LoadedModel(model, tokenizer, resolved.name, resolved.path, str(device), torch_dtype, quantization)
 
 

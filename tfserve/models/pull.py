@@ -67,7 +67,7 @@ def pull(name: str = registry.DEFAULT_MODEL, *, force: bool = False, progress: P
             progress(STEP_CONVERT)
             from tfserve.models.convert import gguf_to_hf
 
-            gguf_to_hf(gguf, work / name, show_hf_progress=progress is _no_progress)
+            gguf_to_hf(gguf, work / name, show_hf_progress=progress is _no_progress, sampling=known.sampling)
             progress(STEP_INSTALL)
             _install(work / name, target, work)
         finally:

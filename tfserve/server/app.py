@@ -37,6 +37,9 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
             "access_log": access_logger,
             # a client that disconnects cancels its handler, which aborts its generation at once
             "handler_cancellation": True,
+            # read_json undoes Content-Encoding itself: aiohttp's own decoding answers a bad one with a 500 or
+            # a plain-text 400 and leaves the keep-alive connection unusable
+            "auto_decompress": False,
         },
     )
     app[STATE] = state
@@ -123,10 +126,15 @@ async def _auth(request: web.Request, handler) -> web.StreamResponse:
     api_key = request.app[API_KEY]
     if api_key and request.path.startswith("/v1/") and request.method != "OPTIONS":
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        # aiohttp keeps header bytes that are not UTF-8 as surrogates: encode them back rather than fail
+        token_bytes = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, api_key.encode()):
             raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
                            code="invalid_api_key")
     return await handler(request)
+
+
+_PROBES = frozenset({"/health", "/metrics"})
 
 
 class AccessLogger(AbstractAccessLogger):
@@ -138,8 +146,10 @@ class AccessLogger(AbstractAccessLogger):
         if usage is not None:
             tokens = f"{usage.prompt_tokens}/{usage.completion_tokens}"
             ttft = f"{usage.ttft_s * 1000:.0f}ms" if usage.ttft_s is not None else "-"
-        self.logger.info("%s %s %s tokens=%s ttft=%s duration=%.0fms", request.method, request.path,
-                         response.status, tokens, ttft, time * 1000)
+        # probes (load balancers, `bench --launch`, orchestrators) poll these: keep them out of the info log
+        level = logging.DEBUG if request.path in _PROBES else logging.INFO
+        self.logger.log(level, "%s %s %s tokens=%s ttft=%s duration=%.0fms", request.method, request.path,
+                        response.status, tokens, ttft, time * 1000)
 
     @property
     def enabled(self) -> bool:

@@ -3,22 +3,28 @@ OpenAI sends them (role chunk, content chunks, a finish chunk per choice, a usag
 
 from __future__ import annotations
 
-import json
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
+from tfserve.server.body import loads
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs
-from tfserve.server.protocol import (field, make_params, read_json, sampling_kwargs, stream_options, text_of,
-                                     use_model)
+from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, stream_options,
+                                     text_of, use_model)
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# arguments of `apply_chat_template` (and the template's own `messages`): never template variables from a client
+_RENDER_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -27,15 +33,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = await use_model(request, body, state)
     messages = parse_messages(body)
     tools = parse_tools(body)
-    prompt_ids = render_chat(state.engine.tokenizer, messages, tools)
-    kwargs = sampling_kwargs(body, max_tokens_fields=("max_completion_tokens", "max_tokens"))
+    max_tokens_fields = ("max_completion_tokens", "max_tokens")
+    kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
     num_top = parse_logprobs(body)
     if num_top is not None:
         kwargs["logprobs"] = num_top
     check_response_format(body)
     stream, include_usage = stream_options(body)
-    params = make_params(kwargs, len(prompt_ids), state.engine)
-    usage = admit(state, request, [prompt_ids], params)
+    prompt_ids = render_chat(state.engine.tokenizer, messages, tools, template_kwargs(state, body))
+    names = param_names(body, max_tokens_fields, "messages")
+    params = make_params(kwargs, len(prompt_ids), state.engine, names)
+    usage = admit(state, request, [prompt_ids], params, names)
     reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools))
     async with aclosing(run_choices(state, usage, [prompt_ids], params)) as outputs:
         if stream:
@@ -82,11 +90,10 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
     name = field(function, "name", str, required=True, param=f"{where}.function.name")
     arguments = function.get("arguments") or "{}"
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise bad_request(f"{where}.function.arguments must be a JSON object string",
-                              f"{where}.function.arguments") from None
+        arguments = loads(arguments, f"{where}.function.arguments")
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.function.arguments must be a JSON object string",
+                          f"{where}.function.arguments")
     return {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -123,14 +130,29 @@ def check_response_format(body: dict[str, Any]) -> None:
                           "response_format")
 
 
-def render_chat(tokenizer: Any, messages: list[dict], tools: list | None) -> list[int]:
-    """The prompt's token ids through the model's chat template (a template error is the client's 400)."""
+def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """Extra chat template variables: the server's defaults (--chat-template-kwargs, --reasoning) updated by the
+    request's `chat_template_kwargs` object (e.g. {"enable_thinking": false})."""
+    requested = field(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(_RENDER_ARGUMENTS.intersection(requested))
+    if reserved:  # e.g. padding + max_length would pad the prompt to any length
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: it holds template variables, "
+                          "not arguments of apply_chat_template", f"chat_template_kwargs.{reserved[0]}")
+    return {**state.chat_template_kwargs, **requested}
+
+
+def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt's token ids through the model's chat template (a template error is the client's 400).
+    `template_kwargs` become template variables; they cannot change how the prompt is rendered to ids."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
+    kwargs = {**(template_kwargs or {}), "tools": tools, "add_generation_prompt": True, "tokenize": True,
+              "return_dict": True, "return_tensors": None, "chat_template": None}
     try:
-        rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        rendered = tokenizer.apply_chat_template(messages, **kwargs)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)

@@ -10,7 +10,8 @@ from aiohttp import web
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import completion_logprobs
-from tfserve.server.protocol import field, make_params, read_json, sampling_kwargs, stream_options, use_model
+from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
+                                     stream_options, use_model)
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 
@@ -19,7 +20,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = await use_model(request, body, state)
-    prompts = parse_prompts(body, state.engine.tokenizer)
+    prompts = parse_prompts(body, state.engine.tokenizer, state.engine.vocab_size)
     echo = field(body, "echo", bool, False)
     kwargs = sampling_kwargs(body, default_max_tokens=16)  # OpenAI's default for this API
     num_top = field(body, "logprobs", int)
@@ -35,8 +36,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if best_of is not None and best_of != (kwargs.get("n") or 1):
         raise bad_request("best_of other than n is not supported", "best_of")
     stream, include_usage = stream_options(body)
-    params = make_params(kwargs, max(len(p) for p, _ in prompts), state.engine)
-    usage = admit(state, request, [p for p, _ in prompts], params)
+    names = param_names(body, ("max_tokens",), "prompt")
+    params = make_params(kwargs, max(len(p) for p, _ in prompts), state.engine, names)
+    usage = admit(state, request, [p for p, _ in prompts], params, names)
     reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
     async with aclosing(run_choices(state, usage, [p for p, _ in prompts], params)) as outputs:
         if stream:
@@ -44,8 +46,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await reply.complete(outputs, usage)
 
 
-def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[tuple[list[int], str]]:
-    """`prompt` (text, token ids, or a list of either) -> [(token ids, text)]."""
+def parse_prompts(body: dict[str, Any], tokenizer: Any, vocab_size: int) -> list[tuple[list[int], str]]:
+    """`prompt` (text, token ids, or a list of either) -> [(token ids, text)]; token ids must be in
+    [0, vocab_size)."""
     prompt = field(body, "prompt", (str, list), required=True)
     if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
         prompt = [prompt]
@@ -57,6 +60,7 @@ def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[tuple[list[int],
             ids = tokenizer.encode(item, add_special_tokens=True)
             result.append((ids, item))
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            _check_vocabulary(item, vocab_size)
             result.append((item, tokenizer.decode(item)))
         else:
             raise bad_request(f"prompt[{i}] must be a string or a non-empty array of token ids", "prompt")
@@ -67,6 +71,12 @@ def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[tuple[list[int],
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"prompt has token id {shorten(bad)}, outside the vocabulary [0, {vocab_size})", "prompt")
 
 
 class _Reply(Reply):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # status -> the OpenAI error `type` clients switch on
@@ -39,10 +40,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def from_value_error(exc: ValueError, default_param: str | None = None) -> ApiError:
-    """A 400 from the engine's or SamplingParams' `ValueError("<field> must ...")`: the field is its first word."""
+def from_value_error(exc: ValueError, default_param: str | None = None,
+                     names: dict[str, str] | None = None) -> ApiError:
+    """A 400 from the engine's or SamplingParams' `ValueError("<field> must ...")`: the field is its first word,
+    renamed by `names` to the body field the client sent (max_tokens -> max_completion_tokens)."""
     message = str(exc)
     first = message.split(" ", 1)[0].rstrip(":")
     param = first if first.isidentifier() and first.islower() else default_param
+    if names and param in names:
+        message = re.sub(rf"\b{param}\b", names[param], message)
+        param = names[param]
     code = "context_length_exceeded" if "context" in message or "KV blocks" in message else None
     return ApiError(400, message, param=param, code=code)

@@ -48,15 +48,18 @@ def usage_of(request: web.Request) -> Usage:
     return usage
 
 
-def admit(state: ServerState, request: web.Request, prompts: list[list[int]], params: Any) -> Usage:
+def admit(state: ServerState, request: web.Request, prompts: list[list[int]], params: Any,
+          names: dict[str, str] | None = None) -> Usage:
     """Check everything that can fail before a response starts: availability, each prompt against the
-    context and the KV cache (400), and the queue limit (429). Counts the prompt tokens."""
+    context and the KV cache (400, naming the fields as `names` says the client sent them), and the queue
+    limit (429). Counts the prompt tokens."""
     state.check_available()
+    names = names or {}
     for prompt_ids in prompts:
         try:
             state.engine.make_requests(prompt_ids, params.replace(n=1))
         except ValueError as exc:
-            raise from_value_error(exc, "messages") from None
+            raise from_value_error(exc, names.get("prompt", "messages"), names) from None
     num_new = len(prompts) * params.n
     if state.max_queued and state.num_waiting + num_new > state.max_queued:
         raise too_many(f"the server has {state.num_waiting} sequences waiting (--max-queued {state.max_queued}); "

@@ -16,7 +16,7 @@ async def health(request: web.Request) -> web.Response:
     except ApiError as error:
         return web.json_response({"status": state.status, **error.body()}, status=error.status)
     engine, loading = state.engine, state.models.loading
-    if engine is None and loading is None:
+    if engine is None and loading is None and state.models.asleep is None:  # asleep: the next request loads it
         error = ApiError(503, "no model is loaded; a request naming one loads it", code="model_not_loaded")
         return web.json_response({"status": "no_model", **error.body()}, status=503)
     # a model being swapped in keeps the server healthy: requests for it wait, they do not fail

@@ -5,12 +5,12 @@ OpenAI semantics: a field sent as `null` means "use the default"; numbers are ne
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
 from tfserve.sampling_params import SamplingParams
+from tfserve.server.body import read_json  # noqa: F401  (re-exported: every handler reads its body here)
 from tfserve.server.errors import ApiError, bad_request, from_value_error
 
 _MISSING = object()
@@ -22,20 +22,21 @@ _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presen
 _INT_FIELDS = ("top_k", "seed", "n")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 MAX_N = 128  # as OpenAI
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 400 when it is not one (413 comes from aiohttp's `client_max_size`)."""
-    raw = await request.read()
-    if not raw:
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+MAX_INT64 = 2**63  # token ids and seeds become int64 tensors
+# what the API accepts: OpenAI's ranges, and ours for the fields OpenAI lacks (vLLM takes any
+# repetition_penalty > 0; past 2 it only garbles text). SamplingParams checks again what the engine can run.
+_RANGES = {
+    "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
+    # OpenAI takes 0; our sampler needs a token to keep: temperature 0 is the way to ask for greedy
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (use temperature 0 for greedy)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2] (1 is off)"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "top_k": (lambda v: v >= -1, ">= 0 (0 or -1 disables it)"),
+    "seed": (lambda v: -MAX_INT64 <= v < MAX_INT64 - MAX_N, "a 64-bit integer"),  # sample i of n uses seed + i
+    "n": (lambda v: 1 <= v <= MAX_N, f"in [1, {MAX_N}]"),
+}
 
 
 def field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None, *,
@@ -70,35 +71,24 @@ def _json_type(value: Any) -> str:
 def sampling_kwargs(body: dict[str, Any], *, max_tokens_fields: tuple[str, ...] = ("max_tokens",),
                     default_max_tokens: int | None = None) -> dict[str, Any]:
     """The sampling fields of a body as SamplingParams keyword arguments (`max_tokens` may be None: then
-    `make_params` fills in what is left of the context). Type errors are 400s here; ranges are checked by
-    SamplingParams itself."""
+    `make_params` fills in what is left of the context). Type and range errors are 400s here, before any
+    response starts."""
     kwargs: dict[str, Any] = {}
-    for name in _NUMBER_FIELDS:
-        value = field(body, name, float)
-        if value is not None:
+    for names, kind in ((_NUMBER_FIELDS, float), (_INT_FIELDS, int), (_BOOL_FIELDS, bool)):
+        for name in names:
+            value = field(body, name, kind)
+            if value is None:
+                continue
+            accepts, what = _RANGES.get(name, (None, ""))
+            if accepts is not None and not accepts(value):
+                raise bad_request(f"{name} must be {what} (got {shorten(value)})", name)
             kwargs[name] = value
-    for name in _INT_FIELDS:
-        value = field(body, name, int)
-        if value is not None:
-            kwargs[name] = value
-    for name in _BOOL_FIELDS:
-        value = field(body, name, bool)
-        if value is not None:
-            kwargs[name] = value
-    seed = kwargs.get("seed")
-    if seed is not None and not -(2**63) <= seed < 2**63 - 128:  # torch seeds are int64; n adds up to 128
-        raise bad_request("seed must be a 64-bit integer", "seed")
-    if kwargs.get("n", 1) > MAX_N:
-        raise bad_request(f"n must be <= {MAX_N} (got {kwargs['n']})", "n")
-    max_tokens = default_max_tokens
-    for name in max_tokens_fields:  # the first one present wins (max_completion_tokens over max_tokens)
-        value = field(body, name, int)
-        if value is not None:
-            if value < 1:
-                raise bad_request(f"{name} must be an integer >= 1 (got {value})", name)
-            max_tokens = value
-            break
-    kwargs["max_tokens"] = max_tokens
+    sent = [(name, field(body, name, int)) for name in max_tokens_fields]
+    for name, value in sent:
+        if value is not None and value < 1:
+            raise bad_request(f"{name} must be an integer >= 1 (got {shorten(value)})", name)
+    # the first one present wins (max_completion_tokens over max_tokens)
+    kwargs["max_tokens"] = next((value for _, value in sent if value is not None), default_max_tokens)
     stop = field(body, "stop", (str, list))
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -109,24 +99,48 @@ def sampling_kwargs(body: dict[str, Any], *, max_tokens_fields: tuple[str, ...] 
         kwargs["stop"] = stop
     stop_token_ids = field(body, "stop_token_ids", list)
     if stop_token_ids is not None:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_INT64 for t in stop_token_ids):
+            raise bad_request("stop_token_ids must be an array of token ids (integers >= 0)", "stop_token_ids")
         kwargs["stop_token_ids"] = stop_token_ids
     if field(body, "logit_bias", dict):
         raise bad_request("logit_bias is not supported", "logit_bias")
     return kwargs
 
 
-def make_params(kwargs: dict[str, Any], num_prompt_tokens: int, engine: Any) -> SamplingParams:
-    """Build SamplingParams; an absent max_tokens becomes what is left of the context (and of the KV cache)."""
-    kwargs = dict(kwargs)
+def param_names(body: dict[str, Any], max_tokens_fields: tuple[str, ...], prompt_field: str) -> dict[str, str]:
+    """The engine's words -> the body fields this request used for them, so that an error names what the
+    client sent (`max_completion_tokens`, `max_output_tokens`; `messages`, `input`)."""
+    sent = next((name for name in max_tokens_fields if body.get(name) is not None), max_tokens_fields[-1])
+    return {"max_tokens": sent, "prompt": prompt_field}
+
+
+def make_params(kwargs: dict[str, Any], num_prompt_tokens: int, engine: Any,
+                names: dict[str, str] | None = None) -> SamplingParams:
+    """Build SamplingParams: the fields a request leaves out come from the model's generation_config
+    (`engine.sampling_defaults`); an absent max_tokens becomes what is left of the context (and of the KV cache).
+    A prompt that leaves no room to generate is a 400 naming `names["prompt"]`."""
+    names = names or {}
+    defaults = getattr(engine, "sampling_defaults", {})
+    kwargs = {**defaults, **{k: v for k, v in kwargs.items() if v is not None or k not in defaults}}
     if kwargs.get("top_k", 0) >= engine.vocab_size:  # keeps every token: the same as no top-k
         kwargs["top_k"] = 0
+    capacity = min(engine.max_model_len, engine.block_pool.num_blocks * engine.block_pool.block_size)
+    if num_prompt_tokens >= capacity:
+        raise ApiError(400, f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: this model "
+                            f"takes at most {capacity} tokens per sequence, prompt and output together",
+                       param=names.get("prompt"), code="context_length_exceeded")
     if kwargs.get("max_tokens") is None:
-        capacity = min(engine.max_model_len, engine.block_pool.num_blocks * engine.block_pool.block_size)
-        kwargs["max_tokens"] = max(1, capacity - num_prompt_tokens)
+        kwargs["max_tokens"] = capacity - num_prompt_tokens
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise from_value_error(exc) from None
+        raise from_value_error(exc, names=names) from None
+
+
+def shorten(value: Any, limit: int = 40) -> str:
+    """`repr(value)`, cut to `limit` characters for an error message (a client may send 4,000 digits)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

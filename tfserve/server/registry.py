@@ -4,6 +4,9 @@ cache) evicts the resident one once its in-flight requests finish, then loads th
 Every generating request holds a lease on the resident model from `acquire` until its response is done
 (the `_observe` middleware releases it), so `state.engine` never changes under a request. While a swap is
 pending no new lease is granted: requests for the model being loaded wait for it and share its outcome.
+
+With an idle timeout (`--model-timeout`), the resident model is unloaded once no request has used it for that
+long; it keeps its names ("asleep"), so the next request for it (or naming no model) loads it again.
 """
 
 from __future__ import annotations
@@ -37,13 +40,16 @@ Loader = Callable[[str], tuple]  # spec -> the arguments of ServerState.set_engi
 class ModelRegistry:
     """Which model is resident, and swapping it for another on request. Lives on the event loop's thread."""
 
-    def __init__(self, state: ServerState, load: Loader | None = None) -> None:
+    def __init__(self, state: ServerState, load: Loader | None = None, idle_timeout_s: float | None = None) -> None:
         self.state = state
         self.load = load  # None: serve the loaded model only (as with --force-model)
+        self.idle_timeout_s = idle_timeout_s  # unload the resident model after this long unused; None: never
         self.num_leases = 0  # requests using the resident model
         self.loading: str | None = None  # the model being swapped in
+        self.asleep: str | None = None  # spec of the model unloaded for idleness, loaded again when asked for
         self._swap: asyncio.Future | None = None
         self._idle: asyncio.Event | None = None  # set when num_leases is 0; made on the loop
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @property
     def on_demand(self) -> bool:
@@ -64,11 +70,14 @@ class ModelRegistry:
             if swap is None:
                 if state.engine is not None and (name is None or name in state.model_aliases):
                     return self._lease(request)
-                if name is None:
+                if self.asleep is not None and (name is None or name in state.model_aliases):
+                    swap, target = self._start_swap(self.asleep), name  # wake the idle-unloaded model
+                elif name is None:
                     raise ApiError(503, "no model is loaded; name one in `model` (see GET /v1/models)",
                                    code="model_not_loaded")
-                self.check_loadable(name)
-                swap, target = self._start_swap(name), name
+                else:
+                    self.check_loadable(name)
+                    swap, target = self._start_swap(name), name
             try:
                 await asyncio.shield(swap)
             except ApiError:
@@ -79,6 +88,7 @@ class ModelRegistry:
     def _lease(self, request: web.Request) -> str:
         self.num_leases += 1
         self._idle_event().clear()
+        self._cancel_idle_timer()
         request[LEASE] = self.state.model_name
         return self.state.model_name
 
@@ -88,6 +98,7 @@ class ModelRegistry:
             self.num_leases -= 1
             if not self.num_leases:
                 self._idle_event().set()
+                self.arm_idle_timer()
 
     def _idle_event(self) -> asyncio.Event:
         if self._idle is None:
@@ -95,6 +106,44 @@ class ModelRegistry:
             if not self.num_leases:
                 self._idle.set()
         return self._idle
+
+    # -- idle timeout -------------------------------------------------------------------------------------
+
+    def arm_idle_timer(self) -> None:
+        """(Re)start the idle countdown of the resident model, when an idle timeout is set and no request uses
+        it. Called on the loop; a call with no running loop (a state built outside a server) does nothing."""
+        self._cancel_idle_timer()
+        if not self.idle_timeout_s or not self.on_demand or self.num_leases or self.state.engine is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._idle_timer = loop.call_later(self.idle_timeout_s, self._on_idle_timeout)
+
+    def _cancel_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _on_idle_timeout(self) -> None:
+        from tfserve.server.state import READY
+
+        self._idle_timer = None
+        state = self.state
+        if self.num_leases or self._swap is not None or state.engine is None or state.status != READY:
+            return
+        self._swap = asyncio.ensure_future(self._sleep())  # requests arriving meanwhile wait, then reload it
+        self._swap.add_done_callback(self._swap_done)
+
+    async def _sleep(self) -> None:
+        state = self.state
+        name, aliases = state.model_name, state.model_aliases
+        logger.info("unloading %s after %.0f s without requests; the next request loads it again", name,
+                    self.idle_timeout_s)
+        self.asleep = state.model_spec
+        await self.unload()
+        state.model_name, state.model_aliases = name, aliases  # still listed and named: asleep, not gone
 
     # -- what can be served -------------------------------------------------------------------------------
 
@@ -109,6 +158,8 @@ class ModelRegistry:
                 kind = resolve_model(name).kind
             except ModelNotFoundError as exc:
                 why = str(exc)
+            except (OSError, ValueError):  # a name the filesystem refuses (too long): no such model
+                why = "no such model"
             else:
                 if kind in ("store", "hf_cache"):
                     return
@@ -167,6 +218,7 @@ class ModelRegistry:
         except ApiError:
             async_engine.stop()
             raise
+        self.asleep = None
         self.state.set_engine(engine, async_engine, name, *path)
         self.state.model_aliases.add(spec)
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
-from tfserve.server.chat import render_chat
+from tfserve.server.chat import render_chat, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
-from tfserve.server.protocol import field, make_params, read_json, sampling_kwargs, text_of, use_model
+from tfserve.server.protocol import field, make_params, param_names, read_json, sampling_kwargs, text_of, use_model
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 
@@ -32,12 +32,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     instructions = field(body, "instructions", str)
     metadata = field(body, "metadata", dict, {})
     messages = parse_input(body, instructions)
-    prompt_ids = render_chat(state.engine.tokenizer, messages, None)
     kwargs = sampling_kwargs(body, max_tokens_fields=("max_output_tokens",))
     kwargs.pop("n", None)
     stream = field(body, "stream", bool, False)
-    params = make_params(kwargs, len(prompt_ids), state.engine)
-    usage = admit(state, request, [prompt_ids], params)
+    prompt_ids = render_chat(state.engine.tokenizer, messages, None, template_kwargs(state, body))
+    names = param_names(body, ("max_output_tokens",), "input")
+    params = make_params(kwargs, len(prompt_ids), state.engine, names)
+    usage = admit(state, request, [prompt_ids], params, names)
     reply = _Reply(model, instructions, metadata, body, params)
     async with aclosing(run_choices(state, usage, [prompt_ids], params)) as outputs:
         if stream:

@@ -21,7 +21,8 @@ LOADING, READY, DRAINING = "loading", "ready", "draining"
 class ServerState:
     """The model holder and lifecycle of one server. Lives on the event loop's thread."""
 
-    def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None) -> None:
+    def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None,
+                 model_timeout_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.engine: Any = None  # tfserve Engine, once loaded
         self.async_engine: Any = None
         self.model_name: str | None = None
@@ -35,7 +36,9 @@ class ServerState:
         self.num_active = 0  # HTTP requests being answered (draining waits for 0)
         self.token_texts: TokenTexts | None = None
         self.metrics = ServerMetrics(self)
-        self.models = ModelRegistry(self, load)  # `load(spec)` loads other models on demand; None: never
+        self.models = ModelRegistry(self, load, model_timeout_s)  # `load(spec)` loads models on demand; None: never
+        # defaults for every chat template render (--chat-template-kwargs, --reasoning); a request's own override
+        self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
 
     def set_engine(self, engine: Any, async_engine: Any, name: str, path: str | Path | None = None) -> None:
@@ -48,6 +51,7 @@ class ServerState:
         self.token_texts = TokenTexts(engine.tokenizer) if engine.tokenizer is not None else None
         if self.status == LOADING:
             self.status = READY
+        self.models.arm_idle_timer()
 
     def clear_engine(self) -> None:
         """Forget the served model (the registry stops and frees it); the server stays ready."""

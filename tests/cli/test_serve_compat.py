@@ -1,0 +1,254 @@
+"""`tfserve serve` takes `transformers serve` command lines unchanged: every flag is parsed and mapped to
+tfserve's options (checked here up to the point the server would listen: nothing is loaded or bound), and a
+bad value is one line, never a traceback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from typer.testing import CliRunner
+
+from tfserve.cli import app
+from tfserve.cli import serve as serve_cli
+from tfserve.cli.serve_compat import normalize_args
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def served(monkeypatch, tmp_path):
+    """Run `tfserve serve ARGS` up to listening; returns what it would have served (or the failed result)."""
+    from tfserve.server import app as server_app
+    from tfserve.server import run
+    from tfserve.server.state import STATE
+
+    seen: dict = {}
+    real_create_app = server_app.create_app
+
+    def create_app(state, **kwargs):
+        seen["app_kwargs"] = kwargs
+        return real_create_app(state, **kwargs)
+
+    async def fake_run(app, host, port, *, drain_timeout, load, on_ready):
+        seen.update(state=app[STATE], host=host, port=port, drain_timeout=drain_timeout, load=load)
+
+    def fake_load_engine(spec, load_options, engine_kwargs, show_progress=True):
+        seen.update(spec=spec, load_options=load_options, engine_kwargs=engine_kwargs)
+        return ("engine", "async_engine", spec, None)
+
+    monkeypatch.setattr(server_app, "create_app", create_app)
+    monkeypatch.setattr(run, "serve", fake_run)
+    monkeypatch.setattr(serve_cli, "load_engine", fake_load_engine)
+    model_dir = tmp_path / "Qwen3-1.7B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+
+    def serve(*args: str):
+        args = [str(model_dir) if a == "MODEL_DIR" else a for a in args]
+        result = runner.invoke(app, ["serve", *args], env={"COLUMNS": "200", "NO_COLOR": "1"}, prog_name="tfserve")
+        seen["result"] = result
+        if result.exit_code == 0 and "load" in seen:
+            seen["load"]()  # what the server runs on its loading thread
+        return seen
+
+    logger = logging.getLogger("tfserve")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield serve
+    logger.handlers[:] = saved[0]  # serve pointed it at CliRunner's stream
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_warning()
+
+
+def ok(seen) -> dict:
+    result = seen["result"]
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    return seen
+
+
+# every command line of the transformers serve docs (serving.md, serving_optims.md, the integrations' pages)
+DOC_LINES = [
+    "",
+    "--port 8000",
+    "--enable-cors",
+    "--model-timeout 400",
+    "--continuous-batching --attn-implementation sdpa",
+    "--quantization bnb-4bit",
+    "--continuous-batching --dtype bfloat16",
+    "--compile",
+    "MODEL_DIR --reasoning on",
+    "MODEL_DIR --chat-template-kwargs {\"enable_thinking\":true}",
+    "MODEL_DIR --continuous-batching --dtype bfloat16",
+    "--force-model MODEL_DIR --port 8000 --continuous-batching",
+    "--continuous_batching --attn_implementation sdpa_paged --log_level warning",
+    "--trust_remote_code True --enable_cors true --default_seed 42 --input_validation",
+]
+
+
+@pytest.mark.parametrize("line", DOC_LINES)
+def test_transformers_serve_doc_lines_run_unchanged(served, line):
+    seen = ok(served(*line.split()))
+    assert seen["port"] == 8000
+
+
+def test_flags_map_to_tfserve_options(served):
+    seen = ok(served(
+        "MODEL_DIR", "--cb-block-size", "32", "--cb-num-blocks", "100", "--cb-max-batch-tokens", "256",
+        "--cb-max-memory-percent", "0.5", "--enable-cors", "--model-timeout", "30", "--reasoning", "off",
+        "--chat-template-kwargs", '{"custom": 1, "enable_thinking": true}', "--generation-config", "none",
+        "--host", "0.0.0.0", "--port", "9001", "--device", "cpu", "--dtype", "float32", "--trust-remote-code"))
+    assert seen["engine_kwargs"] == {"max_batch_tokens": 256, "max_num_seqs": 64, "block_size": 32, "num_blocks": 100,
+                                     "kv_cache_memory": 0.5, "enable_prefix_caching": True,
+                                     "generation_config": "none"}
+    assert seen["load_options"] == {"dtype": "float32", "device": "cpu", "quantization": "none",
+                                    "attn_implementation": None, "trust_remote_code": True}
+    state = seen["state"]
+    assert state.force_model and seen["spec"].endswith("Qwen3-1.7B")  # the positional MODEL is pinned
+    assert state.chat_template_kwargs == {"custom": 1, "enable_thinking": False}  # --reasoning wins, as there
+    assert state.models.idle_timeout_s == 30
+    assert list(seen["app_kwargs"]["cors_allow_origins"]) == ["*"]
+    assert (seen["host"], seen["port"]) == ("0.0.0.0", 9001)
+    assert "--model-timeout has no effect with a pinned model" in seen["result"].output
+
+
+def test_model_timeout_unloads_on_demand_models_only_when_asked(served):
+    assert ok(served("--model-timeout", "30"))["state"].models.idle_timeout_s == 30
+    assert ok(served())["state"].models.idle_timeout_s is None  # -1: never (transformers' default is 300)
+
+
+def test_reasoning_on_and_auto(served):
+    assert ok(served("--reasoning", "on"))["state"].chat_template_kwargs == {"enable_thinking": True}
+    assert ok(served())["state"].chat_template_kwargs == {}
+
+
+def test_continuous_batching_is_accepted_with_one_note(served):
+    output = ok(served("--continuous-batching"))["result"].output
+    assert output.count("continuous batching is always on") == 1
+    assert "has no effect" in ok(served("--no-continuous-batching"))["result"].output
+
+
+@pytest.mark.parametrize("flag,note", [
+    ("--compile", "torch.compile"), ("--cb-use-cuda-graph", "CUDA graphs"), ("--input-validation", "validates"),
+    ("--non-blocking", "foreground"), ("--use-bnb-nested-quant", "bitsandbytes"),
+])
+def test_flags_without_effect_say_so_in_one_line(served, flag, note):
+    output = ok(served(flag))["result"].output
+    assert [line for line in output.splitlines() if note in line][0].startswith("Note: ")
+
+
+def test_decision_config_is_accepted(served):
+    assert "systemone" in ok(served("--decision-config", "decisions.json"))["result"].output
+
+
+@pytest.mark.parametrize("args,quantization", [
+    (["--load-in-4bit"], "bnb-4bit"), (["--load_in_8bit"], "bnb-8bit"), (["-q", "bnb-8bit"], "bnb-8bit"),
+    (["--quantization", "bnb-4bit", "--load-in-4bit"], "bnb-4bit"),
+])
+def test_legacy_quantization_flags(served, args, quantization):
+    assert ok(served(*args))["load_options"]["quantization"] == quantization
+
+
+def test_torch_dtype_and_numeric_device(served):
+    seen = ok(served("--torch_dtype", "bfloat16", "--device", "0"))
+    assert seen["load_options"]["dtype"] == "bfloat16" and seen["load_options"]["device"] == "cuda:0"
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager", "paged|sdpa", "paged|eager", "sdpa_paged", "paged_attention"])
+def test_transformers_attention_names_map_to_paged_attention(served, name):
+    seen = ok(served("--attn-implementation", name))
+    assert seen["load_options"]["attn_implementation"] is None  # tfserve's paged attention
+    assert "paged attention" in seen["result"].output
+
+
+def test_flash_attention_without_flash_attn_says_what_works(served, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    result = served("--attn-implementation", "flash_attention_2")["result"]
+    assert result.exit_code == 2 and "flash-attn" in result.output and "sdpa" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_flash_attention_needs_cuda(served, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    result = served("--attn-implementation", "flash_attention_2", "--device", "cpu")["result"]
+    assert_one_line(result, "needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("level", ["warning", "INFO", "Debug", "error", "critical", "detail"])
+def test_log_levels_are_case_insensitive(served, level):
+    ok(served("--log-level", level))
+    expected = logging.DEBUG if level == "detail" else getattr(logging, level.upper())
+    assert logging.getLogger("tfserve").level == expected
+    if expected != logging.INFO:
+        from transformers.utils import logging as hf_logging
+
+        assert hf_logging.get_verbosity() == expected
+
+
+def test_default_seed_seeds_torch_after_loading(served):
+    import torch
+
+    ok(served("--default-seed", "1234"))
+    first = torch.rand(3)
+    torch.manual_seed(1234)
+    assert torch.equal(first, torch.rand(3))
+
+
+def assert_one_line(result, fragment: str) -> None:
+    """Exit non-zero with one `Error:` line (after click's two usage lines at most) and no traceback."""
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    lines = [line.strip("│ ") for line in result.output.splitlines() if line.strip("│╭╮╰╯─ ")]
+    lines = [line for line in lines if not line.startswith(("Usage:", "Try '", "Error ─"))]
+    assert fragment in " ".join(lines), result.output
+    assert len(lines) <= 3, result.output  # click may wrap its one message over a few lines
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--port", "99999"], "65535"), (["--port", "-5"], "--port"), (["-p", "0"], "--port"),
+    (["--max-num-seqs", "-3"], "--max-num-seqs"), (["--max_num_seqs", "0"], "--max-num-seqs"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens"), (["--cb-max-batch-tokens", "-1"], "--cb-max-batch-tokens"),
+    (["--block-size", "24"], "power of two"), (["--cb_block_size", "3"], "power of two"),
+    (["--num-blocks", "0"], "--num-blocks"), (["--cb-num-blocks", "-4"], "--cb-num-blocks"),
+    (["--kv-cache-memory", "lots"], "not a size"), (["--kv-cache-memory", "1.5"], "fraction"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory"), (["--cb-max-memory-percent", "1.5"], "fraction"),
+    (["--cb-max-memory-percent", "0"], "fraction"), (["--max-body-size", "0"], "--max-body-size"),
+    (["--max-queued", "-1"], "--max-queued"), (["--drain-timeout", "-2"], "--drain-timeout"),
+    (["--model-timeout", "-7"], "--model-timeout"), (["--default-seed", "-1"], "--default-seed"),
+    (["--default-seed", str(2**64)], "--default-seed"), (["--chat-template-kwargs", "{bad"], "not JSON"),
+    (["--chat-template-kwargs", "[1]"], "JSON object"), (["--reasoning", "maybe"], "--reasoning"),
+    (["--log-level", "loud"], "--log-level"), (["--generation-config", "x"], "--generation-config"),
+    (["--attn-implementation", "flash_attention_3"], "flash_attention_2"), (["--dtype", "float8"], "--dtype"),
+    (["--torch-dtype", "float8"], "--torch-dtype"), (["--quantization", "bnb-2bit"], "--quantization"),
+    (["--load-in-4bit", "--load-in-8bit"], "conflicting quantizations"),
+    (["--block-size", "32", "--cb-block-size", "64"], "disagree"),
+    (["--max-batch-tokens", "512", "--cb_max_batch_tokens", "64"], "disagree"),
+    (["--kv-cache-memory", "1GiB", "--cb-max-memory-percent", "0.5"], "give one"),
+    (["a", "--force-model", "b"], "disagree"), (["--enable-cors=maybe"], "does not take a value"),
+    (["--model", "/no/such/dir"], "no such file or directory"),
+])
+def test_bad_values_are_one_line(served, args, fragment):
+    assert_one_line(served(*args)["result"], fragment)
+
+
+def test_normalize_args_touches_names_never_values():
+    from typer.main import get_command
+
+    command = get_command(app).commands["serve"]
+    params = command.get_params(command.make_context("serve", [], resilient_parsing=True))
+    args = ["--max_num_seqs", "8", "--api-key", "--not_an_option", "--chat_template_kwargs={\"a_b\": 1}",
+            "my_model", "--enable_cors", "false", "--trust_remote_code", "TRUE", "--no_compile=no", "--unknown_flag",
+            "-m", "--weird_name", "--", "--max_num_seqs"]
+    assert normalize_args(params, args) == [
+        "--max-num-seqs", "8", "--api-key", "--not_an_option", "--chat-template-kwargs={\"a_b\": 1}", "my_model",
+        "--no-enable-cors", "--trust-remote-code", "--compile", "--unknown_flag", "-m", "--weird_name", "--",
+        "--max_num_seqs"]

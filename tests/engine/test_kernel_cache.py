@@ -1,0 +1,37 @@
+"""The CPU kernels' build cache: keyed by everything that shapes the binary, under the tfserve home."""
+
+from __future__ import annotations
+
+from tfserve.engine import kernels
+
+
+def test_key_covers_the_cpu_features_and_flags(monkeypatch):
+    key = kernels.cache_key()
+    kernels.cache_key.cache_clear()
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"sse2"}))
+    other_cpu = kernels.cache_key()
+    kernels.cache_key.cache_clear()
+    monkeypatch.setattr(kernels, "_CFLAGS", [*kernels._CFLAGS, "-DEXTRA"])
+    other_flags = kernels.cache_key()
+    kernels.cache_key.cache_clear()
+    assert len({key, other_cpu, other_flags}) == 3
+
+
+def test_build_dir_is_under_the_home_unless_moved(monkeypatch, tmp_path):
+    monkeypatch.delenv("TFSERVE_KERNELS_DIR", raising=False)
+    monkeypatch.setenv("TFSERVE_HOME", str(tmp_path / "home"))
+    assert kernels.build_dir() == tmp_path / "home" / "kernels" / f"cpu_ops-{kernels.cache_key()}"
+    monkeypatch.setenv("TFSERVE_KERNELS_DIR", str(tmp_path / "k"))
+    assert kernels.build_dir().parent == tmp_path / "k"
+
+
+def test_isa_names_the_widest_path(monkeypatch):
+    for features, expected in [({"avx2", "avx512f"}, "AVX-512"), ({"avx2", "fma"}, "AVX2"), ({"asimd"}, "NEON"),
+                               (set(), "scalar")]:
+        monkeypatch.setattr(kernels, "cpu_features", lambda features=features: frozenset(features))
+        assert kernels.isa() == expected
+
+
+def test_switched_off_kernels_need_no_build(monkeypatch):
+    monkeypatch.setenv("TFSERVE_CPU_KERNELS", "0")
+    assert not kernels.needs_build()

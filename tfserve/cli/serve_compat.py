@@ -1,0 +1,162 @@
+"""`transformers serve` command lines, unchanged, against `tfserve serve`.
+
+Its flags are `serve`'s options (docs/transformers-serve.md says what each maps to); this module holds the
+ones that only exist for that, and the two things click cannot do itself:
+- `ServeCommand` reads transformers' spellings before click parses: `--max_num_seqs` is `--max-num-seqs`,
+  and a flag may carry a value (`--trust_remote_code true`), as transformers 4.x's argparse allowed;
+- `notes` says, in one line each, what a flag that changes nothing here would have done.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperCommand
+
+COMPAT = "transformers serve compatibility"
+_BOOLS = {"true": True, "t": True, "yes": True, "y": True, "1": True,
+          "false": False, "f": False, "no": False, "n": False, "0": False}
+
+
+class ServeCommand(TyperCommand):
+    """`tfserve serve`: arguments are normalised by `normalize_args` before click parses them."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, normalize_args(self.get_params(ctx), args))
+
+
+def normalize_args(params: list, args: list[str]) -> list[str]:
+    """transformers' spellings of this command's options -> ours. `--foo_bar[=V]` becomes `--foo-bar[=V]` when
+    that is an option here; `--flag true|false` (or `--flag=false`) becomes `--flag`, its `--no-` form, or
+    nothing. Values are never touched: the token after an option that takes one is copied as it is, and
+    everything after `--` too. Anything unknown is left for click to report."""
+    options = {name: param for param in params if param.param_type_name == "option"
+               for name in (*param.opts, *param.secondary_opts)}
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg == "--":
+            return [*out, arg, *args[i:]]
+        name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name.startswith("--") and name not in options and name.replace("_", "-") in options:
+            name = name.replace("_", "-")
+        param = options.get(name)
+        if param is None:
+            out.append(arg)
+        elif param.is_flag and not param.count:
+            if not eq and i < len(args) and args[i].lower() in _BOOLS:  # --enable_cors true
+                eq, value, i = "=", args[i], i + 1
+            out += _flag(param, name, value) if eq and value.lower() in _BOOLS else [name + eq + value]
+        else:
+            out.append(name + eq + value)
+            if not eq and i < len(args):  # the option's value, as it is
+                out.append(args[i])
+                i += 1
+    return out
+
+
+def _flag(param, name: str, value: str) -> list[str]:
+    """A boolean flag given a value (`--enable_cors true`, `--no-compile=false`) -> what click parses."""
+    truth = _BOOLS[value.lower()]
+    if name in param.secondary_opts:  # --no-foo false is --foo
+        truth, name = not truth, param.opts[0]
+    if truth:
+        return [name]
+    return [param.secondary_opts[0]] if param.secondary_opts else []
+
+
+ContinuousBatchingOpt = Annotated[bool | None, typer.Option(
+    "--continuous-batching/--no-continuous-batching", show_default=False, rich_help_panel=COMPAT,
+    help="Accepted: tfserve always batches continuously over a paged KV cache (--cb-* flags map to its options).")]
+CbUseCudaGraphOpt = Annotated[bool | None, typer.Option(
+    "--cb-use-cuda-graph/--no-cb-use-cuda-graph", show_default=False, rich_help_panel=COMPAT,
+    help="Accepted with a note: tfserve does not capture CUDA graphs.")]
+CompileOpt = Annotated[bool | None, typer.Option(
+    "--compile/--no-compile", show_default=False, rich_help_panel=COMPAT,
+    help="Accepted with a note: tfserve runs the model eagerly (torch.compile is not used).")]
+DecisionConfigOpt = Annotated[str | None, typer.Option(
+    metavar="PATH", show_default=False, rich_help_panel=COMPAT,
+    help="Accepted with a note: tfserve has no /v1/systemone endpoint to configure.")]
+# transformers 4.x's flags: accepted, not shown in --help (docs/transformers-serve.md lists them)
+InputValidationOpt = Annotated[bool, typer.Option(
+    "--input-validation", hidden=True, help="Accepted with a note: tfserve always validates requests.")]
+NonBlockingOpt = Annotated[bool, typer.Option(
+    "--non-blocking", hidden=True, help="Accepted with a note (transformers' test hook).")]
+LoadIn4bitOpt = Annotated[bool, typer.Option("--load-in-4bit", hidden=True, help="--quantization bnb-4bit.")]
+LoadIn8bitOpt = Annotated[bool, typer.Option("--load-in-8bit", hidden=True, help="--quantization bnb-8bit.")]
+Bnb4bitQuantTypeOpt = Annotated[str | None, typer.Option(
+    "--bnb-4bit-quant-type", hidden=True, help="Accepted with a note: bitsandbytes' default 4-bit type is used.")]
+UseBnbNestedQuantOpt = Annotated[bool, typer.Option(
+    "--use-bnb-nested-quant", hidden=True, help="Accepted with a note: no nested quantization.")]
+TorchDtypeOpt = Annotated[str | None, typer.Option(
+    "--torch-dtype", hidden=True, help="--dtype (transformers' deprecated spelling).")]
+
+
+class Reasoning(str, Enum):
+    on = "on"
+    off = "off"
+    auto = "auto"
+
+
+def check_json_object(value: str | None) -> str | None:
+    """--chat-template-kwargs: a JSON object, or one line saying what is wrong with it."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{value!r} is not JSON ({exc.msg} at column {exc.colno}); "
+                                 "e.g. '{\"enable_thinking\": false}'") from None
+    if not isinstance(parsed, dict):
+        raise typer.BadParameter(f"{value!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
+def chat_template_kwargs(text: str | None, reasoning: Reasoning) -> dict[str, Any]:
+    """The server's default chat template variables: --chat-template-kwargs, then --reasoning on|off as
+    enable_thinking (as transformers serve does; auto leaves it to the template)."""
+    kwargs = json.loads(text) if text else {}
+    if reasoning != Reasoning.auto:
+        kwargs["enable_thinking"] = reasoning == Reasoning.on
+    return kwargs
+
+
+def legacy_quantization(quantization: str, load_in_4bit: bool, load_in_8bit: bool) -> str:
+    """transformers 4.x's --load-in-4bit / --load-in-8bit -> --quantization; one line when they disagree."""
+    from tfserve.errors import TfserveError
+
+    wanted = {name for name, on in (("bnb-4bit", load_in_4bit), ("bnb-8bit", load_in_8bit)) if on}
+    if quantization != "none":
+        wanted.add(quantization)
+    if len(wanted) > 1:
+        raise TfserveError(f"conflicting quantizations ({', '.join(sorted(wanted))}): give one --quantization")
+    return wanted.pop() if wanted else "none"
+
+
+def notes(values: dict[str, Any]) -> list[str]:
+    """One line per accepted flag that changes nothing here, saying why. `values`: serve's parameters."""
+    lines = []
+    if values["continuous_batching"] is not None:
+        lines.append("continuous batching is always on in tfserve"
+                     + ("; --no-continuous-batching has no effect" if not values["continuous_batching"] else ""))
+    if values["compile"]:
+        lines.append("--compile has no effect: tfserve runs the model eagerly (no torch.compile)")
+    if values["cb_use_cuda_graph"]:
+        lines.append("--cb-use-cuda-graph has no effect: tfserve does not capture CUDA graphs")
+    if values["decision_config"]:
+        lines.append("--decision-config has no effect: tfserve has no /v1/systemone endpoint")
+    if values["input_validation"]:
+        lines.append("--input-validation has no effect: tfserve always validates requests (400 naming the field)")
+    if values["non_blocking"]:
+        lines.append("--non-blocking has no effect: tfserve serves in the foreground")
+    if values["bnb_4bit_quant_type"] or values["use_bnb_nested_quant"]:
+        lines.append("--bnb-4bit-quant-type/--use-bnb-nested-quant have no effect: bnb-4bit uses bitsandbytes' "
+                     "defaults")
+    if values["model_timeout"] > 0 and values["force_model"]:
+        lines.append("--model-timeout has no effect with a pinned model (MODEL or --force-model), as in "
+                     "transformers serve")
+    return lines

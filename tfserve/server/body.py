@@ -1,0 +1,117 @@
+"""Request bytes -> one JSON object, or a 4xx naming what is wrong: the Content-Encoding (decoded here, not by
+aiohttp, so that a bad one is a JSON error and the keep-alive connection stays usable), then strict JSON as
+OpenAI's parser reads it: no NaN or Infinity, no number too large for a double, at most `MAX_DEPTH` levels of
+nesting, and strings that are valid Unicode (no lone UTF-16 surrogates from `\\ud800` escapes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from typing import Any
+
+from aiohttp import web
+
+from tfserve.server.errors import ApiError, bad_request
+
+MAX_DEPTH = 64  # levels of arrays and objects; tool schemas need a dozen at most
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+_CONTAINERS = (dict, list)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a JSON body can hold a surrogate
+
+
+class _StrictJsonError(ValueError):
+    """A value JSON allows in Python but not in OpenAI's parser."""
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 400 when it is not one, 413 when it (decompressed) is over `client_max_size`,
+    415 for a Content-Encoding other than identity, gzip and deflate."""
+    raw = await request.read()
+    for coding in reversed(_codings(request.headers.get("Content-Encoding", ""))):
+        raw = _decode(raw, coding, request.client_max_size)
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
+    body = loads(raw)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_unicode(body)
+    return body
+
+
+def loads(text: str | bytes, param: str | None = None) -> Any:
+    """Strict JSON (see the module docstring); a 400 naming `param` when it is not."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise bad_request(f"the JSON is nested too deeply (at most {MAX_DEPTH} levels)", param) from None
+    except ValueError as exc:  # also UnicodeDecodeError, and ints over Python's 4,300-digit limit
+        what = "the request body" if param is None else param
+        raise bad_request(f"{what} is not valid JSON: {exc}", param) from None
+    if isinstance(value, (dict, list)) and _num_brackets(text) > MAX_DEPTH:  # else it cannot be too deep
+        _check_depth(value, param)
+    return value
+
+
+def _num_brackets(text: str | bytes) -> int:
+    square, curly = (b"[", b"{") if isinstance(text, bytes) else ("[", "{")
+    return text.count(square) + text.count(curly)
+
+
+def _reject_constant(name: str) -> Any:
+    raise _StrictJsonError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _StrictJsonError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _check_depth(value: dict | list, param: str | None) -> None:
+    # an explicit stack: a recursive walk would itself overflow on the bodies it is meant to refuse
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"the JSON is nested too deeply (at most {MAX_DEPTH} levels)", param)
+        for child in value.values() if type(value) is dict else value:
+            if type(child) in _CONTAINERS:
+                stack.append((child, depth + 1))
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        try:
+            json.dumps({name: value}, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request(f"{name} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
+                              "strings must be valid Unicode", name) from None
+
+
+def _codings(header: str) -> list[str]:
+    return [c.strip().lower() for c in header.split(",") if c.strip() and c.strip().lower() != "identity"]
+
+
+def _decode(raw: bytes, coding: str, max_size: int) -> bytes:
+    """One Content-Encoding undone, never to more than `max_size` bytes (a small gzip can inflate to gigabytes)."""
+    wbits = _WBITS.get(coding)
+    if wbits is None:
+        raise ApiError(415, f"Content-Encoding {coding!r} is not supported; send the body plain, gzip or deflate",
+                       code="unsupported_content_encoding")
+    if coding == "deflate" and raw and raw[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS  # a raw deflate stream without the zlib header, as some clients send
+    decompressor = zlib.decompressobj(wbits)
+    try:
+        body = decompressor.decompress(raw, max_size + 1)
+    except zlib.error as exc:
+        raise bad_request(f"the request body is not valid {coding} data ({exc})") from None
+    if len(body) > max_size:
+        raise ApiError(413, f"the request body is over {max_size} bytes once decompressed",
+                       code="request_too_large")
+    if not decompressor.eof:
+        raise bad_request(f"the request body is truncated {coding} data")
+    return body
