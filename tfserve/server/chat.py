@@ -170,7 +170,7 @@ class _Reply(Reply):
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         if self.num_top is None:
             return None
-        return {"content": chat_logprobs(entries or [], self.state.token_texts, self.num_top)}
+        return {"content": chat_logprobs(entries or [], self.state.token_texts, self.num_top), "refusal": None}
 
     async def complete(self, outputs, usage, n: int) -> web.Response:
         finals: dict[int, Any] = {}
@@ -180,12 +180,12 @@ class _Reply(Reply):
         choices = []
         for index in range(n):
             output = finals[index]
-            message: dict[str, Any] = {"role": "assistant", "content": output.text}
+            message: dict[str, Any] = {"role": "assistant", "content": output.text, "refusal": None}
             finish_reason = output.finish_reason
             if self.tools:
                 content, calls = parse_tool_calls(output.text)
                 if calls:
-                    message = {"role": "assistant", "content": content,
+                    message = {"role": "assistant", "content": content, "refusal": None,
                                "tool_calls": [call.to_openai() for call in calls]}
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tfserve import __version__
 from tfserve.server.errors import ApiError, from_value_error
 from tfserve.server.protocol import too_many
 from tfserve.server.state import ServerState
@@ -135,6 +136,10 @@ def _check_finished(output: Any) -> None:
         raise ApiError(503, "the request was aborted: the server is shutting down", code="server_draining")
 
 
+# OpenAI's schema wants a string; ours names the server build that answered
+SYSTEM_FINGERPRINT = f"fp_tfserve_{__version__}"
+
+
 class Reply:
     """What one request's response objects share: id, creation time, model, and the envelope around the
     choices (`chat.completion`, `text_completion` and their stream chunks)."""
@@ -148,7 +153,7 @@ class Reply:
 
     def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, **extra}
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, **extra}
 
     def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
         body = self.envelope(self.chunk_object, choices)

@@ -100,7 +100,9 @@ class _Reply:
             "reasoning": {"effort": None, "summary": None}, "store": False,
             "temperature": self.params.temperature, "text": {"format": {"type": "text"}},
             "tool_choice": "none", "tools": [], "top_p": self.params.top_p, "truncation": "disabled",
-            "usage": _usage(usage) if final is not None else None, "user": None, "metadata": self.metadata,
+            "metadata": self.metadata, "completed_at": int(time.time()) if status == "completed" else None,
+            # OpenAI's schema types usage as an object: absent, not null, until there is one
+            **({"usage": _usage(usage)} if final is not None else {}),
         }
 
     async def _event(self, sse: EventStream, kind: str, **data: Any) -> None:
@@ -137,6 +139,9 @@ def _text_part(text: str) -> dict:
 
 
 def _usage(usage: Any) -> dict:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.num_cached_tokens},
+    # the prompt tokens not read from the prefix cache were computed and written to it
+    details = {"cached_tokens": usage.num_cached_tokens,
+               "cache_write_tokens": usage.prompt_tokens - usage.num_cached_tokens}
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": details,
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
