@@ -150,7 +150,9 @@ def scripted_generate(pieces: list[str], finish_reason: str = "stop", stop_token
     """A stand-in for `ServerState.generate` that "generates" `pieces`, one token each (a scripted model)."""
     from tfserve.engine.request import RequestMetrics, RequestOutput
 
-    def generate(prompt_ids, params):
+    def generate(request):
+        prompt_ids = request.prompt_token_ids
+
         async def outputs():
             if fail_with is not None:
                 raise fail_with

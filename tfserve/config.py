@@ -1,8 +1,11 @@
-"""Engine configuration: one dataclass, validated where it is made."""
+"""Engine configuration: one dataclass, validated where it is made. Every switch of the engine lives here,
+the forward backend and the CPU kernels included; the two environment variables operators used before
+(`TFSERVE_LEAN_FORWARD=0`, `TFSERVE_CPU_KERNELS=0`) are read here only, as the defaults of their fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
@@ -11,7 +14,7 @@ DEFAULT_CUDA_KV_CACHE_FRACTION = 0.7
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Sizes of the KV cache and of each step. Defaults serve a laptop CPU."""
+    """Sizes of the KV cache and of each step, and how a step runs. Defaults serve a laptop CPU."""
 
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks; None: from kv_cache_memory
@@ -21,6 +24,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # longest prompt + output; None: the model's context length
     generation_config: str = "auto"  # "auto": the model's generation_config gives absent sampling fields; "none"
+    # how a step's packed tokens become logits (engine/backends): "auto" picks the lean forward where it
+    # applies, "hf" the model's own forward, "lean" insists on the lean forward (an error where it cannot run)
+    forward_backend: str = field(default_factory=lambda: _env_default("TFSERVE_LEAN_FORWARD", "auto", "hf"))
+    cpu_kernels: bool = field(default_factory=lambda: _env_default("TFSERVE_CPU_KERNELS", True, False))
+    pack_weights: bool | None = None  # panel-packed linear weights (lean forward, CPU); None: where they help
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -34,6 +42,16 @@ class EngineConfig:
                f"must be >= 2 (got {self.max_model_len})")
         _check(self.generation_config in ("auto", "none"), "generation_config",
                f"must be auto or none (got {self.generation_config!r})")
+        _check(self.forward_backend in FORWARD_BACKENDS, "forward_backend",
+               f"must be one of {', '.join(FORWARD_BACKENDS)} (got {self.forward_backend!r})")
+
+
+FORWARD_BACKENDS = ("auto", "hf", "lean")
+
+
+def _env_default(name: str, default, when_off):
+    """`when_off` where the operator set the variable `name` to 0, else `default`."""
+    return when_off if os.environ.get(name, "1") == "0" else default
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -20,3 +20,16 @@ class DeviceError(TfserveError):
 
 class ModelLoadError(TfserveError):
     """A model that was found but that transformers could not load (bad files, unsupported architecture)."""
+
+
+class ContextLengthError(TfserveError, ValueError):
+    """A prompt that leaves no room to generate in the model's context or the KV cache. `param` names the
+    input to shorten ("prompt"); the server answers 400 `context_length_exceeded`."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ChatTemplateError(TfserveError, ValueError):
+    """The model has no chat template, or its template rejected the messages."""

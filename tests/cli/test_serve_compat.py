@@ -9,6 +9,7 @@ import logging
 import pytest
 from typer.testing import CliRunner
 
+from tfserve.config import EngineConfig
 from tfserve.cli import app
 from tfserve.cli import serve as serve_cli
 from tfserve.cli.serve_compat import normalize_args
@@ -101,9 +102,9 @@ def test_flags_map_to_tfserve_options(served):
         "--cb-max-memory-percent", "0.5", "--enable-cors", "--model-timeout", "30", "--reasoning", "off",
         "--chat-template-kwargs", '{"custom": 1, "enable_thinking": true}', "--generation-config", "none",
         "--host", "0.0.0.0", "--port", "9001", "--device", "cpu", "--dtype", "float32", "--trust-remote-code"))
-    assert seen["engine_kwargs"] == {"max_batch_tokens": 256, "max_num_seqs": 64, "block_size": 32, "num_blocks": 100,
-                                     "kv_cache_memory": 0.5, "enable_prefix_caching": True,
-                                     "generation_config": "none"}
+    assert seen["engine_kwargs"] == EngineConfig(max_batch_tokens=256, max_num_seqs=64, block_size=32, num_blocks=100,
+                                                 kv_cache_memory=0.5, enable_prefix_caching=True,
+                                                 generation_config="none")
     assert seen["load_options"] == {"dtype": "float32", "device": "cpu", "quantization": "none",
                                     "attn_implementation": None, "trust_remote_code": True}
     state = seen["state"]

@@ -23,6 +23,7 @@ def admit(pool: BlockPool, request: Request) -> list[int]:
     cached = pool.find_cached_prefix(request)
     num_new = request.num_tokens - len(cached) * pool.block_size
     assert pool.allocate(request, num_new, cached)
+    request.num_computed_tokens += len(cached) * pool.block_size  # the scheduler's part of taking a hit
     return cached
 
 
@@ -54,7 +55,7 @@ def test_allocate_and_free_counts():
     assert len(request.block_ids) == 4
 
     pool.free_request(request)
-    assert request.block_ids == [] and request.num_computed_tokens == 0
+    assert request.block_ids == [] and request.num_computed_tokens == 12  # the scheduler's to reset, not the pool's
     assert pool.num_free_blocks == 8
     assert pool.ref_counts == [0] * 8
 
@@ -117,7 +118,7 @@ def test_full_prompt_hit_leaves_last_token_to_compute():
     hit = pool.find_cached_prefix(b)
     assert hit == a.block_ids[:1]  # the second block holds the last token, which must run for logits
     assert pool.allocate(b, b.num_tokens - len(hit) * BLOCK_SIZE, hit)
-    assert b.num_computed_tokens == 4
+    assert b.block_ids[:1] == hit and len(b.block_ids) == 2
 
     # One token past the blocks: both blocks hit, one token left.
     c = make_request("c", prompt + [99])

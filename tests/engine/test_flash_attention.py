@@ -107,11 +107,11 @@ def test_a_model_loaded_for_flash_attention_runs_the_flash_path(fake_flash, make
                                                                 monkeypatch):
     from tfserve import SamplingParams
 
-    monkeypatch.setenv("TFSERVE_LEAN_FORWARD", "0")  # its fused CPU decode would bypass attention here
+    # the model's own forward: the lean forward's fused CPU decode would bypass attention here
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["hello world", "the quick brown fox jumps over the lazy dog"]
-    expected = [o.generated_tokens for o in make_engine().generate_batch(prompts, params).values()]
+    expected = [o.generated_tokens for o in make_engine(forward_backend="hf").generate_batch(prompts, params).values()]
     monkeypatch.setattr(llama.config, "_attn_implementation", "flash_attention_2")
-    engine = make_engine()
+    engine = make_engine(forward_backend="hf")
     assert engine.runner.flash_attention
     assert [o.generated_tokens for o in engine.generate_batch(prompts, params).values()] == expected

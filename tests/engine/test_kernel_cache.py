@@ -32,6 +32,9 @@ def test_isa_names_the_widest_path(monkeypatch):
         assert kernels.isa() == expected
 
 
-def test_switched_off_kernels_need_no_build(monkeypatch):
-    monkeypatch.setenv("TFSERVE_CPU_KERNELS", "0")
-    assert not kernels.needs_build()
+def test_switched_off_kernels_are_never_built(monkeypatch):
+    from tfserve.config import EngineConfig
+
+    monkeypatch.setenv("TFSERVE_CPU_KERNELS", "0")  # what operators set: the config's default follows it
+    assert EngineConfig().cpu_kernels is False
+    assert EngineConfig(cpu_kernels=True).cpu_kernels is True

@@ -16,8 +16,10 @@ from transformers import (  # noqa: E402
 )
 
 from tfserve import Engine, SamplingParams  # noqa: E402
-from tfserve.engine import lean_forward  # noqa: E402
-from tfserve.engine.lean_forward import LeanForward  # noqa: E402
+from tfserve.config import EngineConfig  # noqa: E402
+from tfserve.engine.backends import lean, select_backend  # noqa: E402
+from tfserve.engine.backends.hf import HFForward  # noqa: E402
+from tfserve.engine.backends.lean import LeanForward  # noqa: E402
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -34,14 +36,14 @@ def _model(arch):
     raise ValueError(arch)
 
 
-def _step_logits(model, lean: bool, kernels: bool = True) -> list[torch.Tensor]:
+def _step_logits(model, use_lean: bool, kernels: bool = True) -> list[torch.Tensor]:
     """The logits of every step of a small mixed workload (prefills, chunks, decodes)."""
-    engine = Engine(model, block_size=4, num_blocks=64, max_batch_tokens=24)
-    if not lean:
-        engine.runner.lean_forward = None
-    elif not kernels:  # the torch versions of the fused ops
-        engine.runner.lean_forward.rotary = lean_forward._rotary_embedding_
-        engine.runner.lean_forward.rms_norm = lean_forward._rms_norm
+    engine = Engine(model, block_size=4, num_blocks=64, max_batch_tokens=24,
+                    forward_backend="lean" if use_lean else "hf")
+    assert engine.runner.forward.name == ("lean" if use_lean else "hf")
+    if use_lean and not kernels:  # the torch versions of the fused ops
+        engine.runner.forward.rotary = lean._rotary_embedding_
+        engine.runner.forward.rms_norm = lean._rms_norm
     captured = []
     sampler = engine.runner.sampler
     engine.runner.sampler = lambda logits, requests: (captured.append(logits.clone()), sampler(logits, requests))[1]
@@ -54,16 +56,27 @@ def _step_logits(model, lean: bool, kernels: bool = True) -> list[torch.Tensor]:
 @pytest.mark.parametrize("arch,kernels", [("llama", True), ("mistral", True), ("qwen3", True), ("llama", False)])
 def test_lean_logits_are_bit_identical(arch, kernels):
     model = _model(arch).eval()
-    assert LeanForward.for_model(model) is not None
-    lean, reference = _step_logits(model, lean=True, kernels=kernels), _step_logits(model, lean=False)
-    assert len(lean) == len(reference) > 10
-    for a, b in zip(lean, reference):
+    assert LeanForward.why_not(model) is None
+    fast, reference = _step_logits(model, use_lean=True, kernels=kernels), _step_logits(model, use_lean=False)
+    assert len(fast) == len(reference) > 10
+    for a, b in zip(fast, reference):
         assert torch.equal(a, b)
 
 
 def test_other_models_keep_their_own_forward(monkeypatch):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    assert LeanForward.for_model(gpt2) is None
-    assert LeanForward.for_model(_model("llama").to(torch.bfloat16)) is None
-    monkeypatch.setenv("TFSERVE_LEAN_FORWARD", "0")
-    assert LeanForward.for_model(_model("llama")) is None
+    assert "GPT2LMHeadModel is not one of" in LeanForward.why_not(gpt2)
+    assert "bfloat16" in LeanForward.why_not(_model("llama").to(torch.bfloat16))
+    assert isinstance(select_backend(gpt2, EngineConfig(), None), HFForward)
+    with pytest.raises(ValueError, match="forward_backend lean cannot run this model: GPT2LMHeadModel"):
+        select_backend(gpt2, EngineConfig(forward_backend="lean"), None)
+    monkeypatch.setenv("TFSERVE_LEAN_FORWARD", "0")  # what operators set: the config's default follows it
+    assert isinstance(select_backend(_model("llama"), EngineConfig(), None), HFForward)
+
+
+def test_the_engine_leaves_the_callers_model_as_it_was():
+    model = _model("llama").eval()
+    Engine(model, block_size=4, num_blocks=16)
+    for module in model.modules():
+        assert "forward" not in vars(module)
+        assert not [name for name in vars(module) if name.startswith("_tfserve")]

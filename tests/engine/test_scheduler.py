@@ -46,7 +46,7 @@ def run_step(scheduler: Scheduler, next_token: int = 7) -> SchedulerOutput:
     block_size = scheduler.block_pool.block_size
     for request, n in zip(plan.requests, plan.num_new_tokens):
         assert len(request.block_ids) * block_size >= request.num_computed_tokens + n
-        request.num_computed_tokens += n
+    scheduler.advance(plan)
     for request in plan.requests:
         if request.num_computed_tokens == request.num_tokens:
             request.token_ids.append(next_token)
@@ -276,3 +276,19 @@ def test_scheduler_and_block_pool_import_no_torch():
     code = ("import sys, tfserve.engine.scheduler, tfserve.engine.kv_cache, tfserve.engine.request, "
             "tfserve.sampling_params; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_scheduler_alone_moves_num_computed_tokens():
+    scheduler = make_scheduler(block_size=4)
+    first = make_request("first", 10, first_token=500)
+    scheduler.add(first)
+    run_step(scheduler)
+    second = make_request("second", 10, first_token=500)  # the same 10-token prompt: two full blocks hit
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert second in plan.requests and second.num_computed_tokens == 8
+    assert plan.num_new_tokens[plan.requests.index(second)] == 2
+    scheduler.advance(plan)
+    assert second.num_computed_tokens == 10
+    scheduler.finish(second, RequestStatus.FINISHED_ABORTED)
+    assert second.num_computed_tokens == 0 and second.block_ids == []

@@ -147,10 +147,10 @@ def test_one_failing_request_is_a_500_for_it_alone(start_server, async_engine):
     live = start_server()
     real = live.state.generate
 
-    def generate(prompt_ids, params):
-        if params.max_tokens == 7:
-            return scripted_generate([], fail_with=RuntimeError("boom"))(prompt_ids, params)
-        return real(prompt_ids, params)
+    def generate(request):
+        if request.params.max_tokens == 7:
+            return scripted_generate([], fail_with=RuntimeError("boom"))(request)
+        return real(request)
 
     live.state.generate = generate
     results = {}

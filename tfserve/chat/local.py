@@ -9,6 +9,7 @@ from typing import Any
 
 from tfserve.chat.client import ChatError, ReplyStats
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
+from tfserve.engine.chat_template import ChatTemplateError, has_chat_template, render_chat
 from tfserve.engine.request import RequestOutput
 
 POLL_S = 0.1  # wait for outputs in slices so Ctrl-C is seen at once
@@ -23,7 +24,7 @@ class LocalBackend:
         self.manager = manager.start()
         self.engine = manager.engine
         self.model = model
-        if not getattr(self.engine.tokenizer, "chat_template", None):
+        if not has_chat_template(self.engine.tokenizer):
             raise ChatError(f"{model} has no chat template, so it cannot chat; try an instruct model")
 
     def list_models(self) -> list[str]:
@@ -42,13 +43,10 @@ class LocalBackend:
         return _LocalReply(self.manager, request_id, outputs, len(prompt_ids))
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        from jinja2 import TemplateError
-
         try:
-            rendered = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise ChatError(f"the chat template rejected the conversation: {exc}") from None
-        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+            return render_chat(self.engine.tokenizer, messages)
+        except ChatTemplateError as exc:
+            raise ChatError(str(exc)) from None
 
     def close(self) -> None:
         self.manager.stop()

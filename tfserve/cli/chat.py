@@ -93,7 +93,7 @@ def load_local(spec: str, load_options: dict):
     from tfserve.chat.local import LocalBackend
     from tfserve.cli.serve import load_engine
 
-    engine, async_engine, name, _ = load_engine(spec, load_options, {})
+    engine, async_engine, name, _ = load_engine(spec, load_options)
     return LocalBackend(async_engine.manager, name)
 
 

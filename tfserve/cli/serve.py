@@ -209,14 +209,14 @@ def serve(
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value}
-    _check_engine_config(engine_kwargs)
+    engine_config = _engine_config(engine_kwargs)
     _configure_logging(log_level.value)
     _check_attention(attn_implementation, device, dtype)
     load_options = {"dtype": dtype, "device": device, "quantization": quantization,
                     "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
 
     def load_on_demand(other: str) -> tuple:
-        return load_engine(other, load_options, engine_kwargs, show_progress=False)
+        return load_engine(other, load_options, engine_config, show_progress=False)
 
     state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand,
                         model_timeout_s=model_timeout if model_timeout > 0 else None,
@@ -229,7 +229,7 @@ def serve(
 
     def load():
         try:
-            loaded = load_engine(spec, load_options, engine_kwargs)
+            loaded = load_engine(spec, load_options, engine_config)
         except ValueError as exc:  # e.g. a KV cache too small for one block
             raise TfserveError(f"cannot serve {spec}: {exc}") from None
         if default_seed is not None:  # after loading, so the first request draws the seed's first numbers
@@ -249,27 +249,18 @@ def serve(
         pass
 
 
-def load_engine(spec: str, load_options: dict, engine_kwargs: dict, show_progress: bool = True) -> tuple:
+def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True) -> tuple:
     """Load the model and start the engine: the arguments of `ServerState.set_engine`. Loads on demand
     show no progress bars (they would tangle with the access log)."""
     from contextlib import nullcontext
 
     from tfserve.cli.progress import step_progress
-    from tfserve.engine import kernels
     from tfserve.engine.async_engine import AsyncEngine
     from tfserve.engine.engine import Engine
-    from tfserve.models.loading import load_model
 
     with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
-        loaded = load_model(spec, progress=progress, **load_options)
-        if loaded.device == "cpu" and kernels.needs_build():
-            progress(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
-            kernels.cpu_ops()
-        progress("Allocating the KV cache")
-        engine = Engine(loaded.model, loaded.tokenizer, **engine_kwargs)
-    engine.model_name = loaded.name
-    engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
-    return engine, AsyncEngine(engine).start(), loaded.name, loaded.path
+        engine = Engine.from_pretrained(spec, engine_config, progress=progress, **load_options)
+    return engine, AsyncEngine(engine).start(), engine.model_name, engine.model_path
 
 
 def print_banner(state, url: str, has_api_key: bool) -> None:
@@ -372,11 +363,12 @@ def _check_attention(attn_implementation: str | None, device: str, dtype: str) -
                            "--dtype bfloat16 (or leave --dtype auto)")
 
 
-def _check_engine_config(engine_kwargs: dict) -> None:
+def _engine_config(engine_kwargs: dict):
+    """The one EngineConfig the flags describe; a bad value is one line naming the flag."""
     from tfserve.config import EngineConfig
 
     try:
-        EngineConfig(**engine_kwargs)
+        return EngineConfig(**engine_kwargs)
     except ValueError as exc:
         raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
 

@@ -1,4 +1,5 @@
-"""The asyncio face of the engine, for the server: `async for out in engine.generate(prompt_ids, params)`.
+"""The asyncio face of the engine, for the server: `async for out in engine.generate(prompt_ids, params)`, or
+`engine.generate_request(request)` for a request already built (and validated) by `Engine.make_requests`.
 
 The engine steps on its own thread (`BatchingManager`); each output is handed to the event loop with
 `call_soon_threadsafe`. Cancelling the consumer aborts the request, which frees its blocks before the
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from tfserve.engine.engine import Engine
 from tfserve.engine.manager import BatchingManager
-from tfserve.engine.request import RequestOutput
+from tfserve.engine.request import Request, RequestOutput
 from tfserve.sampling_params import SamplingParams
 
 
@@ -34,14 +36,24 @@ class AsyncEngine:
     async def generate(self, prompt: list[int] | str, params: SamplingParams | Any | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (one per new token, the last has `finish_reason`). Raises
-        `ValueError` for bad input before anything is queued."""
+        `ValueError` for bad input (or `n` other than 1) before anything is queued."""
+        requests = self.engine.make_requests(prompt, params, request_id)
+        if len(requests) != 1:
+            raise ValueError("n must be 1 here; stream each of Engine.make_requests' requests with generate_request")
+        async with aclosing(self.generate_request(requests[0])) as outputs:  # closed at once when left early
+            async for output in outputs:
+                yield output
+
+    async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of a request built by `Engine.make_requests`, queued as it is (not validated
+        again). Leaving the iteration before the last output aborts it and frees its KV blocks."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(output: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
-        request_id = self.manager.add_request(prompt, request_id, params, stream=True, sink=sink)
+        (request_id,) = self.manager.add_requests([request], stream=True, sink=sink)
         finished = False
         try:
             while not finished:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,6 +14,7 @@ from tfserve.engine.kv_cache import BlockPool
 from tfserve.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
+from tfserve.errors import ContextLengthError
 from tfserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -22,44 +24,55 @@ class Engine:
     """Continuous batching over a transformers causal LM: paged KV cache, prefix caching, chunked prefill,
     preemption, vectorised sampling. Not thread-safe: use `BatchingManager` (or `AsyncEngine`) to share it."""
 
-    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: float | int | None = None, max_batch_tokens: int = 512,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, pack_weights: bool | None = None,
-                 generation_config: str = "auto") -> None:
-        self.config = EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-            generation_config=generation_config,
-        )
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **overrides: Any) -> None:
+        """`config` (default: EngineConfig()) with any of its fields overridden by keyword, e.g.
+        `Engine(model, tokenizer, max_num_seqs=8)`; a bad value raises ValueError naming the field."""
+        config = config or EngineConfig()
+        self.config = config = dataclasses.replace(config, **overrides) if overrides else config
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, block_size, num_blocks, kv_cache_memory, pack_weights)
-        self.block_pool = BlockPool(self.runner.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_pool, max_batch_tokens, max_num_seqs)
+        self.runner = ModelRunner(model, config)
+        self.block_pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.max_model_len = max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         # what a request that leaves a sampling field out gets (as vLLM's --generation-config auto)
-        self.sampling_defaults = sampling_defaults(model) if generation_config == "auto" else {}
+        self.sampling_defaults = sampling_defaults(model) if config.generation_config == "auto" else {}
+        # where the model came from, for banners and /v1/models (from_pretrained fills them in)
+        self.model_name: str = type(model).__name__
+        self.model_path: str | None = None
+        self.device = str(self.runner.device)
+        self.dtype = self.runner.dtype
+        self.quantization = "none"
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                        quantization: str = "none", trust_remote_code: bool = False, progress=None,
-                        **engine_kwargs: Any) -> Engine:
-        """Load a model through the store's loader (store name, HF directory, .gguf file or cached hub id)."""
-        from tfserve.models.loading import load_model
-        from tfserve.models.registry import DEFAULT_MODEL
+    def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None, *, dtype: str = "auto",
+                        device: str = "auto", quantization: str = "none", attn_implementation: str | None = None,
+                        trust_remote_code: bool = False, progress=None, **overrides: Any) -> Engine:
+        """Load a model through the store's loader (store name, HF directory, .gguf file or cached hub id; the
+        default model is pulled when missing) and build the engine over it. `progress(step, ...)` is told each
+        stage: pull, load, the CPU kernels' first build, the KV cache."""
+        from tfserve.engine import kernels
+        from tfserve.models.loading import DEFAULT_MODEL, load_model
 
+        config = config or EngineConfig()
+        config = dataclasses.replace(config, **overrides) if overrides else config  # checked before a long load
         loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, quantization=quantization,
-                            trust_remote_code=trust_remote_code, progress=progress)
-        engine = cls(loaded.model, loaded.tokenizer, **engine_kwargs)
-        engine.model_name = loaded.name
+                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                            progress=progress)  # None: transformers' own bars
+        report = progress or _no_progress
+        if config.cpu_kernels and loaded.device == "cpu" and kernels.needs_build():
+            report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
+            kernels.cpu_ops()
+        report("Allocating the KV cache")
+        engine = cls(loaded.model, loaded.tokenizer, config)
+        engine.model_name, engine.model_path = loaded.name, str(loaded.path)
+        engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
         return engine
 
     # -- requests -----------------------------------------------------------------------------------
@@ -102,13 +115,18 @@ class Engine:
     def sampling_params(self, num_prompt_tokens: int, **kwargs: Any) -> SamplingParams:
         """SamplingParams for a prompt of `num_prompt_tokens`: fields left out (or None) take the model's
         generation_config defaults; a max_tokens still unset is what is left of the context and of the KV
-        cache. Raises ValueError naming a bad field."""
+        cache. Raises ValueError naming a bad field; ContextLengthError (a ValueError naming "prompt") for a
+        prompt that leaves no room to generate, whatever max_tokens says."""
+        capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
+        if num_prompt_tokens >= capacity:
+            raise ContextLengthError(
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: this model takes at "
+                f"most {capacity} tokens per sequence, prompt and output together")
         kwargs = {**self.sampling_defaults, **{k: v for k, v in kwargs.items() if v is not None}}
         if isinstance(kwargs.get("top_k"), int) and kwargs["top_k"] >= self.vocab_size:
             kwargs["top_k"] = 0  # keeps every token: the same as no top-k
         if kwargs.get("max_tokens") is None:
-            capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
-            kwargs["max_tokens"] = max(1, capacity - num_prompt_tokens)
+            kwargs["max_tokens"] = capacity - num_prompt_tokens
         return SamplingParams(**kwargs)
 
     def enqueue(self, request: Request) -> None:
@@ -176,8 +194,7 @@ class Engine:
             logger.exception("step failed; retrying its requests one by one")
             return self._step_one_by_one(plan)
         self.block_pool.commit()
-        for request, num_new in zip(plan.requests, plan.num_new_tokens):
-            request.num_computed_tokens += num_new
+        self.scheduler.advance(plan)
         return self._postprocess(sampled, samples)
 
     def _step_one_by_one(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -198,7 +215,7 @@ class Engine:
                 outputs.append(self.fail(request, f"{type(exc).__name__}: {exc}"))
                 continue
             self.block_pool.commit()
-            request.num_computed_tokens += num_new
+            self.scheduler.advance(single)
             outputs.extend(self._postprocess(sampled, samples))
         return outputs
 
@@ -359,6 +376,10 @@ def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     if eos is not None:
         ids.update([eos] if isinstance(eos, int) else eos)
     return frozenset(ids)
+
+
+def _no_progress(step: str, completed: int | None = None, total: int | None = None) -> None:
+    pass
 
 
 def _progress(total: int):

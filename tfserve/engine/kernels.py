@@ -6,8 +6,8 @@ binary: the source, the compiler and its flags, torch's and Python's versions, a
 features (the build uses `-march=native`). Two installs or checkouts on one machine share a build when they
 agree and never overwrite each other's when they do not.
 
-`TFSERVE_CPU_KERNELS=0` turns them off; when the compiler is missing or the build fails, the engine says
-so once and keeps to its pure-torch paths: the same results, except that linear layers of 2+ rows then
+`EngineConfig.cpu_kernels` (default from `TFSERVE_CPU_KERNELS`) turns them off; when the compiler is missing
+or the build fails, the engine says so once and keeps to its pure-torch paths: the same results, except that linear layers of 2+ rows then
 use F.linear (equally accurate, other rounding; see cpu_linear.py).
 """
 
@@ -33,11 +33,6 @@ _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 # instruction sets the kernels have paths for, best first, as /proc/cpuinfo names them
 _ISAS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"), ("neon", "NEON"))
-
-
-def enabled() -> bool:
-    """False when `TFSERVE_CPU_KERNELS=0` turns the kernels off."""
-    return os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0"
 
 
 @cache
@@ -86,18 +81,16 @@ def _module_name() -> str:
 
 
 def needs_build() -> bool:
-    """True when the kernels are on but not built for this machine yet (the next `cpu_ops()` compiles)."""
-    if not enabled() or cpu_ops.cache_info().currsize:
+    """True when the kernels are not built for this machine yet (the next `cpu_ops()` compiles)."""
+    if cpu_ops.cache_info().currsize:
         return False
     return not (build_dir() / f"{_module_name()}.so").is_file()
 
 
 @cache
 def cpu_ops():
-    """The compiled module (`paged_decode_attention`, `rotary_embedding_`, ...), or None where it is off or
-    cannot be built."""
-    if not enabled():
-        return None
+    """The compiled module (`paged_decode_attention`, `rotary_embedding_`, ...), or None where it cannot be
+    built."""
     try:
         from torch.utils.cpp_extension import load
 

@@ -92,7 +92,8 @@ class BlockPool:
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give `request` blocks for `num_new_tokens` more tokens (after `cached_blocks`, a prefix hit
-        taken on its first schedule). False, and nothing changed, when the pool is too short."""
+        taken on its first schedule). False, and nothing changed, when the pool is too short. The pool never
+        moves `request.num_computed_tokens`: the scheduler owns it."""
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids) - len(cached_blocks)
         num_reusable = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
@@ -106,7 +107,6 @@ class BlockPool:
                 del self.free[block_id]
             self.ref_counts[block_id] += 1
         request.block_ids.extend(cached_blocks)
-        request.num_computed_tokens = num_computed
         for _ in range(max(num_needed, 0)):
             block_id, _ = self.free.popitem(last=False)
             self._evict(block_id)
@@ -163,4 +163,3 @@ class BlockPool:
                 if self.block_hash[block_id] is None:
                     self.free.move_to_end(block_id, last=False)
         request.block_ids = []
-        request.num_computed_tokens = 0

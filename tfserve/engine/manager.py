@@ -65,24 +65,35 @@ class BatchingManager:
     def add_request(self, input_ids: list[int] | str, request_id: str | None = None,
                     params: SamplingParams | Any | None = None, stream: bool = False,
                     sink: Sink | None = None) -> str:
-        """Queue one request and return its id. `stream=True` delivers every new token's output, else only
-        the final one; `sink` (called on the engine thread) replaces the built-in queue."""
-        with self._lock:
-            if request_id is None:
-                request_id = f"req-{next(self._ids)}"
-            if request_id in self._sinks:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            requests = self.engine.make_requests(input_ids, params, request_id)
-            if len(requests) != 1:
-                raise ValueError("n must be 1 here; add one request per sample or use Engine.generate_batch")
-            own_queue = sink is None
-            if own_queue:
-                self._queues[request_id] = queue.SimpleQueue()
-                sink = self._queues[request_id].put
-            self._sinks[request_id] = (sink, stream, own_queue)
-        self._commands.put(("add", requests[0]))
-        self._wakeup.set()
+        """Validate and queue one request and return its id. `stream=True` delivers every new token's output,
+        else only the final one; `sink` (called on the engine thread) replaces the built-in queue."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._sinks:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        requests = self.engine.make_requests(input_ids, params, request_id)
+        if len(requests) != 1:
+            raise ValueError("n must be 1 here; add one request per sample or use Engine.generate_batch")
+        self.add_requests(requests, stream=stream, sink=sink)
         return request_id
+
+    def add_requests(self, requests: list[Request], stream: bool = False, sink: Sink | None = None) -> list[str]:
+        """Queue requests built by `Engine.make_requests` as they are (not validated again) and return their
+        ids. `stream` and `sink` as for `add_request`; one sink may serve them all (outputs carry their id)."""
+        with self._lock:
+            for request in requests:
+                if request.request_id in self._sinks:
+                    raise ValueError(f"request_id {request.request_id!r} is already in use")
+            for request in requests:
+                if sink is None:
+                    own = self._queues[request.request_id] = queue.SimpleQueue()
+                    self._sinks[request.request_id] = (own.put, stream, True)
+                else:
+                    self._sinks[request.request_id] = (sink, stream, False)
+        for request in requests:
+            self._commands.put(("add", request))
+        self._wakeup.set()
+        return [request.request_id for request in requests]
 
     def abort(self, request_id: str) -> None:
         """Finish a request now; its blocks are freed before the next step."""

@@ -1,37 +1,37 @@
 """The model runner: packs one `SchedulerOutput` into a single forward pass and samples.
 
 Every scheduled sequence's new tokens are concatenated into one row (`[1, num_tokens]`, no padding),
-with their positions and cache slots; logits are computed only where a sequence samples.
+with their positions and cache slots; logits are computed only where a sequence samples. Which forward
+computes them is the backend's business (engine/backends), picked once here from the EngineConfig.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION
-from tfserve.engine import attention, cpu_linear, kernels
-from tfserve.engine.lean_forward import LeanForward
+from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
+from tfserve.engine import attention, kernels
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
+from tfserve.engine.backends import select_backend
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
 from tfserve.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the model, its KV cache tensors and the sampler."""
+    """Owns the KV cache tensors, the forward backend and the sampler."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int | None,
-                 kv_cache_memory: float | int | None,
-                 pack_weights: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
-        config = model.config.get_text_config()
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.block_size = block_size
-        self.num_blocks = num_blocks or self._num_blocks_for(kv_cache_memory)
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = (getattr(text_config, "head_dim", None)
+                         or text_config.hidden_size // text_config.num_attention_heads)
+        self.block_size = block_size = config.block_size
+        self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_memory)
         shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -44,11 +44,9 @@ class ModelRunner:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
-        if pack_weights or (pack_weights is None and cpu_linear.can_pack(model)):
-            cpu_linear.pack_linear_weights(model)
         self.sampler = Sampler(self.device)
-        self.cpu_ops = kernels.cpu_ops() if self.device.type == "cpu" else None
-        self.lean_forward = LeanForward.for_model(model)  # None: the model's own forward
+        self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.forward = select_backend(model, config, self.cpu_ops)
 
     @property
     def block_bytes(self) -> int:
@@ -107,11 +105,7 @@ class ModelRunner:
         positions = torch.tensor(positions, device=device)
         sample_index = torch.tensor(sample_index, dtype=torch.long, device=device)
         try:
-            if self.lean_forward is not None:
-                logits = self.lean_forward(input_ids, positions, sample_index)
-            else:
-                logits = self.model(input_ids=input_ids[None], position_ids=positions[None],
-                                    logits_to_keep=sample_index, use_cache=False).logits[0]
+            logits = self.forward(input_ids, positions, sample_index)
         finally:
             attention.set_metadata(None)
         if not samplers:

@@ -1,4 +1,5 @@
-"""The scheduler: which requests compute how many tokens in the next step. No torch here.
+"""The scheduler: which requests compute how many tokens in the next step. No torch here. It alone moves a
+request's `num_computed_tokens` (a prefix hit, a step run, a preemption).
 
 Each step has a token budget (`max_batch_tokens`) and a cap on running sequences (`max_num_seqs`).
 Running requests go first (decodes, and prefills already under way), then waiting ones in arrival order;
@@ -78,6 +79,7 @@ class Scheduler:
             if not self.block_pool.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens += len(cached) * self.block_pool.block_size  # a prefix hit is computed
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = len(cached) * self.block_pool.block_size
             request.status = RequestStatus.RUNNING
@@ -94,6 +96,11 @@ class Scheduler:
             num_batched_tokens=self.max_batch_tokens - budget,
         )
 
+    def advance(self, plan: SchedulerOutput) -> None:
+        """The step ran: every scheduled request has computed its new tokens."""
+        for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            request.num_computed_tokens += num_new
+
     def requeue(self, request: Request) -> None:
         """Send a running request back to the front of the queue to be recomputed from scratch."""
         self.running.remove(request)
@@ -101,6 +108,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_pool.free_request(request)
+        request.num_computed_tokens = 0  # recomputed from scratch (a cached prefix may still be hit)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -114,3 +122,4 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_pool.free_request(request)
+        request.num_computed_tokens = 0

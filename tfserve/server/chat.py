@@ -8,6 +8,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tfserve.engine import chat_template
+from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.body import loads
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
@@ -19,12 +21,6 @@ from tfserve.server.state import STATE
 from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# arguments of `apply_chat_template` (and the template's own `messages`): never template variables from a client
-_RENDER_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
-})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -43,9 +39,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = render_chat(state.engine.tokenizer, messages, tools, template_kwargs(state, body))
     names = param_names(body, max_tokens_fields, "messages")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
-    usage = admit(state, request, [prompt_ids], params, names)
+    usage, engine_requests = admit(state, request, [prompt_ids], params, names)
     reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools))
-    async with aclosing(run_choices(state, usage, [prompt_ids], params)) as outputs:
+    async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage, params.n)
         return await reply.complete(outputs, usage, params.n)
@@ -134,7 +130,7 @@ def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:
     """Extra chat template variables: the server's defaults (--chat-template-kwargs, --reasoning) updated by the
     request's `chat_template_kwargs` object (e.g. {"enable_thinking": false})."""
     requested = field(body, "chat_template_kwargs", dict, {})
-    reserved = sorted(_RENDER_ARGUMENTS.intersection(requested))
+    reserved = sorted(RENDER_ARGUMENTS.intersection(requested))
     if reserved:  # e.g. padding + max_length would pad the prompt to any length
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: it holds template variables, "
                           "not arguments of apply_chat_template", f"chat_template_kwargs.{reserved[0]}")
@@ -143,19 +139,14 @@ def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The prompt's token ids through the model's chat template (a template error is the client's 400).
-    `template_kwargs` become template variables; they cannot change how the prompt is rendered to ids."""
-    from jinja2 import TemplateError
-
-    if not getattr(tokenizer, "chat_template", None):
+    """The prompt's token ids through the model's chat template (`tfserve.engine.chat_template`); a model
+    without one, or a template that rejects the messages, is the client's 400."""
+    if not has_chat_template(tokenizer):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
-    kwargs = {**(template_kwargs or {}), "tools": tools, "add_generation_prompt": True, "tokenize": True,
-              "return_dict": True, "return_tensors": None, "chat_template": None}
     try:
-        rendered = tokenizer.apply_chat_template(messages, **kwargs)
-    except (TemplateError, ValueError, TypeError, KeyError) as exc:
-        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
-    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        return chat_template.render_chat(tokenizer, messages, tools, template_kwargs)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 class _Reply(Reply):

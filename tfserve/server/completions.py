@@ -38,9 +38,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = stream_options(body)
     names = param_names(body, ("max_tokens",), "prompt")
     params = make_params(kwargs, max(len(p) for p, _ in prompts), state.engine, names)
-    usage = admit(state, request, [p for p, _ in prompts], params, names)
+    usage, engine_requests = admit(state, request, [p for p, _ in prompts], params, names)
     reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
-    async with aclosing(run_choices(state, usage, [p for p, _ in prompts], params)) as outputs:
+    async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage)
         return await reply.complete(outputs, usage)

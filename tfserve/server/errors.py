@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tfserve.errors import ContextLengthError
+
 # status -> the OpenAI error `type` clients switch on
 _TYPES = {
     400: "invalid_request_error",
@@ -43,8 +45,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(exc: ValueError, default_param: str | None = None,
                      names: dict[str, str] | None = None) -> ApiError:
     """A 400 from the engine's or SamplingParams' `ValueError("<field> must ...")`: the field is its first word,
-    renamed by `names` to the body field the client sent (max_tokens -> max_completion_tokens)."""
+    renamed by `names` to the body field the client sent (max_tokens -> max_completion_tokens). A
+    ContextLengthError names its field itself; its message stays as it is."""
     message = str(exc)
+    if isinstance(exc, ContextLengthError):
+        return ApiError(400, message, param=(names or {}).get(exc.param, exc.param), code="context_length_exceeded")
     first = message.split(" ", 1)[0].rstrip(":")
     param = first if first.isidentifier() and first.islower() else default_param
     if names and param in names:

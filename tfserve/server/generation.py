@@ -1,5 +1,6 @@
-"""The part every generating endpoint shares: validate, admit (429/503), run `n` samples of each prompt
-concurrently, and yield `(choice index, output)` as tokens arrive.
+"""The part every generating endpoint shares: admit (build the engine requests once through
+`Engine.make_requests`, which also fans out `n` samples per prompt; 400/429/503), run them concurrently, and
+yield `(choice index, output)` as tokens arrive.
 
 Leaving the iteration early (client gone, error, handler cancelled) cancels every sample's task, which
 aborts its engine request and frees its KV blocks before the next step.
@@ -50,39 +51,37 @@ def usage_of(request: web.Request) -> Usage:
 
 
 def admit(state: ServerState, request: web.Request, prompts: list[list[int]], params: Any,
-          names: dict[str, str] | None = None) -> Usage:
-    """Check everything that can fail before a response starts: availability, each prompt against the
-    context and the KV cache (400, naming the fields as `names` says the client sent them), and the queue
-    limit (429). Counts the prompt tokens."""
+          names: dict[str, str] | None = None) -> tuple[Usage, list[Any]]:
+    """Check everything that can fail before a response starts and build the engine requests, once:
+    availability (503), each prompt against the context and the KV cache (400, naming the fields as `names`
+    says the client sent them), and the queue limit (429). Counts the prompt tokens.
+
+    Returns the request's Usage and its engine requests in choice order: `params.n` samples of each prompt
+    (sample `j` seeded `seed + j`), so choice `i * n + j` is sample `j` of prompt `i`."""
     state.check_available()
     names = names or {}
+    requests = []
     for prompt_ids in prompts:
         try:
-            state.engine.make_requests(prompt_ids, params.replace(n=1))
+            requests.extend(state.engine.make_requests(prompt_ids, params))
         except ValueError as exc:
             raise from_value_error(exc, names.get("prompt", "messages"), names) from None
-    num_new = len(prompts) * params.n
-    if state.max_queued and state.num_waiting + num_new > state.max_queued:
+    if state.max_queued and state.num_waiting + len(requests) > state.max_queued:
         raise too_many(f"the server has {state.num_waiting} sequences waiting (--max-queued {state.max_queued}); "
                        "retry shortly")
     usage = usage_of(request)
     usage.prompt_tokens += sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(usage.prompt_tokens)
-    return usage
+    return usage, requests
 
 
-async def run_choices(state: ServerState, usage: Usage, prompts: list[list[int]],
-                      params: Any) -> AsyncIterator[tuple[int, Any]]:
-    """Yield `(index, output)` for `params.n` samples of each prompt; choice `i * n + j` is sample `j` of
-    prompt `i`. Raises ApiError 500 for a sequence the engine failed, 503 for one it aborted (shutdown)."""
+async def run_choices(state: ServerState, usage: Usage, requests: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """Run the engine requests `admit` built, concurrently, and yield `(index, output)` as tokens arrive; the
+    index is the request's place in `requests` (its choice index). Raises ApiError 500 for a sequence the
+    engine failed, 503 for one it aborted (shutdown)."""
     queue: asyncio.Queue = asyncio.Queue()
-    n = params.n
-    tasks = []
-    for i, prompt_ids in enumerate(prompts):
-        for j in range(n):
-            seed = None if params.seed is None else params.seed + j
-            choice_params = params.replace(n=1, seed=seed)
-            tasks.append(asyncio.create_task(_pump(state, i * n + j, prompt_ids, choice_params, queue)))
+    tasks = [asyncio.create_task(_pump(state, index, engine_request, queue))
+             for index, engine_request in enumerate(requests)]
     num_left = len(tasks)
     last_token_time: dict[int, float] = {}
     try:
@@ -111,11 +110,11 @@ async def run_choices(state: ServerState, usage: Usage, prompts: list[list[int]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _pump(state: ServerState, index: int, prompt_ids: list[int], params: Any, queue: asyncio.Queue) -> None:
+async def _pump(state: ServerState, index: int, engine_request: Any, queue: asyncio.Queue) -> None:
     state.num_waiting += 1
     waiting = True
     try:
-        async for output in state.generate(prompt_ids, params):
+        async for output in state.generate(engine_request):
             if waiting:
                 state.num_waiting -= 1
                 waiting = False

@@ -116,23 +116,11 @@ def param_names(body: dict[str, Any], max_tokens_fields: tuple[str, ...], prompt
 
 def make_params(kwargs: dict[str, Any], num_prompt_tokens: int, engine: Any,
                 names: dict[str, str] | None = None) -> SamplingParams:
-    """Build SamplingParams: the fields a request leaves out come from the model's generation_config
-    (`engine.sampling_defaults`); an absent max_tokens becomes what is left of the context (and of the KV cache).
-    A prompt that leaves no room to generate is a 400 naming `names["prompt"]`."""
-    names = names or {}
-    defaults = getattr(engine, "sampling_defaults", {})
-    kwargs = {**defaults, **{k: v for k, v in kwargs.items() if v is not None or k not in defaults}}
-    if kwargs.get("top_k", 0) >= engine.vocab_size:  # keeps every token: the same as no top-k
-        kwargs["top_k"] = 0
-    capacity = min(engine.max_model_len, engine.block_pool.num_blocks * engine.block_pool.block_size)
-    if num_prompt_tokens >= capacity:
-        raise ApiError(400, f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: this model "
-                            f"takes at most {capacity} tokens per sequence, prompt and output together",
-                       param=names.get("prompt"), code="context_length_exceeded")
-    if kwargs.get("max_tokens") is None:
-        kwargs["max_tokens"] = capacity - num_prompt_tokens
+    """SamplingParams through `engine.sampling_params`, the one place that fills the model's generation_config
+    defaults and an absent max_tokens (what is left of the context and of the KV cache). Its errors are 400s
+    naming the fields as `names` says the client sent them (a prompt that leaves no room: `names["prompt"]`)."""
     try:
-        return SamplingParams(**kwargs)
+        return engine.sampling_params(num_prompt_tokens, **kwargs)
     except ValueError as exc:
         raise from_value_error(exc, names=names) from None
 

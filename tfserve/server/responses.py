@@ -38,9 +38,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     prompt_ids = render_chat(state.engine.tokenizer, messages, None, template_kwargs(state, body))
     names = param_names(body, ("max_output_tokens",), "input")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
-    usage = admit(state, request, [prompt_ids], params, names)
+    usage, engine_requests = admit(state, request, [prompt_ids], params, names)
     reply = _Reply(model, instructions, metadata, body, params)
-    async with aclosing(run_choices(state, usage, [prompt_ids], params)) as outputs:
+    async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage)
         final = None

@@ -76,9 +76,10 @@ class ServerState:
         raise ApiError(404, f"The model {name!r} does not exist or is not served here; this server serves "
                             f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
 
-    def generate(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        """One sequence's outputs (n must be 1). Tests replace this to script a model's output."""
-        return self.async_engine.generate(prompt_ids, params)
+    def generate(self, request: Any) -> AsyncIterator[Any]:
+        """The outputs of one engine request built by `Engine.make_requests` (one sequence). Tests replace
+        this to script a model's output."""
+        return self.async_engine.generate_request(request)
 
     def stop(self) -> None:
         if self.async_engine is not None:

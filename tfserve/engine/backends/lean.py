@@ -1,32 +1,34 @@
-"""A lean forward pass for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) in float32.
+"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) in float32.
 
 The model's own forward spends most of a small step outside arithmetic: module calls, keyword plumbing,
 mask construction, and half a dozen element-wise ops per RMSNorm and a dozen per rotary embedding. This
 walks the same modules and weights with the same operations in the same order, fewer of them: the residual
 add and RMSNorm are one op, and so is the rotary embedding, all bit-identical to transformers' versions in
-float32 (see csrc/cpu_ops.cpp; in torch where the kernels are off), so the
-engine's output is unchanged (the golden tests compare it with `model.generate`). Models it does not
-recognise keep the transformers forward.
+float32 (see csrc/cpu_ops.cpp; in torch where the kernels are off), so the engine's output is unchanged
+(the golden tests compare it with `model.generate`). On CPU its linear layers may multiply through
+panel-packed copies of the weights that this backend holds (cpu_linear.py); the model is never changed.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from tfserve.engine import attention, cpu_linear, kernels
+from tfserve.engine import attention
 from tfserve.engine.attention import paged_attention_forward
+from tfserve.engine.cpu_linear import EngineLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
 
 class LeanForward:
-    """`lean(input_ids, positions, logits_index) -> logits` for one packed engine step."""
+    """`lean(input_ids, positions, logits_index) -> logits` for one packed engine step. `ops` are the compiled
+    CPU kernels (None: their torch versions); `pack` gives the linear layers panel-packed weights."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    name = "lean"
+
+    def __init__(self, model: torch.nn.Module, ops=None, pack: bool = False) -> None:
         self.model = model
         self.config = config = model.config
         self.layers = list(model.model.layers[: config.num_hidden_layers])
@@ -37,41 +39,48 @@ class LeanForward:
         # Mistral passes the config's window to attention; Qwen2/3 keep one per layer; Llama has none.
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
-        self.ops = ops = kernels.cpu_ops() if next(model.parameters()).device.type == "cpu" else None
+        self.ops = ops
         self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
         self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
+
+        def linear(layer: torch.nn.Linear) -> EngineLinear:
+            return EngineLinear(layer, ops if pack else None)
+
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
-            (_Attention(l.self_attn), l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
-             l.mlp.gate_proj, l.mlp.up_proj, l.mlp.down_proj, l.input_layernorm.weight,
+            (_Attention(l.self_attn), linear(l.self_attn.q_proj), linear(l.self_attn.k_proj),
+             linear(l.self_attn.v_proj), linear(l.self_attn.o_proj), linear(l.mlp.gate_proj),
+             linear(l.mlp.up_proj), linear(l.mlp.down_proj), l.input_layernorm.weight,
              l.post_attention_layernorm.weight, window)
             for l, window in zip(self.layers, self.windows)
         ]))
+        self.lm_head = linear(model.lm_head)
 
-    @classmethod
-    def for_model(cls, model: torch.nn.Module) -> LeanForward | None:
-        """A lean forward for `model`, or None where it does not apply (another architecture or dtype,
-        hooks that the model's own forward would run, or `TFSERVE_LEAN_FORWARD=0`)."""
-        if os.environ.get("TFSERVE_LEAN_FORWARD", "1") == "0" or type(model).__name__ not in SUPPORTED:
-            return None
-        if model.dtype != torch.float32 or getattr(model, "hf_device_map", None):
-            return None
+    @staticmethod
+    def why_not(model: torch.nn.Module) -> str | None:
+        """Why the lean forward cannot run `model`, or None when it can."""
+        if type(model).__name__ not in SUPPORTED:
+            return f"{type(model).__name__} is not one of {', '.join(sorted(SUPPORTED))}"
+        if model.dtype != torch.float32:
+            return f"its weights are {str(model.dtype).removeprefix('torch.')}, not float32"
+        if getattr(model, "hf_device_map", None):
+            return "it is dispatched across devices"
         config = model.config
         if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
-            return None
+            return "its MLP is not a bias-free SiLU gate"
         for module in model.modules():
             if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
-                return None
+                return "it has forward hooks that only its own forward would run"
         layers = model.model.layers
         norms = [model.model.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         if any(type(norm).__name__ not in _NORMS for norm in norms):
-            return None
+            return "its norms are not RMSNorm"
         linears = [model.lm_head] + [m for layer in layers for m in (
             layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
             layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-        if any(type(m) is not torch.nn.Linear for m in linears):  # quantized layers keep their own forward
-            return None
-        return cls(model)
+        if any(type(m) is not torch.nn.Linear for m in linears):
+            return "its linear layers are quantized"
+        return None
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
@@ -79,7 +88,6 @@ class LeanForward:
         model = self.model
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
-        linear = self._linear_for(num_tokens)
         rms_norm, rotary = self.rms_norm, self.rotary
         meta = attention.get_metadata()
         decode = meta.groups[0] if self.ops is not None and len(meta.groups) == 1 and meta.groups[0].pad_index is None else None
@@ -90,9 +98,9 @@ class LeanForward:
         for (attn, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, norm1, norm2, window,
              (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
             h = rms_norm(x, norm1, eps, residual)
-            q = linear(h, q_proj).view(num_tokens, heads, head_dim)
-            k = linear(h, k_proj).view(num_tokens, kv_heads, head_dim)
-            v = linear(h, v_proj).view(num_tokens, kv_heads, head_dim)
+            q = q_proj(h).view(num_tokens, heads, head_dim)
+            k = k_proj(h).view(num_tokens, kv_heads, head_dim)
+            v = v_proj(h).view(num_tokens, kv_heads, head_dim)
             if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
                 q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -104,25 +112,11 @@ class LeanForward:
                 o, _ = paged_attention_forward(attn.module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], None, scaling=attn.scaling,
                                                sliding_window=window)
-            residual = linear(o.view(num_tokens, heads * head_dim), o_proj)
+            residual = o_proj(o.view(num_tokens, heads * head_dim))
             h = rms_norm(x, norm2, eps, residual)
-            residual = linear(F.silu(linear(h, gate_proj), inplace=True).mul_(linear(h, up_proj)), down_proj)
+            residual = down_proj(F.silu(gate_proj(h), inplace=True).mul_(up_proj(h)))
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
-        return model.lm_head.forward(rms_norm(x, model.model.norm.weight, eps, residual))
-
-    def _linear_for(self, num_tokens: int):
-        """`linear(x, layer)` for a step of `num_tokens` rows: the packed kernel (cpu_linear) where the layers
-        have it, else `x @ weight.T` (+ bias) exactly as F.linear computes it."""
-        if num_tokens >= 2 and hasattr(self.layers[0].self_attn.q_proj, "_tfserve_panels"):
-            return cpu_linear.packed_linear
-        return _plain_linear
-
-
-def _plain_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    if layer.bias is None:
-        return torch.mm(x, layer.weight.t())
-    return torch.addmm(layer.bias, x, layer.weight.t())
-
+        return self.lm_head(rms_norm(x, model.model.norm.weight, eps, residual))
 
 class _Attention:
     """What the lean forward reads of an attention module."""

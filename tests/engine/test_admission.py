@@ -1,0 +1,121 @@
+"""One admission: `Engine.sampling_params` fills the defaults, `Engine.make_requests` validates and fans out `n`
+once, and the manager and async engine run the built requests as they are. Also the shared chat renderer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+
+import pytest
+
+from tfserve import SamplingParams
+from tfserve.engine.async_engine import AsyncEngine
+from tfserve.engine.chat_template import ChatTemplateError, render_chat
+from tfserve.engine.manager import BatchingManager
+from tfserve.errors import ContextLengthError
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 23]
+
+
+def test_a_prompt_that_leaves_no_room_names_the_prompt(make_engine):
+    engine = make_engine(num_blocks=8)  # 8 blocks of 4: 32 tokens per sequence
+    with pytest.raises(ContextLengthError, match="the prompt is 32 tokens, which leaves no room") as info:
+        engine.sampling_params(32, max_tokens=1)
+    assert info.value.param == "prompt" and isinstance(info.value, ValueError)
+    assert engine.sampling_params(31).max_tokens == 1
+
+
+def test_n_children_get_seed_plus_i(make_engine):
+    engine = make_engine()
+    requests = engine.make_requests(PROMPT, SamplingParams(n=3, seed=5, max_tokens=2), request_id="r")
+    assert [r.request_id for r in requests] == ["r-0", "r-1", "r-2"]
+    assert [(r.params.n, r.params.seed) for r in requests] == [(1, 5), (1, 6), (1, 7)]
+
+
+def test_the_manager_runs_built_requests_without_validating_them_again(make_engine, monkeypatch):
+    engine = make_engine()
+    params = SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=6)
+    expected = [out.generated_tokens for out in engine.generate_batch([PROMPT], params).values()]
+    requests = engine.make_requests(PROMPT, params)
+
+    def validate_again(*args):
+        raise AssertionError("a built request was validated again")
+
+    monkeypatch.setattr(engine, "make_requests", validate_again)
+    monkeypatch.setattr(engine, "_validate", validate_again)
+    with BatchingManager(engine) as manager:
+        ids = manager.add_requests(requests)
+        outputs = [manager.get_result(request_id, timeout=60) for request_id in ids]
+    assert [out.generated_tokens for out in outputs] == expected
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_add_requests_refuses_an_id_in_use(make_engine):
+    engine = make_engine()
+    manager = BatchingManager(engine)  # not started: what is added stays pending
+    requests = engine.make_requests(PROMPT, SamplingParams(max_tokens=2), request_id="x")
+    assert manager.add_requests(requests) == ["x"]
+    with pytest.raises(ValueError, match="request_id 'x' is already in use"):
+        manager.add_requests(requests)
+
+
+def test_leaving_a_stream_early_aborts_its_request(make_engine):
+    engine = make_engine()
+    async_engine = AsyncEngine(engine).start()
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    (request,) = engine.make_requests(PROMPT, params)
+
+    async def first_output(stream):
+        async with aclosing(stream) as outputs:
+            async for output in outputs:
+                return output
+
+    def wait_until_idle():
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+    try:
+        assert asyncio.run(first_output(async_engine.generate_request(request))).delta_tokens
+        wait_until_idle()
+        assert asyncio.run(first_output(async_engine.generate(PROMPT, params))).delta_tokens
+        wait_until_idle()
+        with pytest.raises(ValueError, match="n must be 1"):
+            asyncio.run(first_output(async_engine.generate(PROMPT, params.replace(n=2))))
+    finally:
+        async_engine.stop()
+
+
+class _Tokenizer:
+    """Records what the renderer asks of `apply_chat_template`."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail, self.kwargs = fail, None
+
+    def apply_chat_template(self, messages, **kwargs):
+        if self.fail is not None:
+            raise self.fail
+        self.kwargs = kwargs
+        return {"input_ids": [1, 2, 3]}
+
+
+def test_render_chat_keeps_its_own_arguments():
+    tokenizer = _Tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages, None, {"enable_thinking": False, "tokenize": False}) == [1, 2, 3]
+    assert tokenizer.kwargs["enable_thinking"] is False
+    assert tokenizer.kwargs["tokenize"] and tokenizer.kwargs["add_generation_prompt"]
+
+
+def test_render_chat_errors_are_chat_template_errors():
+    with pytest.raises(ChatTemplateError, match="rejected the messages: bad role"):
+        render_chat(_Tokenizer(fail=ValueError("bad role")), [])
+    no_template = _Tokenizer()
+    no_template.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(no_template, [])

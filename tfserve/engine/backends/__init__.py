@@ -1,0 +1,50 @@
+"""Forward backends: how one step's packed tokens become logits. `select_backend` is the one place that
+decides which runs; every backend is a small class with the same call,
+`backend(input_ids, positions, logits_index) -> logits` ([num_tokens], [num_tokens], [num_samples] ->
+[num_samples, vocab]), reading the step's attention metadata from `tfserve.engine.attention`.
+
+    hf.py     the model's own forward (any architecture, dtype, quantization)
+    lean.py   a lean forward for Llama-family float32 models, with fused CPU kernels and packed weights
+
+A CUDA-graph backend and a tensor-parallel one go here too, chosen the same way from `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from tfserve.config import EngineConfig
+from tfserve.engine import cpu_linear
+from tfserve.engine.backends.hf import HFForward
+from tfserve.engine.backends.lean import LeanForward
+
+logger = logging.getLogger(__name__)
+
+
+class ForwardBackend(Protocol):
+    name: str
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_index: torch.Tensor) -> torch.Tensor: ...
+
+
+def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops) -> ForwardBackend:
+    """The backend `config.forward_backend` asks for: "hf", "lean" (ValueError where it cannot run), or "auto"
+    (lean where it applies). `cpu_ops` are the compiled CPU kernels, or None."""
+    if config.forward_backend == "hf":
+        return HFForward(model)
+    why_not = LeanForward.why_not(model)
+    if why_not is not None:
+        if config.forward_backend == "lean":
+            raise ValueError(f"forward_backend lean cannot run this model: {why_not}; use auto or hf")
+        logger.debug("the model's own forward: %s", why_not)
+        return HFForward(model)
+    pack = config.pack_weights
+    if pack is None:
+        pack = cpu_linear.can_pack(model, cpu_ops)
+    elif pack and not cpu_linear.can_pack(model, cpu_ops):
+        raise ValueError("pack_weights needs float32 weights on CPU and the CPU kernels built with AVX-512")
+    return LeanForward(model, cpu_ops, pack=pack)

@@ -1,0 +1,20 @@
+"""The model's own forward: any transformers causal LM, its attention routed to the engine's paged attention."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HFForward:
+    """`forward(input_ids, positions, logits_index) -> logits` through `model(...)`: every token of the step
+    in one row (`[1, num_tokens]`, no padding), logits only where a sequence samples."""
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; logits_index: [num_samples] -> logits [num_samples, vocab]."""
+        return self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=logits_index,
+                          use_cache=False).logits[0]
