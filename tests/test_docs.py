@@ -33,3 +33,14 @@ def test_completion_scripts_call_back_tfserve(generated):
     assert "_TFSERVE_COMPLETE=complete_bash" in generated[Path("completions/tfserve.bash")]
     assert "#compdef tfserve" in generated[Path("completions/_tfserve")]
     assert "complete --command tfserve" in generated[Path("completions/tfserve.fish")]
+
+
+def test_architecture_names_modules_that_exist():
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "architecture.md").read_text()
+    paths = set(re.findall(r"((?:server|engine|models|chat|cli|bench)/[\w/]+\.py|config\.py)", text))
+    assert len(paths) > 10
+    missing = sorted(p for p in paths if not (root / "tfserve" / p).is_file())
+    assert not missing, f"docs/architecture.md names modules that are gone: {missing}"

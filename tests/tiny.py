@@ -138,7 +138,7 @@ def make_state(async_engine, **kwargs):
     from tfserve.server.state import ServerState
 
     state = ServerState(**kwargs)
-    state.set_engine(async_engine.engine, async_engine, MODEL_NAME, path=f"/models/{MODEL_NAME}")
+    state.set_engine(async_engine, MODEL_NAME, path=f"/models/{MODEL_NAME}")
     return state
 
 

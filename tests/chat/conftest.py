@@ -5,17 +5,14 @@ The model and server builders come from tests/tiny.py, shared with the server te
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import io
 
 import pytest
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared `tiny` helpers
-from tiny import GREEDY, LiveServer, build_llama, build_tokenizer  # noqa: E402
-from tiny import one_torch_thread as _one_torch_thread  # noqa: E402,F401  (an autouse fixture)
+from tiny import GREEDY, LiveServer, build_llama, build_tokenizer
+from tiny import one_torch_thread as _one_torch_thread  # noqa: F401  (an autouse fixture)
 
 
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from tfserve import __version__
 from tfserve.cli import app
-from tfserve.models import registry, store
+from tfserve.models import catalog, store
 
-NAME = registry.DEFAULT_MODEL
+NAME = catalog.DEFAULT_MODEL
 runner = CliRunner()
 
 

@@ -5,30 +5,14 @@ Imports torch and transformers lazily so that the model-free tests in this folde
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from tiny import one_torch_thread as _one_torch_thread  # noqa: F401  (an autouse fixture)
 
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog.",
     "Once upon a time there was a tiny model that served many requests at once.",
     "héllo wörld 日本語 🎉 and more text, stop here. The end!",
 ] * 5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP threads waiting on each
-    other make every small op many times slower. One thread per module here; the setting is restored."""
-    if "torch" not in sys.modules:  # the model-free tests never import it
-        yield
-        return
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def build_tokenizer():

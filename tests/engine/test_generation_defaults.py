@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 from tfserve.config import EngineConfig
-from tfserve.models.registry import get_known, recommend_sampling
+from tfserve.models.catalog import get_known, recommend_sampling
 
 
 @pytest.fixture

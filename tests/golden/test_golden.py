@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import one_torch_thread as _one_torch_thread  # noqa: F401  (an autouse fixture)
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -72,16 +73,6 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     tokens = out[0, len(prompt):].tolist()
     assert len(tokens) == NUM_NEW
     return tokens
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP threads waiting on each
-    other make every small op many times slower. The setting is restored after this module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 _CACHE: dict[str, tuple[torch.nn.Module, dict[tuple[int, ...], list[int]]]] = {}

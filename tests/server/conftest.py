@@ -7,14 +7,11 @@ settings (API key, limits, draining) start another app over the same engine.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared `tiny` helpers
-from tiny import LiveServer, build_engine, build_tokenizer, make_state  # noqa: E402
-from tiny import one_torch_thread as _one_torch_thread  # noqa: E402,F401  (an autouse fixture)
+from tiny import LiveServer, build_engine, build_tokenizer, make_state
+from tiny import one_torch_thread as _one_torch_thread  # noqa: F401  (an autouse fixture)
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ def test_a_300_character_model_name_is_a_404(server, start_server, async_engine)
     status, error = post(server, CHAT, {**BASE[CHAT], "model": "m" * 300})
     assert status == 404 and error["code"] == "model_not_found" and error["param"] == "model"
     on_demand = ServerState(load=lambda spec: pytest.fail(f"nothing should load {spec}"))
-    on_demand.set_engine(async_engine.engine, async_engine, MODEL_NAME)
+    on_demand.set_engine(async_engine, MODEL_NAME)
     live = start_server(state=on_demand)
     for name in ["m" * 300, "org/" + "m" * 300]:
         status, error = post(live, CHAT, {**BASE[CHAT], "model": name})

@@ -135,7 +135,9 @@ def test_drain_lets_in_flight_requests_finish(start_server, async_engine):
     thread = _start_stream(live, 150, first_chunk, result)
     assert first_chunk.wait(30)
     draining = asyncio.run_coroutine_threadsafe(drain(live.state, timeout=60), live.loop)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while live.state.status != "draining" and time.monotonic() < deadline:
+        time.sleep(0.005)
     status, _, data = live.request("POST", CHAT, {"messages": [{"role": "user", "content": "late"}]})
     assert status == 503 and data["error"]["code"] == "server_draining"
     assert draining.result(60) == 0  # nothing was left to abort

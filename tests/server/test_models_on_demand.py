@@ -35,7 +35,7 @@ class FakeStore:
             (path / "config.json").write_text("{}")
             (path / "model.safetensors").write_bytes(b"")
 
-    def load(self, spec: str) -> tuple:
+    def load(self, spec: str):
         """Like the CLI's loader: a store name, or (restoring the previous model) its directory."""
         from tfserve.engine.async_engine import AsyncEngine
         from tfserve.models import store
@@ -47,9 +47,10 @@ class FakeStore:
             raise RuntimeError(f"{spec} is broken")
         engine = build_engine(self.tokenizer, num_blocks=64)
         self.engines[spec] = weakref.ref(engine)
+        engine.model_name, engine.model_path = spec, str(store.model_path(spec))
         async_engine = AsyncEngine(engine).start()
         self.async_engines[spec] = weakref.ref(async_engine)
-        return engine, async_engine, spec, store.model_path(spec)
+        return async_engine
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def live(fake_store):
     from tfserve.server.state import ServerState
 
     state = ServerState(load=fake_store.load)
-    state.set_engine(*fake_store.load("model-a"))
+    state.set_engine(fake_store.load("model-a"))
     server = LiveServer(state)
     yield server
     server.close()
@@ -149,7 +150,7 @@ def test_force_model_ignores_hints_and_loads_nothing(fake_store):
     from tfserve.server.state import ServerState
 
     state = ServerState(load=fake_store.load, force_model=True)
-    state.set_engine(*fake_store.load("model-a"))
+    state.set_engine(fake_store.load("model-a"))
     live = LiveServer(state)
     try:
         assert chat(live, "model-b").model == "model-a"

@@ -182,10 +182,11 @@ def test_model_timeout_unloads_the_idle_model_and_the_next_request_loads_it(toke
     def load(spec):
         loads.append(spec)
         engine = build_engine(tokenizer, num_blocks=64)
-        return engine, AsyncEngine(engine).start(), MODEL_NAME, tmp_path / MODEL_NAME
+        engine.model_name, engine.model_path = MODEL_NAME, str(tmp_path / MODEL_NAME)
+        return AsyncEngine(engine).start()
 
     state = ServerState(load=load, model_timeout_s=0.3)
-    state.set_engine(*load(str(tmp_path / MODEL_NAME)))
+    state.set_engine(load(str(tmp_path / MODEL_NAME)))
     live = LiveServer(state)
     try:
         client = live.client()
@@ -270,7 +271,7 @@ def test_default_model_knows_the_capital_of_france(default_model_dir):
     from tfserve.server.state import ServerState
 
     state = ServerState()
-    state.set_engine(engine, async_engine, "smollm2-135m-instruct", default_model_dir)
+    state.set_engine(async_engine, "smollm2-135m-instruct", default_model_dir)
     live = LiveServer(state)
     try:
         reply = live.client().chat.completions.create(

@@ -91,10 +91,10 @@ def chat(
 def load_local(spec: str, load_options: dict):
     """Load `spec` with the engine's defaults, as `tfserve serve` does, and chat with it in-process."""
     from tfserve.chat.local import LocalBackend
-    from tfserve.cli.serve import load_engine
+    from tfserve.cli.loading import load_engine
 
-    engine, async_engine, name, _ = load_engine(spec, load_options)
-    return LocalBackend(async_engine.manager, name)
+    async_engine = load_engine(spec, load_options)
+    return LocalBackend(async_engine.manager, async_engine.engine.model_name)
 
 
 def _run_piped(session) -> int:

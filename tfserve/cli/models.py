@@ -15,7 +15,7 @@ from rich.table import Table
 from tfserve.cli.options import _complete_model
 from tfserve.cli.output import console, err_console
 from tfserve.errors import ModelNotFoundError, ModelStoreError
-from tfserve.models import registry, store
+from tfserve.models import catalog, store
 
 app = typer.Typer(
     help="""Pull, list, inspect and remove models in the local store ($TFSERVE_HOME/models).
@@ -45,9 +45,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 def pull(
     name: Annotated[
         str,
-        typer.Argument(help=f"A known model: {', '.join(registry.known_names())}.", metavar="NAME",
+        typer.Argument(help=f"A known model: {', '.join(catalog.known_names())}.", metavar="NAME",
                        autocompletion=_complete_model),
-    ] = registry.DEFAULT_MODEL,
+    ] = catalog.DEFAULT_MODEL,
     force: Annotated[bool, typer.Option("--force", "-f", help="Download and convert again even if present.")] = False,
 ) -> None:
     """Download a known model and convert it once into a Hugging Face directory in the store.
@@ -61,14 +61,15 @@ def pull(
       tfserve models pull                          # the default model, smollm2-135m-instruct
       tfserve models pull smollm2-135m-instruct --force
     """
-    if not force and registry.get_known(name) is not None and store.is_pulled(name):
+    if not force and catalog.get_known(name) is not None and store.is_pulled(name):
         err_console.print(f"{name} is already in the store: {store.model_path(name)} (use --force to pull again)",
                           highlight=False, soft_wrap=True)
         return
     from tfserve.cli.progress import step_progress
+    from tfserve.models.pull import pull
 
     with step_progress() as progress:
-        path = store.pull(name, force=force, progress=progress)
+        path = pull(name, force=force, progress=progress)
     err_console.print(f"[green]Pulled[/] {name} into {path}", highlight=False, soft_wrap=True)
 
 
@@ -89,7 +90,7 @@ def list_(as_json: JsonOpt = False) -> None:
         return
     if not rows:
         err_console.print(f"No models in {store.models_dir()}; run `tfserve models pull` to fetch "
-                          f"{registry.DEFAULT_MODEL}.", highlight=False, soft_wrap=True)
+                          f"{catalog.DEFAULT_MODEL}.", highlight=False, soft_wrap=True)
         return
     table = Table("Name", "Architecture", "Parameters", "Size on disk", "Path")
     for row in rows:

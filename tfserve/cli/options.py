@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tfserve.models.registry import DEFAULT_MODEL
+from tfserve.models.catalog import DEFAULT_MODEL
 
 
 class Dtype(str, Enum):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from enum import Enum
 from typing import Annotated
 
 import typer
 
 from tfserve.cli import serve_compat as compat
+from tfserve.cli.loading import load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
                                  Quantization, QuantizationOpt, TrustRemoteCodeOpt)
 from tfserve.cli.serve_compat import Reasoning
@@ -249,20 +251,6 @@ def serve(
         pass
 
 
-def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True) -> tuple:
-    """Load the model and start the engine: the arguments of `ServerState.set_engine`. Loads on demand
-    show no progress bars (they would tangle with the access log)."""
-    from contextlib import nullcontext
-
-    from tfserve.cli.progress import step_progress
-    from tfserve.engine.async_engine import AsyncEngine
-    from tfserve.engine.engine import Engine
-
-    with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
-        engine = Engine.from_pretrained(spec, engine_config, progress=progress, **load_options)
-    return engine, AsyncEngine(engine).start(), engine.model_name, engine.model_path
-
-
 def print_banner(state, url: str, has_api_key: bool) -> None:
     """Model, dtype, device, KV cache and URL, once the server is ready."""
     from rich.filesize import decimal
@@ -373,6 +361,22 @@ def _engine_config(engine_kwargs: dict):
         raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted, not the stream at setup: a test runner
+    (or anything) that swaps stderr and closes the old one never gets "I/O on closed file"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler sets it at init; the property decides
+        pass
+
+
 def _configure_logging(level: str) -> None:
     numeric = logging.DEBUG if level == "detail" else logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
@@ -381,7 +385,7 @@ def _configure_logging(level: str) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity(numeric)
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("tfserve")
     root.handlers[:] = [handler]

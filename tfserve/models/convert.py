@@ -7,21 +7,43 @@ directory as a GGUF-quantized model) and given the loaded state dict.
 
 from __future__ import annotations
 
+import functools
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from tfserve.errors import ModelStoreError
-from tfserve.models.registry import recommend_sampling
+from tfserve.models.catalog import recommend_sampling
 
 
 def gguf_to_hf(gguf_path: Path, out_dir: Path, *, show_hf_progress: bool = True,
                sampling: dict[str, float] | None = None) -> None:
     """Write `gguf_path` as a float32 HF model directory `out_dir` (created; must not exist), with
     `sampling` (the model's recommended temperature, top_p...) in its generation_config.json."""
-    from tfserve.models.loading import hf_progress_bars
-
     with hf_progress_bars(enabled=show_hf_progress):
         _convert(gguf_path, out_dir, sampling or {})
+
+
+@contextmanager
+def hf_progress_bars(enabled: bool):
+    """Turn transformers' own tqdm bars off while a caller shows its own progress."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    if enabled:
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    # the GGUF dequantizing bar is a bare tqdm that ignores transformers' switch
+    gguf_tqdm = gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _convert(gguf_path: Path, out_dir: Path, sampling: dict[str, float]) -> None:

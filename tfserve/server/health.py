@@ -1,9 +1,11 @@
-"""GET /health: 200 once the model is loaded (and while another is loaded on demand), 503 while the first
-loads, while draining, or when no model is loaded (load balancers read the code)."""
+"""The operators' endpoints. GET /health: 200 once the model is loaded (and while another is loaded on
+demand), 503 while the first loads, while draining, or when no model is loaded (load balancers read the
+code). GET /metrics: Prometheus text."""
 
 from __future__ import annotations
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tfserve.server.errors import ApiError
 from tfserve.server.state import STATE
@@ -23,3 +25,9 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "model": state.model_name, "loading": loading,
                               "num_running": engine.num_running if engine else 0,
                               "num_waiting": engine.num_waiting if engine else 0})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: the server's Prometheus registry in the text format."""
+    registry = request.app[STATE].metrics.registry
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,12 +1,11 @@
-"""Prometheus metrics, one registry per app (never the global one, so tests and apps do not collide),
-and `GET /metrics`."""
+"""Prometheus metrics, one registry per app (never the global one, so tests and apps do not collide);
+health.py serves it at `GET /metrics`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from tfserve.engine.request import RequestOutput
@@ -55,11 +54,3 @@ class ServerMetrics:
 
 def _gauge(registry: CollectorRegistry, name: str, documentation: str, read) -> None:
     Gauge(name, documentation, registry=registry).set_function(read)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus text format."""
-    from tfserve.server.state import STATE  # state.py imports this module
-
-    registry = request.app[STATE].metrics.registry
-    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -8,20 +8,24 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from tfserve.server.registry import in_daemon_thread
+from tfserve.server.residency import in_daemon_thread
 from tfserve.server.state import STATE, ServerState
+
+if TYPE_CHECKING:
+    from tfserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("tfserve.server")
 
 
 async def serve(app: web.Application, host: str, port: int, *, drain_timeout: float = 30.0,
-                load: Callable[[], tuple] | None = None, on_ready: Callable[[], None] | None = None,
+                load: Callable[[], AsyncEngine] | None = None, on_ready: Callable[[], None] | None = None,
                 stop_event: asyncio.Event | None = None) -> None:
     """Serve `app` on host:port. `load()` (run on a thread while /health answers 503) returns the
-    arguments of `ServerState.set_engine`; `on_ready()` runs once the model serves (the CLI's banner)."""
+    started engine to serve; `on_ready()` runs once the model serves (the CLI's banner)."""
     state: ServerState = app[STATE]
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -47,7 +51,7 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
             state.telemetry.shutdown()
 
 
-async def _load(state: ServerState, load: Callable[[], tuple], stop: asyncio.Event) -> bool:
+async def _load(state: ServerState, load: Callable[[], AsyncEngine], stop: asyncio.Event) -> bool:
     loading = asyncio.ensure_future(in_daemon_thread(load))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -55,7 +59,7 @@ async def _load(state: ServerState, load: Callable[[], tuple], stop: asyncio.Eve
     if not loading.done():
         loading.cancel()
         return False
-    state.set_engine(*loading.result())
+    state.set_engine(loading.result())
     return True
 
 

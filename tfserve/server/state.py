@@ -6,14 +6,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
 from tfserve.server.metrics import ServerMetrics
-from tfserve.server.registry import Loader, ModelRegistry
+from tfserve.server.residency import Loader, ModelResidency
+
+if TYPE_CHECKING:
+    from tfserve.engine.async_engine import AsyncEngine
 
 LOADING, READY, DRAINING = "loading", "ready", "draining"
 
@@ -36,13 +39,17 @@ class ServerState:
         self.num_active = 0  # HTTP requests being answered (draining waits for 0)
         self.token_texts: TokenTexts | None = None
         self.metrics = ServerMetrics(self)
-        self.models = ModelRegistry(self, load, model_timeout_s)  # `load(spec)` loads models on demand; None: never
+        self.models = ModelResidency(self, load, model_timeout_s)  # `load(spec)` loads models on demand; None: never
         # defaults for every chat template render (--chat-template-kwargs, --reasoning); a request's own override
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
 
-    def set_engine(self, engine: Any, async_engine: Any, name: str, path: str | Path | None = None) -> None:
-        """Serve `engine` (already started) under `name`; the server becomes ready."""
+    def set_engine(self, async_engine: AsyncEngine, name: str | None = None, path: str | Path | None = None) -> None:
+        """Serve the (started) engine of `async_engine` under `name` (default: the engine's model name, and
+        its path as another name); the server becomes ready."""
+        engine = async_engine.engine
+        name = name or engine.model_name
+        path = path if path is not None else engine.model_path
         self.engine, self.async_engine, self.model_name = engine, async_engine, name
         self.model_spec = str(path) if path is not None else name
         self.model_aliases = {name}
@@ -52,6 +59,11 @@ class ServerState:
         if self.status == LOADING:
             self.status = READY
         self.models.arm_idle_timer()
+
+    @property
+    def is_ready(self) -> bool:
+        """Loaded and serving: not still loading its first model, not draining."""
+        return self.status == READY
 
     def clear_engine(self) -> None:
         """Forget the served model (the registry stops and frees it); the server stays ready."""

@@ -27,6 +27,7 @@ from tfserve.errors import TfserveError
 from tfserve.server.errors import ApiError
 
 if TYPE_CHECKING:
+    from tfserve.engine.async_engine import AsyncEngine
     from tfserve.server.state import ServerState
 
 logger = logging.getLogger("tfserve.server")
@@ -34,10 +35,10 @@ logger = logging.getLogger("tfserve.server")
 LEASE = web.RequestKey("tfserve_model_lease", str)  # request[LEASE]: the model the request holds
 # what a client may name: a store name or a hub id ("org/name"), never a filesystem path
 _LOADABLE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-Loader = Callable[[str], tuple]  # spec -> the arguments of ServerState.set_engine (runs on a thread)
+Loader = Callable[[str], "AsyncEngine"]  # spec -> a started engine (runs on a thread)
 
 
-class ModelRegistry:
+class ModelResidency:
     """Which model is resident, and swapping it for another on request. Lives on the event loop's thread."""
 
     def __init__(self, state: ServerState, load: Loader | None = None, idle_timeout_s: float | None = None) -> None:
@@ -127,11 +128,9 @@ class ModelRegistry:
             self._idle_timer = None
 
     def _on_idle_timeout(self) -> None:
-        from tfserve.server.state import READY
-
         self._idle_timer = None
         state = self.state
-        if self.num_leases or self._swap is not None or state.engine is None or state.status != READY:
+        if self.num_leases or self._swap is not None or state.engine is None or not state.is_ready:
             return
         self._swap = asyncio.ensure_future(self._sleep())  # requests arriving meanwhile wait, then reload it
         self._swap.add_done_callback(self._swap_done)
@@ -212,14 +211,14 @@ class ModelRegistry:
         logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
 
     async def _load(self, spec: str) -> None:
-        engine, async_engine, name, *path = await in_daemon_thread(self.load, spec)
+        async_engine = await in_daemon_thread(self.load, spec)
         try:
             self.state.check_available()  # the server began draining while we loaded
         except ApiError:
             async_engine.stop()
             raise
         self.asleep = None
-        self.state.set_engine(engine, async_engine, name, *path)
+        self.state.set_engine(async_engine)
         self.state.model_aliases.add(spec)
 
     async def _restore(self, spec: str) -> None:

@@ -1,0 +1,18 @@
+"""Loading a model for `serve` and the in-process `chat`: the engine from `Engine.from_pretrained`, its stages
+shown as progress, started on its background thread."""
+
+from __future__ import annotations
+
+
+def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True):
+    """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves). Loads on demand
+    show no progress bars (they would tangle with the access log)."""
+    from contextlib import nullcontext
+
+    from tfserve.cli.progress import step_progress
+    from tfserve.engine.async_engine import AsyncEngine
+    from tfserve.engine.engine import Engine
+
+    with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
+        engine = Engine.from_pretrained(spec, engine_config, progress=progress, **load_options)
+    return AsyncEngine(engine).start()
