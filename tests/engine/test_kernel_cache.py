@@ -38,3 +38,17 @@ def test_switched_off_kernels_are_never_built(monkeypatch):
     monkeypatch.setenv("TFSERVE_CPU_KERNELS", "0")  # what operators set: the config's default follows it
     assert EngineConfig().cpu_kernels is False
     assert EngineConfig(cpu_kernels=True).cpu_kernels is True
+
+
+def test_each_environment_has_its_own_build_and_checkouts_share_one(monkeypatch, tmp_path):
+    import sys
+
+    key = kernels.cache_key()
+    kernels.cache_key.cache_clear()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    assert kernels.cache_key() != key  # torch writes the environment's paths into build.ninja
+    kernels.cache_key.cache_clear()
+    # the build compiles a copy inside its own directory, so the checkout the source came from is not in it
+    copy = kernels._source_copy(tmp_path)
+    assert copy.parent == tmp_path and copy.read_bytes() == kernels._SOURCE.read_bytes()
+    assert kernels._source_copy(tmp_path) == copy

@@ -2,8 +2,9 @@
 (`$TFSERVE_KERNELS_DIR` moves them).
 
 The build (about a minute on 2 cores) lands in a directory named by a key over everything that shapes the
-binary: the source, the compiler and its flags, torch's and Python's versions, and the CPU's instruction-set
-features (the build uses `-march=native`). Two installs or checkouts on one machine share a build when they
+binary: the source, the compiler and its flags, torch's and Python's versions and environment, and the CPU's
+instruction-set features (the build uses `-march=native`); the source is compiled from a copy inside that
+directory. Two installs or checkouts on one machine share a build when they
 agree and never overwrite each other's when they do not.
 
 `EngineConfig.cpu_kernels` (default from `TFSERVE_CPU_KERNELS`) turns them off; when the compiler is missing
@@ -61,8 +62,10 @@ def cache_key() -> str:
     import torch
 
     digest = hashlib.sha256(_SOURCE.read_bytes())
-    parts = [*_CFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.version, platform.machine(),
-             *sorted(cpu_features())]
+    # sys.prefix: each environment writes its own include paths into torch's build.ninja, and a build.ninja
+    # that changes makes torch rebuild, so two venvs sharing one directory would rebuild each other's
+    parts = [*_CFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.version, sys.prefix,
+             platform.machine(), *sorted(cpu_features())]
     digest.update("\0".join(parts).encode())
     return digest.hexdigest()[:16]
 
@@ -100,8 +103,9 @@ def cpu_ops():
             logger.info("building tfserve's CPU kernels for %s into %s (first run on this machine and install; "
                         "about a minute)", isa(), directory)
         directory.mkdir(parents=True, exist_ok=True)
+        source = _source_copy(directory)
         start = time.perf_counter()
-        module = load(name=_module_name(), sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+        module = load(name=_module_name(), sources=[str(source)], extra_cflags=_CFLAGS,
                       build_directory=str(directory), verbose=False)
         if fresh:
             logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
@@ -110,6 +114,17 @@ def cpu_ops():
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
         logger.warning("CPU kernels unavailable (%s); using the torch paths", _first_line(exc))
         return None
+
+
+def _source_copy(directory: Path) -> Path:
+    """The source, copied into the build directory: torch writes the source's path into build.ninja, so
+    building from each checkout's own file would make two checkouts rebuild each other's kernels."""
+    source = directory / _SOURCE.name
+    if not source.is_file():  # the key covers the content: a copy there is this very source
+        tmp = directory / f".{_SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(_SOURCE.read_bytes())
+        tmp.replace(source)
+    return source
 
 
 def _first_line(exc: BaseException) -> str:
