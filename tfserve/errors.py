@@ -22,6 +22,12 @@ class ModelLoadError(TfserveError):
     """A model that was found but that transformers could not load (bad files, unsupported architecture)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception as one line of text (its first line, or its type when it has no message)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
 class ContextLengthError(TfserveError, ValueError):
     """A prompt that leaves no room to generate in the model's context or the KV cache. `param` names the
     input to shorten ("prompt"); the server answers 400 `context_length_exceeded`."""

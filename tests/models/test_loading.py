@@ -154,3 +154,10 @@ def test_unloadable_directory_is_one_line(make_fake_model, tmp_path):
     (path / "config.json").write_text('{"model_type": "no-such-type"}')
     with pytest.raises(ModelLoadError, match="cannot load broken"):
         load_model(str(path))
+
+
+def test_a_name_the_filesystem_refuses_is_no_such_model():
+    from tfserve.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="no such model or path: .*File name too long"):
+        loading.resolve_model("m" * 300)

@@ -264,15 +264,14 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("Model", state.model_name)
-    dtype = str(getattr(engine, "dtype", engine.runner.dtype)).removeprefix("torch.")
-    quantization = getattr(engine, "quantization", "none")
-    if quantization != "none":
-        table.add_row("Weights", f"{quantization} (compute {dtype})")
+    dtype = str(engine.dtype).removeprefix("torch.")
+    if engine.quantization != "none":
+        table.add_row("Weights", f"{engine.quantization} (compute {dtype})")
     else:
         table.add_row("Dtype", dtype)
-    table.add_row("Device", str(getattr(engine, "device", engine.runner.device)))
-    flash = getattr(engine.runner, "flash_attention", False)
-    table.add_row("Attention", "flash-attn over the paged KV cache" if flash else "paged (SDPA over the KV blocks)")
+    table.add_row("Device", str(engine.device))
+    table.add_row("Attention", "flash-attn over the paged KV cache" if engine.runner.flash_attention
+                  else "paged (SDPA over the KV blocks)")
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
     table.add_row("Context", f"{engine.max_model_len} tokens")
@@ -364,9 +363,6 @@ def _engine_config(engine_kwargs: dict):
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever `sys.stderr` is when a record is emitted, not the stream at setup: a test runner
     (or anything) that swaps stderr and closes the old one never gets "I/O on closed file"."""
-
-    def __init__(self) -> None:
-        super().__init__()
 
     @property
     def stream(self):

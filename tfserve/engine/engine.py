@@ -27,8 +27,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **overrides: Any) -> None:
         """`config` (default: EngineConfig()) with any of its fields overridden by keyword, e.g.
         `Engine(model, tokenizer, max_num_seqs=8)`; a bad value raises ValueError naming the field."""
-        config = config or EngineConfig()
-        self.config = config = dataclasses.replace(config, **overrides) if overrides else config
+        self.config = config = _with_overrides(config, overrides)
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, config)
@@ -59,13 +58,13 @@ class Engine:
         stage: pull, load, the CPU kernels' first build, the KV cache."""
         from tfserve.engine import kernels
         from tfserve.models.loading import DEFAULT_MODEL, load_model
+        from tfserve.models.pull import no_progress
 
-        config = config or EngineConfig()
-        config = dataclasses.replace(config, **overrides) if overrides else config  # checked before a long load
+        config = _with_overrides(config, overrides)  # checked before a long load
         loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, quantization=quantization,
                             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
                             progress=progress)  # None: transformers' own bars
-        report = progress or _no_progress
+        report = progress or no_progress
         if config.cpu_kernels and loaded.device == "cpu" and kernels.needs_build():
             report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
             kernels.cpu_ops()
@@ -378,8 +377,10 @@ def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _no_progress(step: str, completed: int | None = None, total: int | None = None) -> None:
-    pass
+def _with_overrides(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
+    """`config` (default: EngineConfig()) with some fields replaced, validated again."""
+    config = config or EngineConfig()
+    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def _progress(total: int):

@@ -23,6 +23,8 @@ import time
 from functools import cache
 from pathlib import Path
 
+from tfserve.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
@@ -83,11 +85,13 @@ def _module_name() -> str:
     return f"tfserve_cpu_ops_{cache_key()}"
 
 
+def _is_built(directory: Path) -> bool:
+    return (directory / f"{_module_name()}.so").is_file()
+
+
 def needs_build() -> bool:
     """True when the kernels are not built for this machine yet (the next `cpu_ops()` compiles)."""
-    if cpu_ops.cache_info().currsize:
-        return False
-    return not (build_dir() / f"{_module_name()}.so").is_file()
+    return not cpu_ops.cache_info().currsize and not _is_built(build_dir())
 
 
 @cache
@@ -98,7 +102,7 @@ def cpu_ops():
         from torch.utils.cpp_extension import load
 
         directory = build_dir()
-        fresh = not (directory / f"{_module_name()}.so").is_file()
+        fresh = not _is_built(directory)
         if fresh:
             logger.info("building tfserve's CPU kernels for %s into %s (first run on this machine and install; "
                         "about a minute)", isa(), directory)
@@ -112,7 +116,7 @@ def cpu_ops():
         logger.debug("CPU kernels: %s (%s)", isa(), directory)
         return module
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
-        logger.warning("CPU kernels unavailable (%s); using the torch paths", _first_line(exc))
+        logger.warning("CPU kernels unavailable (%s); using the torch paths", first_line(exc))
         return None
 
 
@@ -125,8 +129,3 @@ def _source_copy(directory: Path) -> Path:
         tmp.write_bytes(_SOURCE.read_bytes())
         tmp.replace(source)
     return source
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

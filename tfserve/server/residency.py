@@ -157,8 +157,6 @@ class ModelResidency:
                 kind = resolve_model(name).kind
             except ModelNotFoundError as exc:
                 why = str(exc)
-            except (OSError, ValueError):  # a name the filesystem refuses (too long): no such model
-                why = "no such model"
             else:
                 if kind in ("store", "hf_cache"):
                     return
