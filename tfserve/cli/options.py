@@ -20,6 +20,7 @@ class Dtype(str, Enum):
 
 class Quantization(str, Enum):
     none = "none"
+    int8 = "int8"
     bnb_4bit = "bnb-4bit"
     bnb_8bit = "bnb-8bit"
 
@@ -44,7 +45,9 @@ ModelOpt = Annotated[
 ]
 DtypeOpt = Annotated[
     Dtype,
-    typer.Option("--dtype", help="Weights dtype; auto is float32 on CPU, bfloat16 on CUDA.", rich_help_panel=LOAD),
+    typer.Option("--dtype", help="Weights dtype; auto is float32 on CPU (a .gguf model: its own quantized blocks), "
+                                  "bfloat16 on CUDA. On CPU float16/bfloat16 store the weights in 16 bits and compute "
+                                  "in float32.", rich_help_panel=LOAD),
 ]
 DeviceOpt = Annotated[
     str,
@@ -52,7 +55,8 @@ DeviceOpt = Annotated[
 ]
 QuantizationOpt = Annotated[
     Quantization,
-    typer.Option("--quantization", "-q", help="bitsandbytes runtime quantization.", rich_help_panel=LOAD),
+    typer.Option("--quantization", "-q", help="int8: weight-only int8 (Q8_0 blocks; CPU kernels, bitsandbytes on "
+                                                "CUDA); bnb-4bit/bnb-8bit: bitsandbytes.", rich_help_panel=LOAD),
 ]
 # transformers' attention names -> what tfserve runs: its own paged attention (SDPA over the KV block cache)
 # serves every model; flash_attention_2 swaps in flash-attn's kernel over the same cache.

@@ -1,14 +1,17 @@
-"""Linear layers as the lean forward multiplies them, with panel-packed weights on CPU (float32, AVX-512).
+"""Linear layers as the lean forward multiplies them on CPU, with the weights in the format the engine runs.
 
 A decode step multiplies every weight by only as many rows as there are running sequences, so it is bound
-by reading the weights, and MKL's general GEMM reads them at about half the memory bandwidth at those
-shapes (at 8 rows it is 2x slower than at 1). An `EngineLinear` may keep a copy of its layer's weight in
-panels of 32 output columns for the `linear` kernel in csrc/cpu_ops.cpp, used for every input of 2 rows or
-more; one row keeps `F.linear`'s own ops (a matrix-vector product already at the bandwidth, and
-bit-identical to what `model.generate` computes for one sequence). The kernel computes every row the same
-way whatever the number of rows, so a request's output does not depend on the rest of its batch.
+by reading the weights; a general GEMM reads them at about half the memory bandwidth at those shapes. An
+`EngineLinear` holds its own copy of one layer's weight for the kernels in csrc/ (linear.h, quant.h):
 
-The packed copy belongs to the engine's backend: the caller's `nn.Linear` is never changed, so the model
+    float32           panels of whole vectors (at one row twice the bandwidth MKL's GEMV reaches on AVX2)
+    float16/bfloat16  panels in 16 bits, widened in registers: half the bytes, float32 arithmetic
+    int8              GGUF Q8_0 blocks quantized from the float weight (32 weights per float16 scale)
+    gguf              a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, as stored
+
+The block formats multiply with activations quantized to int8 per block of 32 (integer dot products, as
+llama.cpp does). Every kernel computes every row the same way whatever the number of rows, so a request's
+output does not depend on the rest of its batch. The caller's `nn.Linear` is never changed, so the model
 outside the engine (its own `generate`, training) runs exactly as before.
 """
 
@@ -16,31 +19,87 @@ from __future__ import annotations
 
 import torch
 
-MAX_PACKED_BYTES = 4 << 30  # the packed copy is as large as the weights
+MAX_PACKED_BYTES = 4 << 30  # a float32 packed copy is as large as the weights
+_PANEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_Q8_0 = 8
+_BLOCK_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 
 class EngineLinear:
-    """`linear(x)`, x: [rows, in_features] -> [rows, out_features], over one layer's weights; with `ops`
-    (the compiled kernels) its weight is packed into panels for steps of 2+ rows."""
+    """`linear(x)`, x: float32 [rows, in_features] -> [rows, out_features], over one layer's weights. Without
+    `ops` (the compiled kernels) it is F.linear; with them the weight is held in `weights` format (`blocks`:
+    the layer's GGUF blocks for "gguf")."""
 
-    __slots__ = ("weight", "bias", "out_features", "panels", "kernel")
+    __slots__ = ("weight", "bias", "out_features", "format", "packed", "qtype", "ops")
 
-    def __init__(self, layer: torch.nn.Linear, ops=None) -> None:
-        self.weight, self.bias, self.out_features = layer.weight, layer.bias, layer.out_features
-        self.panels = ops.pack_linear_weight(layer.weight.detach()) if ops is not None else None
-        self.kernel = ops.linear if ops is not None else None
+    def __init__(self, layer: torch.nn.Linear, ops=None, weights: str = "float32", blocks=None) -> None:
+        self.bias, self.out_features = layer.bias, layer.out_features
+        self.ops, self.packed, self.qtype = ops, None, 0
+        self.format = weights if ops is not None else "torch"
+        weight = layer.weight.detach() if layer.weight is not None else None
+        self.weight = layer.weight if self.format == "torch" else None  # the kernels' formats hold their own copy
+        if self.format in _PANEL_DTYPES:
+            self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[self.format])
+        elif self.format == "int8":
+            self.packed, self.qtype = ops.quantize_q8_0(weight), _Q8_0
+        elif self.format == "gguf":
+            self.packed, self.qtype = torch.from_numpy(blocks.blocks), blocks.qtype
+        elif self.format != "torch":
+            raise ValueError(f"weights must be float32, float16, bfloat16, int8 or gguf (got {weights!r})")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is None or x.shape[0] < 2:  # exactly F.linear's ops
+        if self.format == "torch":  # exactly F.linear's ops
             if self.bias is None:
                 return torch.mm(x, self.weight.t())
             return torch.addmm(self.bias, x, self.weight.t())
-        return self.kernel(x, self.panels, self.out_features, self.bias)
+        if self.qtype:
+            return self.ops.quant_linear(x, self.packed, self.qtype, self.bias)
+        return self.ops.linear(x, self.packed, self.out_features, self.bias)
+
+    @property
+    def label(self) -> str:
+        """The format as logs show it: float32, float16, ..., int8, or the GGUF block type (Q4_1, ...)."""
+        if self.format == "gguf":
+            return _BLOCK_NAMES.get(self.qtype, "gguf")
+        return "float32" if self.format == "torch" else self.format
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight one step reads."""
+        held = self.packed if self.packed is not None else self.weight
+        return held.numel() * held.element_size()
+
+
+def fused(layers: list[torch.nn.Linear], ops, weights: str, blocks: list | None = None) -> EngineLinear:
+    """One EngineLinear over several layers' weights stacked by output features (the query, key and value
+    projections; the gate and up projections): one pass over the input and one kernel call instead of
+    several. The kernels compute each output column on its own, so every column comes out as it would
+    alone. `blocks`: each layer's GGUF blocks, all of one type, for "gguf"."""
+    weight = None if blocks else torch.cat([layer.weight.detach() for layer in layers])
+    biases = [layer.bias for layer in layers]
+    bias = None if all(b is None for b in biases) else torch.cat([
+        b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers)])
+    stacked = _Stacked(weight, bias, sum(layer.out_features for layer in layers))
+    if blocks:
+        import numpy as np
+
+        from tfserve.models.gguf_weights import QuantizedWeight
+
+        joined = QuantizedWeight(np.concatenate([b.blocks for b in blocks]), blocks[0].qtype, blocks[0].type_name)
+        return EngineLinear(stacked, ops, "gguf", joined)
+    return EngineLinear(stacked, ops, weights)
+
+
+class _Stacked:
+    """What EngineLinear reads of a layer, for stacked weights."""
+
+    def __init__(self, weight, bias, out_features: int) -> None:
+        self.weight, self.bias, self.out_features = weight, bias, out_features
 
 
 def can_pack(model: torch.nn.Module, ops) -> bool:
-    """True where packing applies: float32 weights on CPU, the kernel built with AVX-512, and a model small
-    enough for a second copy of its weights."""
+    """True where float32 panels apply: float32 weights on CPU, the kernels built, and a model small enough
+    for a second copy of its weights."""
     param = next(model.parameters())
     return (
         ops is not None

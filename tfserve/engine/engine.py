@@ -58,20 +58,31 @@ class Engine:
         stage: pull, load, the CPU kernels' first build, the KV cache."""
         from tfserve.engine import kernels
         from tfserve.models.loading import DEFAULT_MODEL, load_model
+        from tfserve.models.gguf_weights import gguf_source
         from tfserve.models.pull import no_progress
 
         config = _with_overrides(config, overrides)  # checked before a long load
-        loaded = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, quantization=quantization,
+        dtype, quantization = str(getattr(dtype, "value", dtype)), str(getattr(quantization, "value", quantization))
+        load_dtype, load_quantization, weights = _cpu_weights(config, dtype, quantization, device)
+        loaded = load_model(model or DEFAULT_MODEL, dtype=load_dtype, device=device, quantization=load_quantization,
                             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
                             progress=progress)  # None: transformers' own bars
         report = progress or no_progress
         if config.cpu_kernels and loaded.device == "cpu" and kernels.needs_build():
             report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
             kernels.cpu_ops()
+        if weights != config.weights:
+            config = dataclasses.replace(config, weights=weights)
+        gguf_file = gguf_source(loaded.path) if loaded.device == "cpu" and dtype == "auto" else None
+        if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
+            config = dataclasses.replace(config, gguf_file=str(gguf_file))
         report("Allocating the KV cache")
         engine = cls(loaded.model, loaded.tokenizer, config)
         engine.model_name, engine.model_path = loaded.name, str(loaded.path)
         engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
+        formats = getattr(engine.runner.forward, "weight_formats", {})
+        if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
+            engine.quantization = "/".join(sorted(formats))
         return engine
 
     # -- requests -----------------------------------------------------------------------------------
@@ -375,6 +386,23 @@ def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     if eos is not None:
         ids.update([eos] if isinstance(eos, int) else eos)
     return frozenset(ids)
+
+
+def _cpu_weights(config: EngineConfig, dtype: str, quantization: str, device: str) -> tuple[str, str, str]:
+    """What to load and how the lean forward holds its weights, for a user's dtype and quantization: on CPU with
+    the kernels, float16/bfloat16 and int8 are weight formats of the engine over a float32 model (16-bit or
+    8-bit storage, float32 arithmetic); elsewhere they go to transformers as they are (bitsandbytes for
+    int8 on CUDA). Returns (load dtype, load quantization, weights)."""
+    from tfserve.models.loading import resolve_device
+
+    on_cpu_kernels = config.cpu_kernels and config.forward_backend != "hf" and resolve_device(device) == "cpu"
+    if quantization == "int8":
+        if on_cpu_kernels:
+            return "float32", "none", "int8"
+        return dtype, "bnb-8bit", config.weights
+    if dtype in ("float16", "bfloat16") and quantization == "none" and on_cpu_kernels and config.weights == "auto":
+        return "float32", "none", dtype
+    return dtype, quantization, config.weights
 
 
 def _with_overrides(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

@@ -27,7 +27,8 @@ from tfserve.errors import first_line
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCE = _CSRC / "cpu_ops.cpp"  # the one translation unit; it includes the headers beside it
 # -fopenmp compiles at::parallel_for to OpenMP, but we link no OpenMP runtime of our own: the symbols resolve
 # to the one torch ships, so there is one thread pool, not two fighting.
 # -fno-math-errno lets exp() vectorise (glibc's libmvec); results stay within float rounding.
@@ -63,7 +64,9 @@ def cache_key() -> str:
     """What the build depends on, hashed: source, compiler and flags, torch, Python, machine and CPU features."""
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in _source_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     # sys.prefix: each environment writes its own include paths into torch's build.ninja, and a build.ninja
     # that changes makes torch rebuild, so two venvs sharing one directory would rebuild each other's
     parts = [*_CFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.version, sys.prefix,
@@ -120,12 +123,17 @@ def cpu_ops():
         return None
 
 
+def _source_files() -> list[Path]:
+    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
 def _source_copy(directory: Path) -> Path:
-    """The source, copied into the build directory: torch writes the source's path into build.ninja, so
-    building from each checkout's own file would make two checkouts rebuild each other's kernels."""
-    source = directory / _SOURCE.name
-    if not source.is_file():  # the key covers the content: a copy there is this very source
-        tmp = directory / f".{_SOURCE.name}.{os.getpid()}"
-        tmp.write_bytes(_SOURCE.read_bytes())
-        tmp.replace(source)
-    return source
+    """The sources, copied into the build directory: torch writes the source's path into build.ninja, so
+    building from each checkout's own files would make two checkouts rebuild each other's kernels."""
+    for path in _source_files():
+        copy = directory / path.name
+        if not copy.is_file():  # the key covers the content: a copy there is this very source
+            tmp = directory / f".{path.name}.{os.getpid()}"
+            tmp.write_bytes(path.read_bytes())
+            tmp.replace(copy)
+    return directory / _SOURCE.name

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tfserve.errors import ModelStoreError
 from tfserve.models import catalog, store
+from tfserve.models.gguf_weights import STORE_FILE
 
 # progress(step) starts a step; progress(step, completed, total) reports its bytes so far.
 ProgressFn = Callable[..., None]
@@ -69,6 +70,8 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
             from tfserve.models.convert import gguf_to_hf
 
             gguf_to_hf(gguf, work / name, show_hf_progress=progress is no_progress, sampling=known.sampling)
+            # the original file stays beside the HF files: the engine's CPU kernels run its blocks as they are
+            gguf.replace(work / name / STORE_FILE)
             progress(STEP_INSTALL)
             _install(work / name, target, work)
         finally:

@@ -33,18 +33,31 @@ class ForwardBackend(Protocol):
 
 def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops) -> ForwardBackend:
     """The backend `config.forward_backend` asks for: "hf", "lean" (ValueError where it cannot run), or "auto"
-    (lean where it applies). `cpu_ops` are the compiled CPU kernels, or None."""
-    if config.forward_backend == "hf":
-        return HFForward(model)
-    why_not = LeanForward.why_not(model)
+    (lean where it applies), with linear weights held as `config.weights` says. `cpu_ops` are the compiled CPU
+    kernels, or None."""
+    weights = config.weights
+    if weights == "auto":
+        weights = "gguf" if config.gguf_file and cpu_ops is not None else "float32"
+    why_not = "forward_backend is hf" if config.forward_backend == "hf" else LeanForward.why_not(model)
     if why_not is not None:
         if config.forward_backend == "lean":
             raise ValueError(f"forward_backend lean cannot run this model: {why_not}; use auto or hf")
+        if config.weights not in ("auto", "float32"):
+            raise ValueError(f"weights {config.weights} needs the lean forward, which cannot run this model: {why_not}")
         logger.debug("the model's own forward: %s", why_not)
         return HFForward(model)
+    if weights != "float32" and cpu_ops is None:
+        raise ValueError(f"weights {weights} needs tfserve's CPU kernels, which are off or failed to build")
     pack = config.pack_weights
     if pack is None:
         pack = cpu_linear.can_pack(model, cpu_ops)
     elif pack and not cpu_linear.can_pack(model, cpu_ops):
-        raise ValueError("pack_weights needs float32 weights on CPU and the CPU kernels built with AVX-512")
-    return LeanForward(model, cpu_ops, pack=pack)
+        raise ValueError("pack_weights needs float32 weights on CPU and the CPU kernels")
+    blocks = None
+    if weights == "gguf":
+        if not config.gguf_file:
+            raise ValueError("weights gguf needs the GGUF file the model came from (gguf_file)")
+        from tfserve.models.gguf_weights import quantized_linear_weights
+
+        blocks = quantized_linear_weights(config.gguf_file, model)
+    return LeanForward(model, cpu_ops, pack=pack, weights=weights, blocks=blocks)

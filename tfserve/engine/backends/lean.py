@@ -11,11 +11,14 @@ panel-packed copies of the weights that this backend holds (cpu_linear.py); the 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
 from tfserve.engine import attention
 from tfserve.engine.attention import paged_attention_forward
+from tfserve.engine import cpu_linear
 from tfserve.engine.cpu_linear import EngineLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -24,11 +27,14 @@ _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
 class LeanForward:
     """`lean(input_ids, positions, logits_index) -> logits` for one packed engine step. `ops` are the compiled
-    CPU kernels (None: their torch versions); `pack` gives the linear layers panel-packed weights."""
+    CPU kernels (None: their torch versions); `weights` is how the linear layers hold their weights
+    (cpu_linear.py; `blocks`: a GGUF file's quantized weights by module name, for "gguf"); `pack` gives float32
+    layers panel-packed weights."""
 
     name = "lean"
 
-    def __init__(self, model: torch.nn.Module, ops=None, pack: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, ops=None, pack: bool = False, weights: str = "float32",
+                 blocks: dict | None = None) -> None:
         self.model = model
         self.config = config = model.config
         self.layers = list(model.model.layers[: config.num_hidden_layers])
@@ -43,18 +49,42 @@ class LeanForward:
         self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
         self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
 
-        def linear(layer: torch.nn.Linear) -> EngineLinear:
-            return EngineLinear(layer, ops if pack else None)
+        names = {id(module): name for name, module in model.named_modules()}
+        blocks = blocks or {}
+
+        def format_of(layer: torch.nn.Linear) -> str:
+            if ops is None:
+                return "torch"
+            if weights == "gguf":  # a tensor the file keeps in another type: expanded, as transformers read it
+                return "gguf" if names[id(layer)] in blocks else ("float32" if pack else "torch")
+            if weights == "int8" and layer.in_features % 32:
+                return "float32" if pack else "torch"  # Q8_0 blocks need whole blocks of 32 inputs
+            return "torch" if weights == "float32" and not pack else weights
+
+        def linear(*layers: torch.nn.Linear) -> _Projection:
+            """The layers' projections, as one stacked kernel call where their weights share a format."""
+            fmts = {format_of(layer) for layer in layers}
+            fmt = fmts.pop()
+            qtypes = {blocks[names[id(layer)]].qtype for layer in layers} if fmt == "gguf" else set()
+            if len(layers) > 1 and not fmts and fmt != "torch" and len(qtypes) <= 1:
+                parts = [blocks[names[id(layer)]] for layer in layers] if fmt == "gguf" else None
+                return _Projection([cpu_linear.fused(list(layers), ops, fmt, parts)],
+                                   [layer.out_features for layer in layers])
+            return _Projection([EngineLinear(layer, ops if format_of(layer) != "torch" else None, format_of(layer),
+                                             blocks.get(names[id(layer)])) for layer in layers])
 
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
-            (_Attention(l.self_attn), linear(l.self_attn.q_proj), linear(l.self_attn.k_proj),
-             linear(l.self_attn.v_proj), linear(l.self_attn.o_proj), linear(l.mlp.gate_proj),
-             linear(l.mlp.up_proj), linear(l.mlp.down_proj), l.input_layernorm.weight,
-             l.post_attention_layernorm.weight, window)
+            (_Attention(l.self_attn), linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj),
+             linear(l.self_attn.o_proj), linear(l.mlp.gate_proj, l.mlp.up_proj), linear(l.mlp.down_proj),
+             l.input_layernorm.weight, l.post_attention_layernorm.weight, window)
             for l, window in zip(self.layers, self.windows)
         ]))
         self.lm_head = linear(model.lm_head)
+        formats = Counter()
+        for projection in (*(p for column in self._layers[1:5] for p in column), self.lm_head):
+            formats.update(projection.labels)
+        self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
 
     @staticmethod
     def why_not(model: torch.nn.Module) -> str | None:
@@ -95,12 +125,13 @@ class LeanForward:
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
         cos, sin = cos[0], sin[0]
         residual = None  # the last block's output, added to x by the next norm
-        for (attn, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, norm1, norm2, window,
+        for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, window,
              (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
             h = rms_norm(x, norm1, eps, residual)
-            q = q_proj(h).view(num_tokens, heads, head_dim)
-            k = k_proj(h).view(num_tokens, kv_heads, head_dim)
-            v = v_proj(h).view(num_tokens, kv_heads, head_dim)
+            q, k, v = qkv_proj(h)
+            q = q.view(num_tokens, heads, head_dim)
+            k = k.view(num_tokens, kv_heads, head_dim)
+            v = v.view(num_tokens, kv_heads, head_dim)
             if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
                 q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -112,11 +143,35 @@ class LeanForward:
                 o, _ = paged_attention_forward(attn.module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], None, scaling=attn.scaling,
                                                sliding_window=window)
-            residual = o_proj(o.view(num_tokens, heads * head_dim))
+            (residual,) = o_proj(o.view(num_tokens, heads * head_dim))
             h = rms_norm(x, norm2, eps, residual)
-            residual = down_proj(F.silu(gate_proj(h), inplace=True).mul_(up_proj(h)))
+            gate, up = gate_up_proj(h)
+            (residual,) = down_proj(F.silu(gate).mul_(up))
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
-        return self.lm_head(rms_norm(x, model.model.norm.weight, eps, residual))
+        (logits,) = self.lm_head(rms_norm(x, model.model.norm.weight, eps, residual))
+        return logits
+
+class _Projection:
+    """`projection(x) -> (y, ...)`: one output per layer, from one stacked EngineLinear (`sizes`: each layer's
+    output features) or one EngineLinear per layer. Outputs are contiguous, as the kernels take them."""
+
+    __slots__ = ("linears", "sizes")
+
+    def __init__(self, linears: list[EngineLinear], sizes: list[int] | None = None) -> None:
+        self.linears, self.sizes = linears, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.sizes is None:
+            return tuple(linear(x) for linear in self.linears)
+        return tuple(part.contiguous() for part in self.linears[0](x).split(self.sizes, dim=1))
+
+    @property
+    def labels(self) -> list[str]:
+        """Each layer's weight format."""
+        if self.sizes is None:
+            return [linear.label for linear in self.linears]
+        return [self.linears[0].label] * len(self.sizes)
+
 
 class _Attention:
     """What the lean forward reads of an attention module."""

@@ -11,6 +11,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 // The first token a sequence of `ctx` tokens attends to: all of them, or the last `sliding_window`.
 static inline int64_t window_start(int64_t ctx, int64_t sliding_window) {
   return sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
@@ -99,27 +101,6 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   });
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-// exp on 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (about 1 ulp).
-// Lanes below -87 give a tiny positive number, not 0; callers mask them.
-static inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The rows of block `b` that a sequence attending to tokens [first, ctx) uses: [lo, hi) within the block.
 static inline void block_rows(int64_t first, int64_t ctx, int64_t b, int64_t block_size, int64_t& lo, int64_t& hi) {
   lo = std::max(first, b * block_size) - b * block_size;
@@ -152,16 +133,18 @@ struct BlockCursor {
   }
 };
 
-// The float32 kernel on AVX-512, one pass over the context with an online softmax (flash-decoding): per
-// chunk of up to 16 tokens, a vector of scores per head, a running max and sum, values accumulated in
-// registers. Each key and value row is loaded once and used by every query head of its KV head.
-// V = head_dim / 16.
+// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON), one pass over the context with an
+// online softmax (flash-decoding): per chunk of up to Vec::N tokens, a vector of scores per head, a running
+// max and sum, values accumulated in registers. Each key and value row is loaded once and used by every query
+// head of its KV head. V = head_dim / Vec::N.
 template <int V>
-static void decode_kernel_avx512(const float* q, const float* k_cache, const float* v_cache,
-                                 const int64_t* block_tables, const int64_t* context_lens, float* out,
-                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                                 int64_t max_blocks, float scale, int64_t sliding_window, float softcap) {
-  constexpr int64_t D = V * 16;
+static void decode_kernel_vec(const float* q, const float* k_cache, const float* v_cache,
+                              const int64_t* block_tables, const int64_t* context_lens, float* out,
+                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                              int64_t max_blocks, float scale, int64_t sliding_window, float softcap) {
+  using tfs::Vec;
+  constexpr int64_t L = Vec::N;  // tokens per chunk
+  constexpr int64_t D = V * L;
   constexpr int64_t kAhead = 2;  // blocks between the one computed and the one asked for
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
@@ -179,7 +162,7 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
   while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_seqs);
   bounds.back() = num_seqs;
   at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
-    std::vector<float> scores(group * 16), acc_buf(num_heads * D), m(num_heads), l(num_heads);
+    std::vector<float> scores(group * L), acc_buf(num_heads * D), m(num_heads), l(num_heads);
     BlockCursor cursor{block_tables, context_lens, max_blocks, block_size, sliding_window,
                        bounds[first_part], bounds[last_part]};
     // The prefetch stream: [pf_k, pf_k + pf_bytes) of keys and the same range of values.
@@ -194,8 +177,8 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
     };
     auto prefetch_lines = [&](int64_t lines) {
       for (; lines > 0 && pf_bytes > 0; --lines, pf_bytes -= 64, pf_k += 64, pf_v += 64) {
-        _mm_prefetch(pf_k, _MM_HINT_T0);
-        _mm_prefetch(pf_v, _MM_HINT_T0);
+        __builtin_prefetch(pf_k);
+        __builtin_prefetch(pf_v);
       }
     };
     for (int64_t i = 0; i < kAhead; ++i) { refill(); prefetch_lines(1 << 30); }
@@ -216,89 +199,87 @@ static void decode_kernel_avx512(const float* q, const float* k_cache, const flo
         block_rows(first, ctx, b, block_size, block_lo, block_hi);
         const float* kb = k_cache + table[b] * block_stride;
         const float* vb = v_cache + table[b] * block_stride;
-        for (int64_t lo = block_lo; lo < block_hi; lo += 16) {
-          const int64_t hi = std::min(block_hi, lo + 16);
-          const __mmask16 mask = static_cast<__mmask16>((1u << (hi - lo)) - 1);
+        for (int64_t lo = block_lo; lo < block_hi; lo += L) {
+          const int64_t hi = std::min(block_hi, lo + L);
           for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
             const int64_t h0 = kvh * group;
-            // scores[g * 16 + i]: query head h0 + g against token lo + i
+            // scores[g * L + i]: query head h0 + g against token lo + i; lanes past `hi` stay -inf
+            for (int64_t g = 0; g < group; ++g)
+              std::fill(scores.begin() + g * L + (hi - lo), scores.begin() + (g + 1) * L,
+                        -std::numeric_limits<float>::infinity());
             for (int64_t i = lo; i < hi; ++i) {
               if (kvh == 0) {  // one row's worth per row computed keeps the stream kAhead blocks ahead
                 if (pf_bytes <= 0) refill();
                 prefetch_lines(lines_per_row);
               }
               const float* k = kb + i * token_stride + kvh * D;
-              __m512 kv[V];
-              for (int j = 0; j < V; ++j) kv[j] = _mm512_loadu_ps(k + 16 * j);
+              Vec kv[V];
+              for (int j = 0; j < V; ++j) kv[j] = Vec::load(k + L * j);
               for (int64_t g = 0; g < group; ++g) {
                 const float* qh = q_seq + (h0 + g) * D;
-                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-                for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], s);
-                float x = _mm512_reduce_add_ps(s) * scale;
+                Vec s = Vec::load(qh) * kv[0];
+                for (int j = 1; j < V; ++j) s = fma(Vec::load(qh + L * j), kv[j], s);
+                float x = s.sum() * scale;
                 if (softcap > 0) x = std::tanh(x / softcap) * softcap;
-                scores[g * 16 + (i - lo)] = x;
+                scores[g * L + (i - lo)] = x;
               }
             }
             for (int64_t g = 0; g < group; ++g) {
               const int64_t h = h0 + g;
-              const __m512 sc = _mm512_maskz_loadu_ps(mask, scores.data() + g * 16);
-              const float mx = std::max(m[h], _mm512_mask_reduce_max_ps(mask, sc));
+              float* pg = scores.data() + g * L;
+              const Vec sc = Vec::load(pg);
+              const float mx = std::max(m[h], sc.max());
               const float alpha = std::exp(m[h] - mx);  // 0 on the first chunk (m = -inf)
-              const __m512 p = _mm512_maskz_mov_ps(mask, exp_avx512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-              _mm512_storeu_ps(scores.data() + g * 16, p);
-              l[h] = l[h] * alpha + _mm512_reduce_add_ps(p);
+              tfs::exp(sc - Vec::set1(mx)).store(pg);
+              std::fill(pg + (hi - lo), pg + L, 0.f);
+              l[h] = l[h] * alpha + Vec::load(pg).sum();
               m[h] = mx;
               float* a = acc_buf.data() + h * D;
-              const float* pg = scores.data() + g * 16;
-              __m512 av[V];
-              const __m512 al = _mm512_set1_ps(alpha);
-              for (int j = 0; j < V; ++j) av[j] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), al);
+              Vec av[V];
+              const Vec al = Vec::set1(alpha);
+              for (int j = 0; j < V; ++j) av[j] = Vec::load(a + L * j) * al;
               for (int64_t i = lo; i < hi; ++i) {
                 const float* v = vb + i * token_stride + kvh * D;
-                const __m512 pi = _mm512_set1_ps(pg[i - lo]);
-                for (int j = 0; j < V; ++j) av[j] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * j), av[j]);
+                const Vec pi = Vec::set1(pg[i - lo]);
+                for (int j = 0; j < V; ++j) av[j] = fma(pi, Vec::load(v + L * j), av[j]);
               }
-              for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, av[j]);
+              for (int j = 0; j < V; ++j) av[j].store(a + L * j);
             }
           }
         }
       }
       float* o = out + seq * num_heads * D;
       for (int64_t h = 0; h < num_heads; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
-        for (int j = 0; j < V; ++j)
-          _mm512_storeu_ps(o + h * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc_buf.data() + h * D + 16 * j), inv));
+        const Vec inv = Vec::set1(1.f / l[h]);
+        for (int j = 0; j < V; ++j) (Vec::load(acc_buf.data() + h * D + L * j) * inv).store(o + h * D + L * j);
       }
     }
   });
 }
 
-// The AVX-512 kernel where it applies (float32, head_dim 16, 32, 64 or 128); false where it does not.
-static bool decode_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                          const torch::Tensor& bt, const torch::Tensor& cl, torch::Tensor& out, double scale,
-                          int64_t sliding_window, double softcap) {
-  if (q.scalar_type() != torch::kFloat32) return false;
+// The vector kernel where it applies (float32, head_dim = Vec::N times 1, 2, 4, 8 or 16); false where not.
+static bool decode_vec(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& bt, const torch::Tensor& cl, torch::Tensor& out, double scale,
+                       int64_t sliding_window, double softcap) {
+  if (q.scalar_type() != torch::kFloat32 || k_cache.scalar_type() != torch::kFloat32) return false;
   auto run = [&](auto v) {
-    decode_kernel_avx512<decltype(v)::value>(
+    decode_kernel_vec<decltype(v)::value>(
         q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
         cl.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
         bt.size(1), static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
     return true;
   };
-  switch (q.size(2)) {
-    case 16: return run(std::integral_constant<int, 1>{});
-    case 32: return run(std::integral_constant<int, 2>{});
-    case 64: return run(std::integral_constant<int, 4>{});
-    case 128: return run(std::integral_constant<int, 8>{});
+  const int64_t head_dim = q.size(2);
+  if (head_dim % tfs::Vec::N) return false;
+  switch (head_dim / tfs::Vec::N) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    case 16: return run(std::integral_constant<int, 16>{});
     default: return false;
   }
 }
-#else
-static bool decode_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                          const torch::Tensor&, torch::Tensor&, double, int64_t, double) {
-  return false;
-}
-#endif
 
 // Write a step's new keys and values into their cache slots. k, v: [num_tokens, num_kv_heads, head_dim];
 // caches: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [num_tokens] int64.
@@ -334,7 +315,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
   auto out = torch::empty_like(q);
-  if (decode_avx512(q, k_cache, v_cache, bt, cl, out, scale, sliding_window, softcap)) return out;
+  if (decode_vec(q, k_cache, v_cache, bt, cl, out, scale, sliding_window, softcap)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
@@ -344,96 +325,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// ---- Linear layers for steps of a few to a few hundred rows ----------------------------------------------
-// A decode step multiplies every weight by only as many rows as there are sequences, so it is bound by
-// reading the weights, where a general GEMM tuned for big matrices loses most of the bandwidth. The weight
-// is repacked once into panels of 32 output columns ([panels][K][32], contiguous per panel), and a tile of
-// up to 14 rows x 32 columns keeps 28 accumulators in registers while the panel streams past once, with
-// prefetches ahead of it. Every row is computed the same way whatever the number of rows, so a request's
-// result does not depend on what else is in the batch.
-#ifdef __AVX512F__
-constexpr int64_t kPanelCols = 32;
-constexpr int64_t kTileRows = 14;
-
-torch::Tensor pack_linear_weight(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "weight: float32 [out_features, in_features]");
-  auto wc = w.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanelCols - 1) / kPanelCols;
-  auto out = torch::zeros({panels, k, kPanelCols}, w.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c)
-        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanelCols + c] = src[(p * kPanelCols + c) * k + i];
-  });
-  return out;
-}
-
-template <int R>
-static inline void linear_tile(const float* x, int64_t k, const float* panel, const float* bias, float* y,
-                               int64_t ldy, int64_t cols) {
-  __m512 acc0[R], acc1[R];
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) { acc0[r] = b0; acc1[r] = b1; }
-  for (int64_t i = 0; i < k; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (i + 24) * kPanelCols), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (i + 24) * kPanelCols + 16), _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(panel + i * kPanelCols);
-    const __m512 w1 = _mm512_loadu_ps(panel + i * kPanelCols + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * k + i]);
-      acc0[r] = _mm512_fmadd_ps(a, w0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(a, w1, acc1[r]);
-    }
-  }
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-  const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc0[r]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc1[r]);
-  }
-}
-
-template <int... Rs>
-static void linear_tile_of(int rows, std::integer_sequence<int, Rs...>, const float* x, int64_t k,
-                           const float* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
-  ((rows == Rs + 1 ? (linear_tile<Rs + 1>(x, k, panel, bias, y, ldy, cols), true) : false) || ...);
-}
-
-// y = x @ W.T + bias, W packed by pack_linear_weight. x: [rows, in_features] -> [rows, out_features].
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
-  auto xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = out_features;
-  TORCH_CHECK(packed.size(1) == k && packed.size(2) == kPanelCols && panels * kPanelCols >= n, "packed weight mismatch");
-  auto y = torch::empty({m, n}, x.options());
-  torch::Tensor bias_padded;
-  const float* bp = nullptr;
-  if (bias) {  // padded to whole panels so that every tile loads 32 values
-    bias_padded = torch::zeros({panels * kPanelCols}, x.options());
-    bias_padded.narrow(0, 0, n).copy_(*bias);
-    bp = bias_padded.data_ptr<float>();
-  }
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
-  const int64_t tile_rows = num_tiles ? (m + num_tiles - 1) / num_tiles : 0;  // balanced: 32 rows -> 11, 11, 10
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
-      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
-        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
-        linear_tile_of(rows, std::make_integer_sequence<int, kTileRows>{}, xp + r0 * k, k, wp + p * k * kPanelCols,
-                       bp ? bp + p * kPanelCols : nullptr, yp + r0 * n + p * kPanelCols, n, cols);
-      }
-    }
-  });
-  return y;
-}
-#endif
+#include "linear.h"
+#include "quant.h"
 
 // In place, transformers' rotary embedding `x * cos + rotate_half(x) * sin` on float32 queries and keys,
 // every product rounded before the sum (the extension is built with -ffp-contract=off), so the result is
@@ -509,11 +402,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("new_k") = py::none(), py::arg("new_v") = py::none(),
         py::arg("slots") = py::none());
-#ifdef __AVX512F__
-  m.def("pack_linear_weight", &pack_linear_weight, "Repack a float32 weight into panels for `linear` (CPU)");
+  m.attr("isa") = tfs::kIsa;
+  m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)",
+        py::arg("weight"), py::arg("dtype") = py::none());
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
-#endif
+  m.def("quant_linear", &quant_linear, "x @ W.T + bias with W in GGUF blocks (Q4_0, Q4_1, Q8_0) (CPU)",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("bias") = py::none());
+  m.def("quantize_q8_0", &quantize_q8_0, "A float weight as GGUF Q8_0 blocks (CPU)");
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)");

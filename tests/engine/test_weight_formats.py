@@ -1,0 +1,67 @@
+"""The engine with its linear weights in 16 bits or int8 blocks: each format stays within a stated distance of
+the float32 engine's logits, the choice is checked where it is made, and `from_pretrained` maps the user's
+--dtype / --quantization onto it on CPU."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tfserve import Engine, SamplingParams  # noqa: E402
+from tfserve.config import EngineConfig  # noqa: E402
+from tfserve.engine.backends import select_backend  # noqa: E402
+from tfserve.engine.kernels import cpu_ops  # noqa: E402
+
+# Largest logit error allowed, relative to the float32 logits' spread (max - min) at the same position.
+TOLERANCE = {"float16": 0.001, "bfloat16": 0.005, "int8": 0.015}  # measured: 0.0002, 0.0017, 0.006
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if cpu_ops() is None:
+        pytest.skip("CPU kernels unavailable here")
+    return cpu_ops()
+
+
+def _prompt_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The logits each prompt's prefill ends with."""
+    captured = []
+    sampler = engine.runner.sampler
+    engine.runner.sampler = lambda logits, requests: (captured.append(logits.clone()), sampler(logits, requests))[1]
+    for prompt in prompts:  # one at a time: one logits row per step
+        engine.generate_batch([prompt], SamplingParams(temperature=0, max_tokens=1))
+    return [row[0] for row in captured]
+
+
+@pytest.mark.parametrize("weights", list(TOLERANCE))
+def test_each_format_stays_within_its_stated_logit_error(llama, ops, weights):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, llama.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
+    reference = _prompt_logits(Engine(llama, block_size=4, num_blocks=64, weights="float32"), prompts)
+    engine = Engine(llama, block_size=4, num_blocks=64, weights=weights)
+    assert engine.runner.forward.weight_formats == {weights: 2 * 7 + 1}
+    for got, ref in zip(_prompt_logits(engine, prompts), reference):
+        spread = (ref.max() - ref.min()).item()
+        assert (got - ref).abs().max().item() <= TOLERANCE[weights] * spread, weights
+
+
+def test_a_format_that_needs_what_is_missing_is_refused(llama, ops):
+    with pytest.raises(ValueError, match="weights gguf needs the GGUF file"):
+        Engine(llama, block_size=4, num_blocks=16, weights="gguf")
+    with pytest.raises(ValueError, match="weights int8 needs tfserve's CPU kernels"):
+        select_backend(llama, EngineConfig(weights="int8"), None)
+    with pytest.raises(ValueError, match="weights float16 needs the lean forward"):
+        select_backend(llama, EngineConfig(weights="float16", forward_backend="hf"), ops)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(weights="float8")
+
+
+def test_from_pretrained_maps_dtype_and_quantization_onto_weight_formats(llama, tokenizer, ops, tmp_path):
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    for options, expected in [({"dtype": "float16"}, "float16"), ({"dtype": "bfloat16"}, "bfloat16"),
+                              ({"quantization": "int8"}, "int8"), ({}, "none")]:
+        engine = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, **options)
+        assert engine.quantization == expected, options
+        assert engine.model.dtype == torch.float32  # compute stays float32; only the engine's copy is smaller
+        out = engine.generate_batch(["hello world"], SamplingParams(temperature=0, max_tokens=3))
+        assert len(next(iter(out.values())).generated_tokens) == 3

@@ -1,0 +1,164 @@
+// Linear layers for steps of one to a few hundred rows, over weights in float32, float16 or bfloat16.
+// A decode step multiplies every weight by only as many rows as there are sequences, so it is bound by
+// reading the weights, where a general GEMM tuned for big matrices loses most of the bandwidth. The weight
+// is repacked once into panels of kPanelCols output columns ([panels][K][kPanelCols], contiguous per panel,
+// in the weight's storage type), and a tile of up to kTileRows rows x kPanelCols columns keeps its
+// accumulators in registers while the panel streams past once, with prefetches ahead of it. Half-precision
+// weights are widened to float32 in registers; every product and sum is float32. Every row is computed the
+// same way whatever the number of rows, so a request's result does not depend on what else is in the batch.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <utility>
+#include "vec.h"
+
+namespace tfs {
+
+constexpr int64_t kPanelVecs = 2;
+constexpr int64_t kPanelCols = kPanelVecs * Vec::N;
+#if TFS_AVX512 || TFS_NEON
+constexpr int kTileRows = 12;  // 32 vector registers: 24 accumulators
+#elif TFS_AVX2
+constexpr int kTileRows = 6;   // 16 vector registers: 12 accumulators, 2 weights, 1 broadcast
+#else
+constexpr int kTileRows = 4;
+#endif
+
+template <typename W>
+static void pack_panels(const W* src, W* dst, int64_t n, int64_t k) {
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanelCols + c] = src[(p * kPanelCols + c) * k + i];
+  });
+}
+
+// y[r, :] = x[r] @ panels + bias for R rows and NP consecutive panels (the last one may be cut to `cols`).
+// x: [R, k] (row stride k); y: row stride ldy. Few rows take several panels at once so that enough
+// independent multiply-adds are in flight (one row of one panel would wait on each FMA's latency); each
+// column still sums over k in order, so its result does not depend on R or NP.
+template <int R, int NP, typename W>
+static inline void linear_tile(const float* x, int64_t k, const W* panel, const float* bias, float* y,
+                               int64_t ldy, int64_t cols) {
+  constexpr int64_t P = kPanelCols;
+  constexpr int V = kPanelVecs;
+  const int64_t panel_stride = k * P;
+  Vec acc[R][NP * V];
+  for (int j = 0; j < NP * V; ++j) {
+    const Vec b = bias ? Vec::load(bias + j * Vec::N) : Vec::zero();
+    for (int r = 0; r < R; ++r) acc[r][j] = b;
+  }
+  constexpr int64_t kAheadRows = 1024 / (P * sizeof(W));  // about 1 KiB ahead in each panel
+  for (int64_t i = 0; i < k; ++i) {
+    Vec w[NP * V];
+    for (int p = 0; p < NP; ++p) {
+      const W* row = panel + p * panel_stride + i * P;
+      const char* ahead = reinterpret_cast<const char*>(row + kAheadRows * P);
+      for (int64_t b = 0; b < static_cast<int64_t>(P * sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
+      for (int j = 0; j < V; ++j) w[p * V + j] = Vec::load(row + j * Vec::N);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec a = Vec::set1(x[r * k + i]);
+      for (int j = 0; j < NP * V; ++j) acc[r][j] = fma(a, w[j], acc[r][j]);
+    }
+  }
+  const int64_t width = (NP - 1) * P + cols;
+  for (int r = 0; r < R; ++r) {
+    if (width == NP * P) {
+      for (int j = 0; j < NP * V; ++j) acc[r][j].store(y + r * ldy + j * Vec::N);
+    } else {  // the last panel's tail
+      float tmp[NP * P];
+      for (int j = 0; j < NP * V; ++j) acc[r][j].store(tmp + j * Vec::N);
+      std::memcpy(y + r * ldy, tmp, width * sizeof(float));
+    }
+  }
+}
+
+template <typename W, int NP, int... Rs>
+static void linear_tile_of(int rows, std::integer_sequence<int, Rs...>, const float* x, int64_t k,
+                           const W* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  ((rows == Rs + 1 ? (linear_tile<Rs + 1, NP, W>(x, k, panel, bias, y, ldy, cols), true) : false) || ...);
+}
+
+template <typename W>
+static void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int64_t m, int64_t k,
+                          int64_t n, int64_t panels) {
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t tile_rows = num_tiles ? (m + num_tiles - 1) / num_tiles : 0;  // balanced: 32 rows -> 11, 11, 10
+  // panels per call: enough accumulators for the FMA pipes with one or two rows
+  const int64_t group = tile_rows == 1 ? 4 : tile_rows == 2 ? 2 : 1;
+  const int64_t num_groups = (panels + group - 1) / group;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * group, np = std::min(group, panels - p0);
+      const int64_t cols = std::min(kPanelCols, n - (p0 + np - 1) * kPanelCols);  // of the group's last panel
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+        const float* x = xp + r0 * k;
+        const W* w = wp + p0 * k * kPanelCols;
+        const float* b = bp ? bp + p0 * kPanelCols : nullptr;
+        float* y = yp + r0 * n + p0 * kPanelCols;
+        constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
+        if (np == 4) linear_tile_of<W, 4>(rows, seq, x, k, w, b, y, n, cols);
+        else if (np == 2) linear_tile_of<W, 2>(rows, seq, x, k, w, b, y, n, cols);
+        else {  // one panel at a time (a group's remainder, or tiles of 3+ rows)
+          for (int64_t p = 0; p < np; ++p) {
+            const int64_t c = std::min(kPanelCols, n - (p0 + p) * kPanelCols);
+            linear_tile_of<W, 1>(rows, seq, x, k, w + p * k * kPanelCols, b ? b + p * kPanelCols : nullptr,
+                                 y + p * kPanelCols, n, c);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tfs
+
+// w: [out_features, in_features] -> panels [ceil(out / kPanelCols), in_features, kPanelCols] of `dtype`
+// (default: w's own; float32, float16 or bfloat16).
+torch::Tensor pack_linear_weight(torch::Tensor w, c10::optional<at::ScalarType> dtype) {
+  const auto type = dtype.value_or(w.scalar_type());
+  TORCH_CHECK(w.dim() == 2, "weight: [out_features, in_features]");
+  TORCH_CHECK(type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16,
+              "panels: float32, float16 or bfloat16");
+  auto wc = w.to(type).contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + tfs::kPanelCols - 1) / tfs::kPanelCols;
+  auto out = torch::zeros({panels, k, tfs::kPanelCols}, wc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, type, "pack_linear_weight", [&] {
+    tfs::pack_panels<scalar_t>(wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, k);
+  });
+  return out;
+}
+
+// y = x @ W.T + bias, W packed by pack_linear_weight. x: float32 [rows, in_features] -> [rows, out_features].
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
+  auto xc = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = out_features;
+  TORCH_CHECK(packed.size(1) == k && packed.size(2) == tfs::kPanelCols && panels * tfs::kPanelCols >= n,
+              "packed weight mismatch");
+  auto y = torch::empty({m, n}, x.options());
+  torch::Tensor bias_padded;
+  const float* bp = nullptr;
+  if (bias) {  // padded to whole panels so that every tile loads whole vectors
+    bias_padded = torch::zeros({panels * tfs::kPanelCols}, x.options());
+    bias_padded.narrow(0, 0, n).copy_(*bias);
+    bp = bias_padded.data_ptr<float>();
+  }
+  switch (packed.scalar_type()) {
+    case torch::kFloat32:
+      tfs::linear_panels(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), m, k, n, panels);
+      break;
+    case torch::kFloat16:
+      tfs::linear_panels(xc.data_ptr<float>(), packed.data_ptr<c10::Half>(), bp, y.data_ptr<float>(), m, k, n, panels);
+      break;
+    case torch::kBFloat16:
+      tfs::linear_panels(xc.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), bp, y.data_ptr<float>(), m, k, n, panels);
+      break;
+    default:
+      TORCH_CHECK(false, "panels: float32, float16 or bfloat16");
+  }
+  return y;
+}
