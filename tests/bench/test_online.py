@@ -19,6 +19,8 @@ KEYS = {"completed", "failed", "duration_s", "request_throughput", "output_throu
         "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
 
 
+SEEN_MODELS = web.AppKey("seen_models", list)  # the model names a fake server was sent
+
 def _chunk(content=None, finish=None, usage=None):
     choices = [] if usage else [{"index": 0, "delta": {"content": content} if content else {},
                                  "finish_reason": finish}]
@@ -30,9 +32,11 @@ def _chunk(content=None, finish=None, usage=None):
 
 def _fake_app(fail_every: int = 0) -> web.Application:
     count = {"n": 0}
+    seen_models = []
 
     async def chat(request):
         body = await request.json()
+        seen_models.append(body["model"])
         count["n"] += 1
         if fail_every and count["n"] % fail_every == 0:
             return web.json_response({"error": {"message": "boom", "type": "server_error", "param": None,
@@ -51,9 +55,14 @@ def _fake_app(fail_every: int = 0) -> web.Application:
     async def health(request):
         return web.json_response({"status": "ok"})
 
+    async def models(request):  # as vLLM names a model: by its path
+        return web.json_response({"object": "list", "data": [{"id": "/models/served-one", "object": "model"}]})
+
     app_ = web.Application()
     app_.router.add_post("/v1/chat/completions", chat)
     app_.router.add_get("/health", health)
+    app_.router.add_get("/v1/models", models)
+    app_[SEEN_MODELS] = seen_models
     return app_
 
 
@@ -63,7 +72,9 @@ def fake_server():
 
     def start(fail_every: int = 0) -> str:
         loop = asyncio.new_event_loop()
-        runner = web.AppRunner(_fake_app(fail_every))
+        app_ = _fake_app(fail_every)
+        start.apps.append(app_)
+        runner = web.AppRunner(app_)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         loop.run_until_complete(site.start())
@@ -73,6 +84,7 @@ def fake_server():
         servers.append((loop, runner, thread))
         return f"http://127.0.0.1:{port}/v1"
 
+    start.apps = []
     yield start
     for loop, runner, thread in servers:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
@@ -109,6 +121,14 @@ def test_cli_serve_writes_the_json_schema(fake_server, tmp_path):
     assert set(data) == KEYS
     assert data["completed"] == 8 and data["failed"] == 2
     assert "boom" in result.output  # the first errors are shown
+
+
+def test_cli_serve_asks_the_server_which_model_it_serves(fake_server):
+    base_url = fake_server()
+    seen = fake_server.apps[-1][SEEN_MODELS]
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "-n", "4", "-c", "2", "--max-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert seen == ["/models/served-one"] * 4
 
 
 def test_cli_sweep_and_request_rate(fake_server, tmp_path):

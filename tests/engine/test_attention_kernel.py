@@ -1,19 +1,18 @@
 """The compiled CPU decode kernel agrees with the pure-torch paged attention path."""
 
 import pytest
+from kernel_builds import kernel_build
 
 torch = pytest.importorskip("torch")
 
 from tfserve.engine.attention import AttentionGroup, _group_attention  # noqa: E402
-from tfserve.engine.kernels import cpu_ops  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops()
-    if module is None:
-        pytest.skip("CPU kernel unavailable here (no compiler or TFSERVE_CPU_KERNELS=0)")
-    return module
+@pytest.fixture(scope="module", params=["native", pytest.param("x86-64", marks=pytest.mark.slow)])
+def ops(request):
+    """This CPU's build (its widest vector path), and on x86 the plain C++ one that CPUs without a vector
+    path run (built for baseline x86-64)."""
+    return kernel_build(request.param)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1), (9, 3)])

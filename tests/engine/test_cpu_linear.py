@@ -4,11 +4,12 @@ row whatever the batch; without kernels exactly F.linear; the caller's model nev
 
 import numpy as np
 import pytest
+from kernel_builds import kernel_build
 
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from tfserve.engine import cpu_linear, kernels  # noqa: E402
+from tfserve.engine import cpu_linear  # noqa: E402
 from tfserve.engine.cpu_linear import EngineLinear  # noqa: E402
 from tfserve.models.gguf_weights import QuantizedWeight  # noqa: E402
 
@@ -38,12 +39,11 @@ def layers():
     return torch.nn.Linear(64, 100), torch.nn.Linear(100, 40, bias=False)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = kernels.cpu_ops()
-    if ops is None:
-        pytest.skip("CPU kernels unavailable here (no compiler or TFSERVE_CPU_KERNELS=0)")
-    return ops
+@pytest.fixture(scope="module", params=["native", pytest.param("x86-64", marks=pytest.mark.slow)])
+def ops(request):
+    """This CPU's build (its widest vector path), and on x86 the plain C++ one that CPUs without a vector
+    path run (built for baseline x86-64)."""
+    return kernel_build(request.param)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
@@ -183,3 +183,21 @@ def test_int8_is_ggufs_own_q8_0(ops):
     ours = ops.quantize_q8_0(weight).numpy()
     theirs = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(ours.shape)
     assert np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_prompt_rows_multiply_the_exactly_dequantized_weight_in_float32(ops, name):
+    """Rows from `float_from` on take the float road: bit for bit what float32 panels over GGUF's own
+    dequantization give; the rows before it keep the integer road."""
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(96, 37, bias=False)
+    blocks = _blocks(layer.weight.detach(), name)
+    dequantized = torch.nn.Linear(96, 37, bias=False)
+    dequantized.weight.data = torch.from_numpy(gguf.quants.dequantize(blocks.blocks, BLOCK_TYPES[name])).float()
+    quantized, floats = EngineLinear(layer, ops, "gguf", blocks), EngineLinear(dequantized, ops, "float32")
+    x = torch.randn(9, 96)
+    with torch.inference_mode():
+        mixed = quantized(x, 3)
+        assert torch.equal(mixed[3:], floats(x[3:]))
+        assert torch.equal(mixed[:3], quantized(x[:3]))
+        assert torch.equal(quantized(x, 0), floats(x))

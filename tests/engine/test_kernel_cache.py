@@ -52,3 +52,13 @@ def test_each_environment_has_its_own_build_and_checkouts_share_one(monkeypatch,
     copy = kernels._source_copy(tmp_path)
     assert copy.parent == tmp_path and copy.read_bytes() == kernels._SOURCE.read_bytes()
     assert kernels._source_copy(tmp_path) == copy
+
+
+def test_the_target_cpu_is_part_of_the_key(monkeypatch):
+    kernels.cache_key.cache_clear()
+    native = kernels.cache_key()
+    monkeypatch.setenv("TFSERVE_KERNELS_MARCH", "x86-64-v3")
+    kernels.cache_key.cache_clear()
+    assert kernels.cache_key() != native
+    assert kernels.cache_key("native") == native  # an explicit target wins over the environment
+    kernels.cache_key.cache_clear()

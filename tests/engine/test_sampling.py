@@ -259,3 +259,22 @@ def test_n_with_a_clashing_child_id_queues_nothing(make_engine):
         engine.add_request(PROMPT, sampled(n=2), request_id="r")
     assert set(engine.requests) == {"r-1"}
     assert engine.num_waiting == 1
+
+
+def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
+    import torch
+
+    from tfserve.engine.sampler import _apply_top_p
+
+    def reference(probs, top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before > top_p[:, None], 0.0)
+        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+    gen = torch.Generator().manual_seed(0)
+    peaked = (torch.randn(3, 5000, generator=gen) * 8).softmax(-1)  # nucleus among the first 256
+    flat = torch.randn(3, 5000, generator=gen).softmax(-1)  # it is not: the whole vocabulary is sorted
+    for probs in (peaked, flat, torch.cat([peaked, flat])):
+        top_p = torch.full((probs.shape[0],), 0.9)
+        assert torch.equal(_apply_top_p(probs, top_p), reference(probs, top_p))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,19 @@ def check_reachable(base_url: str) -> None:
     root = server_root(base_url)
     if _status(root + "/health") is None:
         raise TfserveError(f"cannot reach {root} — is the server running? (or pass --launch)")
+
+
+def served_model(base_url: str, api_key: str = "EMPTY") -> str | None:
+    """The first model id the server lists at /v1/models (vLLM names a model by its path, llama.cpp by its
+    file), or None where it lists none or does not answer."""
+    root = server_root(base_url)
+    request = urllib.request.Request(root + "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            models = json.load(response).get("data") or []
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return None
+    return next((m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)), None)
 
 
 def _status(url: str) -> int | None:

@@ -101,7 +101,8 @@ def offline(
 @app.command("serve")
 def serve(
     url: Annotated[str, typer.Option("--url", help="Server URL (host:port, http://host:port or .../v1).")] = "http://127.0.0.1:8000",
-    model: Annotated[str, typer.Option("--model", "-m", help="Model name to send in requests.")] = DEFAULT_MODEL,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Model name to send in requests (default: the first the server lists in /v1/models).")] = None,
     num_prompts: NumPromptsOpt = 64,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Requests in flight at most.")] = 32,
     request_rate: Annotated[float | None, typer.Option("--request-rate", min=0.001,
@@ -129,11 +130,12 @@ def serve(
       tfserve bench serve --url localhost:8000 -c 32 --max-tokens 128 --ignore-eos
       tfserve bench serve --launch "tfserve serve --port 8011" --url localhost:8011 --sweep concurrency=1,8,32
       tfserve bench serve --url localhost:8000 --request-rate 4 --dataset prompts.jsonl -o run.json
+      tfserve bench serve --launch "llama-server -m model.gguf -np 32 -c 32768 -t 2 --port 8080" --url localhost:8080
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tfserve.bench.datasets import builtin_prompts, load_file, random_text_prompts, take
-    from tfserve.bench.launch import check_reachable, launched
+    from tfserve.bench.launch import check_reachable, launched, served_model
     from tfserve.bench.metrics import summarize
     from tfserve.bench.online import OnlineConfig, run_online
     from tfserve.bench.report import plot_sweep
@@ -148,13 +150,14 @@ def serve(
     if dataset is not None:
         all_prompts = take(load_file(dataset), largest)
     elif input_len is not None:
-        all_prompts = random_text_prompts(largest, input_len, _local_tokenizer(model))
+        all_prompts = random_text_prompts(largest, input_len, _local_tokenizer(model or DEFAULT_MODEL))
     else:
         all_prompts = take(builtin_prompts(), largest)
 
     runs = []
     with launched(launch, base_url, launch_timeout):
         check_reachable(base_url)
+        model = model or served_model(base_url, api_key) or DEFAULT_MODEL
         for value in sweep_values:
             config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
                                   request_rate=request_rate, endpoint=endpoint, api_key=api_key,

@@ -9,8 +9,9 @@ by reading the weights; a general GEMM reads them at about half the memory bandw
     int8              GGUF Q8_0 blocks quantized from the float weight (32 weights per float16 scale)
     gguf              a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, as stored
 
-The block formats multiply with activations quantized to int8 per block of 32 (integer dot products, as
-llama.cpp does). Every kernel computes every row the same way whatever the number of rows, so a request's
+The block formats multiply decode tokens with activations quantized to int8 per block of 32 (integer dot
+products, as llama.cpp does) and prompt tokens in float32 over the exactly dequantized weights (faster for
+many rows, and what the float32 engine computes). Every kernel computes every row the same way whatever the number of rows, so a request's
 output does not depend on the rest of its batch. The caller's `nn.Linear` is never changed, so the model
 outside the engine (its own `generate`, training) runs exactly as before.
 """
@@ -47,13 +48,15 @@ class EngineLinear:
         elif self.format != "torch":
             raise ValueError(f"weights must be float32, float16, bfloat16, int8 or gguf (got {weights!r})")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, float_from: int = -1) -> torch.Tensor:
+        """x @ W.T + bias. With blocks, rows from `float_from` on (a step's prompt tokens) multiply in float32
+        over the exactly dequantized weight, the others with int8 activations (all where it is -1)."""
         if self.format == "torch":  # exactly F.linear's ops
             if self.bias is None:
                 return torch.mm(x, self.weight.t())
             return torch.addmm(self.bias, x, self.weight.t())
         if self.qtype:
-            return self.ops.quant_linear(x, self.packed, self.qtype, self.bias)
+            return self.ops.quant_linear(x, self.packed, self.qtype, self.bias, float_from)
         return self.ops.linear(x, self.packed, self.out_features, self.bias)
 
     @property

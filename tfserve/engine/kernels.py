@@ -34,7 +34,7 @@ _SOURCE = _CSRC / "cpu_ops.cpp"  # the one translation unit; it includes the hea
 # -fno-math-errno lets exp() vectorise (glibc's libmvec); results stay within float rounding.
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the rotary embedding rounds
 # exactly as transformers' separate ops do.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 # instruction sets the kernels have paths for, best first, as /proc/cpuinfo names them
 _ISAS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"), ("neon", "NEON"))
 
@@ -59,8 +59,18 @@ def isa() -> str:
     return next((name for flag, name in _ISAS if flag in features), "scalar")
 
 
+def _march(march: str | None = None) -> str:
+    """The target CPU: `march`, else `$TFSERVE_KERNELS_MARCH`, else "native" (this CPU's every feature;
+    "x86-64-v3" builds AVX2 code that runs on any AVX2 machine, "x86-64" plain C++)."""
+    return march or os.environ.get("TFSERVE_KERNELS_MARCH") or "native"
+
+
+def _cflags(march: str | None = None) -> list[str]:
+    return [*_CFLAGS, f"-march={_march(march)}"]
+
+
 @cache
-def cache_key() -> str:
+def cache_key(march: str | None = None) -> str:
     """What the build depends on, hashed: source, compiler and flags, torch, Python, machine and CPU features."""
     import torch
 
@@ -69,27 +79,27 @@ def cache_key() -> str:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     # sys.prefix: each environment writes its own include paths into torch's build.ninja, and a build.ninja
     # that changes makes torch rebuild, so two venvs sharing one directory would rebuild each other's
-    parts = [*_CFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.version, sys.prefix,
+    parts = [*_cflags(march), os.environ.get("CXX", "c++"), torch.__version__, sys.version, sys.prefix,
              platform.machine(), *sorted(cpu_features())]
     digest.update("\0".join(parts).encode())
     return digest.hexdigest()[:16]
 
 
-def build_dir() -> Path:
+def build_dir(march: str | None = None) -> Path:
     """Where this machine's build of the kernels lives: under `$TFSERVE_KERNELS_DIR`, default
     `$TFSERVE_HOME/kernels`."""
     from tfserve.models.store import home
 
     root = os.environ.get("TFSERVE_KERNELS_DIR") or home() / "kernels"
-    return Path(root).expanduser() / f"cpu_ops-{cache_key()}"
+    return Path(root).expanduser() / f"cpu_ops-{cache_key(march)}"
 
 
-def _module_name() -> str:
-    return f"tfserve_cpu_ops_{cache_key()}"
+def _module_name(march: str | None = None) -> str:
+    return f"tfserve_cpu_ops_{cache_key(march)}"
 
 
-def _is_built(directory: Path) -> bool:
-    return (directory / f"{_module_name()}.so").is_file()
+def _is_built(directory: Path, march: str | None = None) -> bool:
+    return (directory / f"{_module_name(march)}.so").is_file()
 
 
 def needs_build() -> bool:
@@ -99,28 +109,36 @@ def needs_build() -> bool:
 
 @cache
 def cpu_ops():
-    """The compiled module (`paged_decode_attention`, `rotary_embedding_`, ...), or None where it cannot be
+    """The compiled module for this CPU (`paged_decode_attention`, `linear`, ...), or None where it cannot be
     built."""
     try:
-        from torch.utils.cpp_extension import load
-
-        directory = build_dir()
-        fresh = not _is_built(directory)
-        if fresh:
-            logger.info("building tfserve's CPU kernels for %s into %s (first run on this machine and install; "
-                        "about a minute)", isa(), directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        source = _source_copy(directory)
-        start = time.perf_counter()
-        module = load(name=_module_name(), sources=[str(source)], extra_cflags=_CFLAGS,
-                      build_directory=str(directory), verbose=False)
-        if fresh:
-            logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
-        logger.debug("CPU kernels: %s (%s)", isa(), directory)
-        return module
+        return build()
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
         logger.warning("CPU kernels unavailable (%s); using the torch paths", first_line(exc))
         return None
+
+
+def build(march: str | None = None):
+    """Compile (once; later calls load the cached build) and load the kernels for `march` (see `_march`)."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir(march)
+    fresh = not _is_built(directory, march)
+    if fresh:
+        logger.info("building tfserve's CPU kernels for %s into %s (first run on this machine and install; "
+                    "about a minute)", isa() if _march(march) == "native" else _march(march), directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    source = _source_copy(directory)
+    start = time.perf_counter()
+    module = load(name=_module_name(march), sources=[str(source)], extra_cflags=_cflags(march),
+                  build_directory=str(directory), verbose=False)
+    if fresh:
+        logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
+    if module.isa == "scalar" and _march(march) == "native":
+        logger.warning("tfserve's CPU kernels have no vector path for this CPU (%s); they run as plain C++",
+                       platform.machine())
+    logger.debug("CPU kernels: %s (%s)", module.isa, directory)
+    return module
 
 
 def _source_files() -> list[Path]:

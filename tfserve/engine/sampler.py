@@ -67,6 +67,9 @@ class Sampler:
             k = torch.tensor([min(k, vocab_size) if k else vocab_size for k in top_k], device=device)
             logits = _apply_top_k(logits, k)
         probs = logits.softmax(dim=-1)
+        candidates = _nucleus_candidates(probs, params, greedy)
+        if candidates is not None:  # every row's choice lies among its most likely tokens: sample only there
+            return self._sample_among(candidates, requests, greedy)
         min_p = [p.min_p for p in params]
         if any(min_p):
             threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -81,6 +84,27 @@ class Sampler:
         sampled = (probs / noise).max(dim=-1).indices
         greedy_ids = logits.max(dim=-1).indices
         return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
+
+    def _sample_among(self, candidates: tuple[torch.Tensor, torch.Tensor], requests: list[Request],
+                      greedy: list[bool]) -> torch.Tensor:
+        """`_sample` over each row's most likely tokens only (`values` sorted descending, their token `ids`):
+        the same min-p, top-p and exponential race, on 256 entries instead of the whole vocabulary."""
+        values, ids = candidates
+        params = [r.params for r in requests]
+        device = values.device
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            values = values.masked_fill(values < torch.tensor(min_p, device=device)[:, None] * values[:, :1], 0.0)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        mass_before = values.cumsum(dim=-1) - values
+        values = values.masked_fill(mass_before > top_p[:, None], 0.0)
+        noise = torch.empty_like(values).exponential_()
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        choice = (values / noise).max(dim=-1).indices
+        choice = torch.where(torch.tensor(greedy, device=device), torch.zeros_like(choice), choice)
+        return ids.gather(1, choice[:, None])[:, 0]
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Repetition (HF: over prompt and output), presence and frequency (OpenAI: over output)."""
@@ -128,8 +152,31 @@ def _apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+_TOP_P_CANDIDATES = 256
+
+
+def _nucleus_candidates(probs: torch.Tensor, params, greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's 256 most likely tokens (probabilities sorted descending, and their ids) when every row's
+    choice is sure to lie among them: greedy, or a top-p whose nucleus they already hold; None otherwise."""
+    if probs.shape[-1] <= _TOP_P_CANDIDATES or not all(g or p.top_p < 1.0 for p, g in zip(params, greedy)):
+        return None
+    values, ids = probs.topk(_TOP_P_CANDIDATES, dim=-1)
+    top_p = torch.tensor([0.0 if g else p.top_p for p, g in zip(params, greedy)], device=probs.device)
+    if not bool((values.sum(dim=-1) > top_p).all()):
+        return None
+    return values, ids
+
+
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one)."""
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one). When the
+    256 most likely tokens of every row already hold more than `top_p`, the set is among them and only they are
+    sorted (a partial top-k instead of sorting the whole vocabulary: 10x less work at SmolLM2's 49k)."""
+    if probs.shape[-1] > _TOP_P_CANDIDATES:
+        values, order = probs.topk(_TOP_P_CANDIDATES, dim=-1)  # sorted, descending
+        if bool((values.sum(dim=-1) > top_p).all()):
+            mass_before = values.cumsum(dim=-1) - values
+            values = values.masked_fill(mass_before > top_p[:, None], 0.0)
+            return torch.zeros_like(probs).scatter_(1, order, values)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before > top_p[:, None], 0.0)

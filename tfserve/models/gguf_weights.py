@@ -39,20 +39,18 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Quantize
     or Q8_0 with a shape matching the module (a tied LM head takes the embedding's blocks)."""
     import gguf
     import numpy as np
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     reader = gguf.GGUFReader(str(gguf_path))
     config = model.config
-    processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> hf parameter name
+    names = _gguf_names(model)  # gguf tensor name (no suffix) -> hf module name
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
-        hf_name = names.get(tensor.name.removesuffix(".weight")) or names.get(tensor.name)
+        hf_name = names.get(tensor.name.removesuffix(".weight"))
         if type_name not in BLOCK_TYPES or hf_name is None:
             continue
-        hf_name = hf_name if hf_name.endswith(".weight") else hf_name + ".weight"
+        hf_name += ".weight"
         blocks = np.asarray(tensor.data)  # [rows, bytes per row], a view of the memory-mapped file
         rows = _row_order(tensor.name, blocks.shape[0], config)
         # a copy, not a view of the mapped file: the file may be replaced while the engine runs
@@ -62,6 +60,27 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Quantize
             if tuple(params[target].shape) == _shape(tensor):
                 out[target.removesuffix(".weight")] = weight
     return out
+
+
+def _gguf_names(model) -> dict[str, str]:
+    """gguf-py's own tensor-name map (what transformers' GGUF loader uses), for the model's linear layers and
+    embedding only: `{"blk.0.attn_q": "model.layers.0.self_attn.q_proj", ...}`."""
+    import torch
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    config = model.config
+    model_type = {"mistral": "llama"}.get(config.model_type, config.model_type)
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == model_type), None)
+    if arch is None:
+        return {}
+    name_map = get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            gguf_name = name_map.get_name(name)
+            if gguf_name is not None:
+                names[gguf_name] = name
+    return names
 
 
 def _targets(hf_name: str, params: dict, model) -> list[str]:

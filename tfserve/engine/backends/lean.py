@@ -121,6 +121,8 @@ class LeanForward:
         rms_norm, rotary = self.rms_norm, self.rotary
         meta = attention.get_metadata()
         decode = meta.groups[0] if self.ops is not None and len(meta.groups) == 1 and meta.groups[0].pad_index is None else None
+        # decode tokens come first; block-quantized layers take prompt tokens (from here on) in float32
+        num_decodes = meta.groups[0].end if meta.groups and meta.groups[0].pad_index is None else 0
         x = model.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
         cos, sin = cos[0], sin[0]
@@ -128,14 +130,17 @@ class LeanForward:
         for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, window,
              (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
             h = rms_norm(x, norm1, eps, residual)
-            q, k, v = qkv_proj(h)
-            q = q.view(num_tokens, heads, head_dim)
-            k = k.view(num_tokens, kv_heads, head_dim)
-            v = v.view(num_tokens, kv_heads, head_dim)
-            if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
-                q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            rotary(q, k, cos, sin)
+            if qkv_proj.sizes is not None and attn.q_norm is None:  # one kernel: split, copy and rotary
+                q, k, v = self.ops.split_qkv_rotary(qkv_proj.linears[0](h, num_decodes), heads, kv_heads, cos, sin)
+            else:
+                q, k, v = qkv_proj(h, num_decodes)
+                q = q.view(num_tokens, heads, head_dim)
+                k = k.view(num_tokens, kv_heads, head_dim)
+                v = v.view(num_tokens, kv_heads, head_dim)
+                if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
+                    q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                    k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
+                rotary(q, k, cos, sin)
             if decode is not None:  # one call: cache write and attention
                 o = self.ops.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.key_lens,
                                                     attn.scaling, window or -1, 0.0, k, v, meta.slot_mapping)
@@ -143,10 +148,13 @@ class LeanForward:
                 o, _ = paged_attention_forward(attn.module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], None, scaling=attn.scaling,
                                                sliding_window=window)
-            (residual,) = o_proj(o.view(num_tokens, heads * head_dim))
+            (residual,) = o_proj(o.view(num_tokens, heads * head_dim), num_decodes)
             h = rms_norm(x, norm2, eps, residual)
-            gate, up = gate_up_proj(h)
-            (residual,) = down_proj(F.silu(gate).mul_(up))
+            if gate_up_proj.sizes is not None:  # packed: one kernel for silu(gate) * up
+                (residual,) = down_proj(self.ops.silu_and_mul(gate_up_proj.linears[0](h, num_decodes)), num_decodes)
+            else:
+                gate, up = gate_up_proj(h, num_decodes)
+                (residual,) = down_proj(F.silu(gate).mul_(up), num_decodes)
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
         (logits,) = self.lm_head(rms_norm(x, model.model.norm.weight, eps, residual))
         return logits
@@ -160,10 +168,10 @@ class _Projection:
     def __init__(self, linears: list[EngineLinear], sizes: list[int] | None = None) -> None:
         self.linears, self.sizes = linears, sizes
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, x: torch.Tensor, float_from: int = -1) -> tuple[torch.Tensor, ...]:
         if self.sizes is None:
-            return tuple(linear(x) for linear in self.linears)
-        return tuple(part.contiguous() for part in self.linears[0](x).split(self.sizes, dim=1))
+            return tuple(linear(x, float_from) for linear in self.linears)
+        return tuple(part.contiguous() for part in self.linears[0](x, float_from).split(self.sizes, dim=1))
 
     @property
     def labels(self) -> list[str]:

@@ -364,6 +364,77 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
   }
 }
 
+// The packed query/key/value projection's output split into contiguous q, k and v, with the rotary
+// embedding applied to q and k on the way (as rotary_embedding_ computes it, bit for bit): one pass instead of
+// a split, three copies and the rotary op. qkv: float32 [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim].
+std::vector<torch::Tensor> split_qkv_rotary(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
+                                            torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32, "qkv: contiguous float32");
+  auto c = cos.contiguous();
+  auto s = sin.contiguous();
+  const int64_t num_tokens = qkv.size(0), head_dim = c.size(-1), half = head_dim / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width");
+  auto q = torch::empty({num_tokens, num_heads, head_dim}, qkv.options());
+  auto k = torch::empty({num_tokens, num_kv_heads, head_dim}, qkv.options());
+  auto v = torch::empty({num_tokens, num_kv_heads, head_dim}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = cp + t * head_dim;
+      const float* st = sp + t * head_dim;
+      const float* row = src + t * width;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        const float* in = row + h * head_dim;
+        float* out = h < num_heads ? qp + (t * num_heads + h) * head_dim
+                                   : kp + (t * num_kv_heads + h - num_heads) * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = in[d], x2 = in[d + half];
+          const float a = x1 * ct[d], b = x2 * st[d];
+          const float a2 = x2 * ct[d + half], b2 = x1 * st[d + half];
+          out[d] = a - b;
+          out[d + half] = a2 + b2;
+        }
+      }
+      std::memcpy(vp + t * num_kv_heads * head_dim, row + (num_heads + num_kv_heads) * head_dim,
+                  num_kv_heads * head_dim * sizeof(float));
+    }
+  });
+  return {q, k, v};
+}
+
+// silu(gate) * up over the packed gate/up projection's output: x float32 [rows, 2 * width] -> [rows, width].
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: contiguous float32");
+  const int64_t rows = x.size(0), width = x.size(1) / 2;
+  auto out = torch::empty({rows, width}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * 2 * width;
+      const float* u = g + width;
+      float* o = op + r * width;
+      int64_t d = 0;
+      for (; d + tfs::Vec::N <= width; d += tfs::Vec::N) {  // g / (1 + exp(-g)) * u
+        const tfs::Vec gv = tfs::Vec::load(g + d);
+        alignas(64) float e[tfs::Vec::N], gs[tfs::Vec::N];
+        tfs::exp(tfs::Vec::zero() - max(gv, tfs::Vec::set1(-80.f))).store(e);  // exp(-g), g >= -80 (below, silu is ~0)
+        gv.store(gs);
+        for (int i = 0; i < tfs::Vec::N; ++i) o[d + i] = gs[i] / (1.f + e[i]) * u[d + i];
+      }
+      for (; d < width; ++d) o[d] = g[d] / (1.f + std::exp(-std::max(g[d], -80.f))) * u[d];
+    }
+  });
+  return out;
+}
+
 // transformers' RMSNorm on float32 rows, bit-identical: the mean of squares is torch's own sum (same
 // reduction order) divided by the width, then rsqrt as 1 / sqrt and two rounded products, as its separate
 // ops compute them. With `residual`, first x += residual in place (the decoder's skip connection), so one
@@ -398,20 +469,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("q"),
+  // Every kernel runs without the GIL: the server's event loop thread goes on while the engine thread computes.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.attr("isa") = tfs::kIsa;  // the vector path compiled: AVX-512, AVX2, NEON or scalar
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("new_k") = py::none(), py::arg("new_v") = py::none(),
         py::arg("slots") = py::none());
-  m.attr("isa") = tfs::kIsa;
-  m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)",
+  m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)", nogil,
         py::arg("weight"), py::arg("dtype") = py::none());
-  m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", py::arg("x"),
+  m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
-  m.def("quant_linear", &quant_linear, "x @ W.T + bias with W in GGUF blocks (Q4_0, Q4_1, Q8_0) (CPU)",
-        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("bias") = py::none());
-  m.def("quantize_q8_0", &quantize_q8_0, "A float weight as GGUF Q8_0 blocks (CPU)");
-  m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)",
+  m.def("quant_linear", &quant_linear, "x @ W.T + bias with W in GGUF blocks (Q4_0, Q4_1, Q8_0) (CPU)", nogil,
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("float_from") = -1);
+  m.def("quantize_q8_0", &quantize_q8_0, "A float weight as GGUF Q8_0 blocks (CPU)", nogil);
+  m.def("split_qkv_rotary", &split_qkv_rotary, "Split a packed q/k/v projection, rotary on q and k (CPU)", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a packed gate/up projection (CPU)", nogil);
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)", nogil,
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)");
-  m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)");
+  m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)", nogil);
+  m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)", nogil);
 }

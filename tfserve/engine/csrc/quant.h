@@ -5,9 +5,16 @@
 // on AVX2 (maddubs + madd), one with VNNI; then one float multiply-add by the two scales. A tile of R rows x
 // C output columns decodes each weight block once for R rows and loads each activation block once for C
 // columns. Plain C++ elsewhere (the compiler vectorises the integer loops).
+//
+// Rows from `float_from` on (a step's prompt tokens: the runner packs decodes first) take the other road:
+// each panel of columns is dequantized exactly as GGUF defines it (d * q + m, every product and sum rounded)
+// and multiplied in float32 by the panel kernel of linear.h, which is faster for many rows and computes what
+// the float32 engine computes over the same file. Which road a row takes depends only on what kind of token
+// it is, so a request's results still do not depend on its batch.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "linear.h"
 #include "vec.h"
 
 namespace tfs {
@@ -66,15 +73,17 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& ou
 #if TFS_AVX2 || TFS_AVX512
 // 32 weights of a block as bytes: u8 0..15 for the 4-bit types, s8 for Q8_0.
 template <QType T> inline __m256i load_quants(const void* block);
+// 16 bytes of nibbles -> 32 bytes: the low nibbles (weights 0-15) in the low lane, the high ones in the high
+// lane. One broadcast load, one variable shift, one and.
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
+}
 template <> inline __m256i load_quants<QType::Q4_0>(const void* b) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const BlockQ4_0*>(b)->qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  return unpack_nibbles(static_cast<const BlockQ4_0*>(b)->qs);
 }
 template <> inline __m256i load_quants<QType::Q4_1>(const void* b) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const BlockQ4_1*>(b)->qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  return unpack_nibbles(static_cast<const BlockQ4_1*>(b)->qs);
 }
 template <> inline __m256i load_quants<QType::Q8_0>(const void* b) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const BlockQ8_0*>(b)->qs));
@@ -138,7 +147,7 @@ static inline void quant_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, c
     float dw[C], mw[C];
     for (int c = 0; c < C; ++c) {
       const uint8_t* blk = w + c * row_bytes + b * bb;
-      __builtin_prefetch(blk + 8 * bb);
+      // (no software prefetch: each column is one sequential stream, which the hardware follows)
       wq[c] = load_quants<T>(blk);
       dw[c] = block_scale<T>(blk);
       mw[c] = block_min<T>(blk);
@@ -209,11 +218,72 @@ static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_
   else quant_columns<T, kQuantTileCols>(w, xq, y, m, k, n);
 }
 
+// The weight's rows [c0, c0 + cols) as one float32 panel [k][kPanelCols] (zero past `cols`), each value as
+// GGUF dequantizes it: d * q for Q8_0, d * (q - 8) for Q4_0, d * q + m for Q4_1.
+template <QType T>
+static void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t c0, int64_t cols, float* panel) {
+  constexpr int64_t P = kPanelCols;
+  const int64_t bb = block_bytes(T);
+  for (int64_t c = 0; c < P; ++c) {
+    if (c >= cols) {
+      for (int64_t i = 0; i < nb * QK; ++i) panel[i * P + c] = 0.f;
+      continue;
+    }
+    const uint8_t* row = w + (c0 + c) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bb;
+      const float d = block_scale<T>(blk);
+      float* out = panel + b * QK * P + c;
+      if constexpr (T == QType::Q8_0) {
+        const int8_t* q = static_cast<const BlockQ8_0*>(static_cast<const void*>(blk))->qs;
+        for (int j = 0; j < 32; ++j) out[j * P] = d * static_cast<float>(q[j]);
+      } else if constexpr (T == QType::Q4_0) {
+        const uint8_t* q = reinterpret_cast<const BlockQ4_0*>(blk)->qs;
+        for (int j = 0; j < 16; ++j) {
+          out[j * P] = d * static_cast<float>((q[j] & 0x0F) - 8);
+          out[(j + 16) * P] = d * static_cast<float>((q[j] >> 4) - 8);
+        }
+      } else {
+        const uint8_t* q = reinterpret_cast<const BlockQ4_1*>(blk)->qs;
+        const float m = half_to_float(reinterpret_cast<const BlockQ4_1*>(blk)->m);
+        for (int j = 0; j < 16; ++j) {
+          out[j * P] = d * static_cast<float>(q[j] & 0x0F) + m;
+          out[(j + 16) * P] = d * static_cast<float>(q[j] >> 4) + m;
+        }
+      }
+    }
+  }
+}
+
+template <QType T>
+static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
+  const int64_t nb = k / QK, row_bytes = nb * block_bytes(T);
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t tile_rows = (m + num_tiles - 1) / num_tiles;
+  constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(k * kPanelCols);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
+      dequantize_panel<T>(w, row_bytes, nb, p * kPanelCols, cols, panel.data());
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+        linear_tile_of<float, 1>(rows, seq, x + r0 * k, k, panel.data(), nullptr, y + r0 * n + p * kPanelCols, n,
+                                 cols);
+      }
+    }
+  });
+}
+
 }  // namespace tfs
 
 // y = x @ W.T + bias with W in GGUF blocks: `blocks` uint8 [out_features, in_features / 32 * block bytes],
 // `qtype` GGUF's type id (2: Q4_0, 3: Q4_1, 8: Q8_0). x: float32 [rows, in_features] -> [rows, out_features].
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, c10::optional<torch::Tensor> bias) {
+// Rows before `float_from` (all where it is negative) multiply with int8 activations, the rest in float32
+// over the dequantized weight.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, c10::optional<torch::Tensor> bias,
+                           int64_t float_from) {
   using tfs::QType;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(),
@@ -223,15 +293,26 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
   auto xc = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   TORCH_CHECK(k % tfs::QK == 0 && blocks.size(1) == k / tfs::QK * tfs::block_bytes(type), "blocks do not match x");
-  tfs::QuantRows xq;
-  tfs::quantize_rows(xc.data_ptr<float>(), m, k, xq);
+  const int64_t mi = float_from < 0 ? m : std::min(float_from, m);  // rows on the integer road
   auto y = torch::empty({m, n}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (type) {
-    case QType::Q4_0: tfs::quant_linear<QType::Q4_0>(w, xq, yp, m, k, n); break;
-    case QType::Q4_1: tfs::quant_linear<QType::Q4_1>(w, xq, yp, m, k, n); break;
-    case QType::Q8_0: tfs::quant_linear<QType::Q8_0>(w, xq, yp, m, k, n); break;
+  if (mi > 0) {
+    tfs::QuantRows xq;
+    tfs::quantize_rows(xp, mi, k, xq);
+    switch (type) {
+      case QType::Q4_0: tfs::quant_linear<QType::Q4_0>(w, xq, yp, mi, k, n); break;
+      case QType::Q4_1: tfs::quant_linear<QType::Q4_1>(w, xq, yp, mi, k, n); break;
+      case QType::Q8_0: tfs::quant_linear<QType::Q8_0>(w, xq, yp, mi, k, n); break;
+    }
+  }
+  if (mi < m) {
+    switch (type) {
+      case QType::Q4_0: tfs::dequant_linear<QType::Q4_0>(w, xp + mi * k, yp + mi * n, m - mi, k, n); break;
+      case QType::Q4_1: tfs::dequant_linear<QType::Q4_1>(w, xp + mi * k, yp + mi * n, m - mi, k, n); break;
+      case QType::Q8_0: tfs::dequant_linear<QType::Q8_0>(w, xp + mi * k, yp + mi * n, m - mi, k, n); break;
+    }
   }
   if (bias) y.add_(*bias);
   return y;
