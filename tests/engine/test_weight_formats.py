@@ -38,7 +38,8 @@ def test_each_format_stays_within_its_stated_logit_error(llama, ops, weights):
     prompts = [torch.randint(0, llama.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
     reference = _prompt_logits(Engine(llama, block_size=4, num_blocks=64, weights="float32"), prompts)
     engine = Engine(llama, block_size=4, num_blocks=64, weights=weights)
-    assert engine.runner.forward.weight_formats == {weights: 2 * 7 + 1}
+    expected = {weights: 2 * 7 + 1} if weights != "int8" else {"int8": 2 * 7, "float16": 1}  # the head: float16
+    assert engine.runner.forward.weight_formats == expected
     for got, ref in zip(_prompt_logits(engine, prompts), reference):
         spread = (ref.max() - ref.min()).item()
         assert (got - ref).abs().max().item() <= TOLERANCE[weights] * spread, weights
@@ -59,7 +60,7 @@ def test_from_pretrained_maps_dtype_and_quantization_onto_weight_formats(llama, 
     llama.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     for options, expected in [({"dtype": "float16"}, "float16"), ({"dtype": "bfloat16"}, "bfloat16"),
-                              ({"quantization": "int8"}, "int8"), ({}, "none")]:
+                              ({"quantization": "int8"}, "float16/int8"), ({}, "none")]:  # int8: the head float16
         engine = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, **options)
         assert engine.quantization == expected, options
         assert engine.model.dtype == torch.float32  # compute stays float32; only the engine's copy is smaller

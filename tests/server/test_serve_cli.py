@@ -172,7 +172,7 @@ def test_default_seed_makes_unseeded_sampling_repeatable(tokenizer):
     assert runs[0] == runs[1]
 
 
-def test_model_timeout_unloads_the_idle_model_and_the_next_request_loads_it(tokenizer, tmp_path):
+def test_model_timeout_unloads_the_idle_model_and_the_next_request_loads_it(tokenizer, tmp_path, tfserve_home):
     from tfserve.engine.async_engine import AsyncEngine
     from tfserve.server.state import ServerState
     from tiny import LiveServer, build_engine

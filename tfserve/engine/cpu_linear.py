@@ -42,9 +42,9 @@ class EngineLinear:
         if self.format in _PANEL_DTYPES:
             self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[self.format])
         elif self.format == "int8":
-            self.packed, self.qtype = ops.quantize_q8_0(weight), _Q8_0
+            self.packed, self.qtype = ops.repack_blocks(ops.quantize_q8_0(weight), _Q8_0), _Q8_0
         elif self.format == "gguf":
-            self.packed, self.qtype = torch.from_numpy(blocks.blocks), blocks.qtype
+            self.packed, self.qtype = ops.repack_blocks(torch.from_numpy(blocks.blocks), blocks.qtype), blocks.qtype
         elif self.format != "torch":
             raise ValueError(f"weights must be float32, float16, bfloat16, int8 or gguf (got {weights!r})")
 
@@ -56,7 +56,7 @@ class EngineLinear:
                 return torch.mm(x, self.weight.t())
             return torch.addmm(self.bias, x, self.weight.t())
         if self.qtype:
-            return self.ops.quant_linear(x, self.packed, self.qtype, self.bias, float_from)
+            return self.ops.quant_linear(x, self.packed, self.qtype, self.out_features, self.bias, float_from)
         return self.ops.linear(x, self.packed, self.out_features, self.bias)
 
     @property

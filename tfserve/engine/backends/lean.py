@@ -55,6 +55,10 @@ class LeanForward:
         def format_of(layer: torch.nn.Linear) -> str:
             if ops is None:
                 return "torch"
+            if layer is model.lm_head and weights in ("gguf", "int8"):
+                # The head picks the token: int8 activations there flip near-ties (SmolLM2's first answer
+                # token), float16 panels of its (dequantized) weights do not, and are as fast at one row
+                return "float16"
             if weights == "gguf":  # a tensor the file keeps in another type: expanded, as transformers read it
                 return "gguf" if names[id(layer)] in blocks else ("float32" if pack else "torch")
             if weights == "int8" and layer.in_features % 32:

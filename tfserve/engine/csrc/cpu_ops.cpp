@@ -328,6 +328,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 #include "linear.h"
 #include "quant.h"
 
+// One head's `x * cos + rotate_half(x) * sin`, every product rounded before the sum; `in` may be `out`.
+static inline void rotate_half_row(const float* in, float* out, const float* ct, const float* st, int64_t half) {
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    const float x1 = in[d], x2 = in[d + half];
+    const float a = x1 * ct[d], b = x2 * st[d];
+    const float a2 = x2 * ct[d + half], b2 = x1 * st[d + half];
+    out[d] = a - b;
+    out[d + half] = a2 + b2;
+  }
+}
+
 // In place, transformers' rotary embedding `x * cos + rotate_half(x) * sin` on float32 queries and keys,
 // every product rounded before the sum (the extension is built with -ffp-contract=off), so the result is
 // bit-identical to its separate ops. q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads,
@@ -350,14 +362,7 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
         const float* st = sp + t * head_dim;
         for (int64_t h = 0; h < heads; ++h) {
           float* row = xp + (t * heads + h) * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < half; ++d) {
-            const float x1 = row[d], x2 = row[d + half];
-            const float a = x1 * ct[d], b = x2 * st[d];
-            const float a2 = x2 * ct[d + half], b2 = x1 * st[d + half];
-            row[d] = a - b;
-            row[d + half] = a2 + b2;
-          }
+          rotate_half_row(row, row, ct, st, half);
         }
       }
     });
@@ -393,14 +398,7 @@ std::vector<torch::Tensor> split_qkv_rotary(torch::Tensor qkv, int64_t num_heads
         const float* in = row + h * head_dim;
         float* out = h < num_heads ? qp + (t * num_heads + h) * head_dim
                                    : kp + (t * num_kv_heads + h - num_heads) * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float x1 = in[d], x2 = in[d + half];
-          const float a = x1 * ct[d], b = x2 * st[d];
-          const float a2 = x2 * ct[d + half], b2 = x1 * st[d + half];
-          out[d] = a - b;
-          out[d + half] = a2 + b2;
-        }
+        rotate_half_row(in, out, ct, st, half);
       }
       std::memcpy(vp + t * num_kv_heads * head_dim, row + (num_heads + num_kv_heads) * head_dim,
                   num_kv_heads * head_dim * sizeof(float));
@@ -480,8 +478,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("dtype") = py::none());
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
-  m.def("quant_linear", &quant_linear, "x @ W.T + bias with W in GGUF blocks (Q4_0, Q4_1, Q8_0) (CPU)", nogil,
-        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("float_from") = -1);
+  m.def("repack_blocks", &repack_blocks, "GGUF blocks (Q4_0, Q4_1, Q8_0) in the layout of quant_linear (CPU)", nogil);
+  m.def("quant_linear", &quant_linear, "x @ W.T + bias with W from repack_blocks (CPU)", nogil, py::arg("x"),
+        py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("float_from") = -1);
   m.def("quantize_q8_0", &quantize_q8_0, "A float weight as GGUF Q8_0 blocks (CPU)", nogil);
   m.def("split_qkv_rotary", &split_qkv_rotary, "Split a packed q/k/v projection, rotary on q and k (CPU)", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a packed gate/up projection (CPU)", nogil);

@@ -1,10 +1,9 @@
 // Linear layers over block-quantized weights, read as GGUF stores them: Q4_0, Q4_1 and Q8_0 (blocks of 32
 // weights along the input dimension with a float16 scale, and for Q4_1 a float16 minimum). The activations
 // are quantized per block of 32 to int8 with a float scale (as llama.cpp's Q8_0/Q8_1), so every block's dot
-// product is integer arithmetic: 32 multiply-adds of u8 or s8 weights by s8 activations in two instructions
-// on AVX2 (maddubs + madd), one with VNNI; then one float multiply-add by the two scales. A tile of R rows x
-// C output columns decodes each weight block once for R rows and loads each activation block once for C
-// columns. Plain C++ elsewhere (the compiler vectorises the integer loops).
+// product is integer arithmetic (maddubs + madd on AVX2), 8 output columns per vector over blocks regrouped
+// at load (`repack_blocks`, below), then one float multiply-add by the two scales per 8 columns. A tile of
+// up to 4 rows unpacks each group block once. Plain C++ elsewhere (the compiler vectorises the loops).
 //
 // Rows from `float_from` on (a step's prompt tokens: the runner packs decodes first) take the other road:
 // each panel of columns is dequantized exactly as GGUF defines it (d * q + m, every product and sum rounded)
@@ -70,195 +69,241 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& ou
   });
 }
 
-#if TFS_AVX2 || TFS_AVX512
-// 32 weights of a block as bytes: u8 0..15 for the 4-bit types, s8 for Q8_0.
-template <QType T> inline __m256i load_quants(const void* block);
-// 16 bytes of nibbles -> 32 bytes: the low nibbles (weights 0-15) in the low lane, the high ones in the high
-// lane. One broadcast load, one variable shift, one and.
-inline __m256i unpack_nibbles(const uint8_t* qs) {
-  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
-}
-template <> inline __m256i load_quants<QType::Q4_0>(const void* b) {
-  return unpack_nibbles(static_cast<const BlockQ4_0*>(b)->qs);
-}
-template <> inline __m256i load_quants<QType::Q4_1>(const void* b) {
-  return unpack_nibbles(static_cast<const BlockQ4_1*>(b)->qs);
-}
-template <> inline __m256i load_quants<QType::Q8_0>(const void* b) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const BlockQ8_0*>(b)->qs));
+// ---- Repacked blocks: 8 output columns per vector ---------------------------------------------------------
+// The kernels read the blocks regrouped: per group of 8 output columns and block of 32 inputs, the 8 scales,
+// then (4-bit) the 8 minimums, then the quants laid out so that one 32-byte load holds 4 consecutive inputs of
+// all 8 columns. Multiplied by 4 activations broadcast to every lane, `maddubs` + `madd` give 8 columns' sums
+// at once: no horizontal sums, and one float multiply-add per 8 columns per block instead of one per column.
+//   4-bit: uint16 d[8], uint16 m[8] (Q4_0: m = -8 d, exact in float16), uint8 q[4][32] where byte
+//          q[p][4c + i] is column c's original qs[4p + i]: weight 4p + i in its low nibble, 16 + 4p + i in its high.
+//   8-bit: uint16 d[8], int8 q[8][32] where q[j][4c + i] is column c's weight 4j + i.
+constexpr int64_t kGroup = 8;
+
+inline bool four_bit(QType t) { return t != QType::Q8_0; }
+inline int64_t group_block_bytes(QType t) { return four_bit(t) ? 32 + 128 : 16 + 256; }
+
+// blocks: [n][nb] GGUF blocks -> [ceil(n / 8)][nb] group blocks (columns past n: zero).
+inline void repack(const uint8_t* src, uint8_t* dst, int64_t n, int64_t nb, QType t) {
+  const int64_t bb = block_bytes(t), gbb = group_block_bytes(t), groups = (n + kGroup - 1) / kGroup;
+  std::memset(dst, 0, groups * nb * gbb);
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* out = dst + (g * nb + b) * gbb;
+        auto* d = reinterpret_cast<uint16_t*>(out);
+        for (int64_t c = 0; c < kGroup && g * kGroup + c < n; ++c) {
+          const uint8_t* blk = src + ((g * kGroup + c) * nb + b) * bb;
+          d[c] = *reinterpret_cast<const uint16_t*>(blk);
+          if (t == QType::Q8_0) {
+            const int8_t* q = reinterpret_cast<const BlockQ8_0*>(blk)->qs;
+            for (int j = 0; j < 8; ++j)
+              for (int i = 0; i < 4; ++i) out[16 + j * 32 + 4 * c + i] = static_cast<uint8_t>(q[4 * j + i]);
+          } else {
+            const bool q41 = t == QType::Q4_1;
+            d[kGroup + c] = q41 ? reinterpret_cast<const BlockQ4_1*>(blk)->m
+                                : c10::Half(-8.f * half_to_float(d[c])).x;
+            const uint8_t* q = q41 ? reinterpret_cast<const BlockQ4_1*>(blk)->qs : reinterpret_cast<const BlockQ4_0*>(blk)->qs;
+            for (int p = 0; p < 4; ++p)
+              for (int i = 0; i < 4; ++i) out[32 + p * 32 + 4 * c + i] = q[4 * p + i];
+          }
+        }
+      }
+  });
 }
 
-// The 32 products of a weight block and an activation block, summed in 8 int32 lanes.
-template <QType T> inline __m256i dot_block(__m256i w, __m256i x) {
-  if constexpr (T == QType::Q8_0) {  // s8 x s8: |w| (u8) times x with w's sign, as maddubs wants
-    const __m256i ax = _mm256_sign_epi8(x, w);
-    w = _mm256_sign_epi8(w, w);
-    x = ax;
+// Column c's weight k (0..31) of a group block, as GGUF dequantizes it: d * q + m (Q4_1), d * (q - 8) (Q4_0),
+// d * q (Q8_0), every product and sum rounded.
+inline float group_weight(const uint8_t* gb, QType t, int64_t c, int64_t k) {
+  const auto* h = reinterpret_cast<const uint16_t*>(gb);
+  const float d = half_to_float(h[c]);
+  if (t == QType::Q8_0) {
+    return d * static_cast<float>(static_cast<int8_t>(gb[16 + (k / 4) * 32 + 4 * c + k % 4]));
   }
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
+  const int64_t kk = k % 16;
+  const uint8_t byte = gb[32 + (kk / 4) * 32 + 4 * c + kk % 4];
+  const int q = k < 16 ? (byte & 0x0F) : (byte >> 4);
+  if (t == QType::Q4_0) return d * static_cast<float>(q - 8);
+  return d * static_cast<float>(q) + half_to_float(h[kGroup + c]);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-template <QType T> inline float block_scale(const void* b) { return half_to_float(*static_cast<const uint16_t*>(b)); }
-// What a quant of 0 stands for, over the block's scale: Q4_1's minimum, Q4_0's -8 (its quants are offset).
-template <QType T> inline float block_min(const void* b) {
-  if constexpr (T == QType::Q4_1) return half_to_float(static_cast<const BlockQ4_1*>(b)->m);
-  else if constexpr (T == QType::Q4_0) return -8.f * half_to_float(static_cast<const BlockQ4_0*>(b)->d);
-  else return 0.f;
-}
-
-// The integer dot product of a weight block and an activation block, in plain C++.
-template <QType T> inline int dot_block_scalar(const void* b, const int8_t* x) {
-  int sum = 0;
-  if constexpr (T == QType::Q8_0) {
-    const int8_t* q = static_cast<const BlockQ8_0*>(b)->qs;
-    for (int j = 0; j < 32; ++j) sum += q[j] * x[j];
-  } else {
-    const uint8_t* q = T == QType::Q4_1 ? static_cast<const BlockQ4_1*>(b)->qs : static_cast<const BlockQ4_0*>(b)->qs;
-    for (int j = 0; j < 16; ++j) sum += (q[j] & 0x0F) * x[j] + (q[j] >> 4) * x[j + 16];
-  }
-  return sum;
-}
-
-// y[r, c] = sum over blocks of scale_w * d_x * dot + min_w * s_x, for R rows and C columns starting at `w`
-// (C rows of the weight, each `nb` blocks). y: row stride ldy.
-template <QType T, int R, int C>
-static inline void quant_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantRows& xq, int64_t r0,
-                              int64_t k, float* y, int64_t ldy) {
-  const int64_t bb = block_bytes(T);
-  float mins[R][C] = {};
+// y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nb group blocks). The activations are
+// int8 blocks (QuantRows) of rows r0..r0+R. y: row stride ldy.
+template <bool kFour, int R>
+static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows& xq, int64_t r0, int64_t k,
+                              float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t gbb = kFour ? 160 : 272;
 #if TFS_AVX2 || TFS_AVX512
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i wq[C];
-    float dw[C], mw[C];
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w + c * row_bytes + b * bb;
-      // (no software prefetch: each column is one sequential stream, which the hardware follows)
-      wq[c] = load_quants<T>(blk);
-      dw[c] = block_scale<T>(blk);
-      mw[c] = block_min<T>(blk);
+    const uint8_t* gb = group + b * gbb;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    if constexpr (kFour) {  // int16 sums cannot overflow: 8 x 2 x 15 x 128 < 32768
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32 + 32 * p));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq.q.data() + (r0 + r) * k + b * QK;
+          int32_t a, c;
+          std::memcpy(&a, xb + 4 * p, 4);
+          std::memcpy(&c, xb + 16 + 4 * p, 4);
+          sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+          sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
+        }
+      }
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);
+    } else {  // s8 x s8: |w| (u8) times x with w's sign, as maddubs wants
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * j));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, xq.q.data() + (r0 + r) * k + b * QK + 4 * j, 4);
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+        }
+      }
     }
+    const __m256 m = kFour ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)))
+                           : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * (k / QK) + b;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + i * QK));
-      const float dx = xq.d[i], sx = xq.s[i];
-      for (int c = 0; c < C; ++c) {
-        const __m256 p = _mm256_cvtepi32_ps(dot_block<T>(wq[c], xv));
-        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw[c] * dx), acc[r][c]);
-        if constexpr (T != QType::Q8_0) mins[r][c] += mw[c] * sx;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[i])), acc[r]);
+      if constexpr (kFour) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kGroup];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * ldy, out, cols * sizeof(float));
+  }
+#else
+  float acc[R][kGroup] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = group + b * gbb;
+    const auto* h = reinterpret_cast<const uint16_t*>(gb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * (k / QK) + b;
+      const int8_t* xb = xq.q.data() + (r0 + r) * k + b * QK;
+      for (int c = 0; c < kGroup; ++c) {
+        int sum = 0;
+        if constexpr (kFour) {
+          for (int p = 0; p < 4; ++p)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = gb[32 + 32 * p + 4 * c + t];
+              sum += (byte & 0x0F) * xb[4 * p + t] + (byte >> 4) * xb[16 + 4 * p + t];
+            }
+        } else {
+          for (int j = 0; j < 8; ++j)
+            for (int t = 0; t < 4; ++t) sum += static_cast<int8_t>(gb[16 + 32 * j + 4 * c + t]) * xb[4 * j + t];
+        }
+        acc[r][c] = std::fma(static_cast<float>(sum), half_to_float(h[c]) * xq.d[i], acc[r][c]);
+        if constexpr (kFour) acc[r][c] = std::fma(half_to_float(h[kGroup + c]), xq.s[i], acc[r][c]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = hsum(acc[r][c]) + mins[r][c];
-#else
-  float acc[R][C] = {};
-  for (int64_t b = 0; b < nb; ++b)
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w + c * row_bytes + b * bb;
-      const float dw = block_scale<T>(blk), mw = block_min<T>(blk);
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * (k / QK) + b;
-        acc[r][c] += dw * xq.d[i] * static_cast<float>(dot_block_scalar<T>(blk, xq.q.data() + i * QK));
-        mins[r][c] += mw * xq.s[i];
-      }
-    }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = acc[r][c] + mins[r][c];
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
 #endif
 }
 
-template <QType T, int C, int... Rs>
-static void quant_tile_of(int rows, std::integer_sequence<int, Rs...>, const uint8_t* w, int64_t row_bytes,
-                          int64_t nb, const QuantRows& xq, int64_t r0, int64_t k, float* y, int64_t ldy) {
-  ((rows == Rs + 1 ? (quant_tile<T, Rs + 1, C>(w, row_bytes, nb, xq, r0, k, y, ldy), true) : false) || ...);
+template <bool kFour, int... Rs>
+static void group_tile_of(int rows, std::integer_sequence<int, Rs...>, const uint8_t* group, int64_t nb,
+                          const QuantRows& xq, int64_t r0, int64_t k, float* y, int64_t ldy, int64_t cols) {
+  ((rows == Rs + 1 ? (group_tile<kFour, Rs + 1>(group, nb, xq, r0, k, y, ldy, cols), true) : false) || ...);
 }
 
 constexpr int kQuantTileRows = 4;
-constexpr int kQuantTileCols = 2;
 
-template <QType T, int C>
-static void quant_columns(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nb = k / QK, row_bytes = nb * block_bytes(T);
+template <bool kFour>
+static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
+  const int64_t nb = k / QK, gbb = kFour ? 160 : 272, groups = (n + kGroup - 1) / kGroup;
   constexpr auto rows_seq = std::make_integer_sequence<int, kQuantTileRows>{};
-  at::parallel_for(0, (n + C - 1) / C, 16 / C, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t c0 = g * C;
+      const int64_t cols = std::min(kGroup, n - g * kGroup);
       for (int64_t r0 = 0; r0 < m; r0 += kQuantTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kQuantTileRows, m - r0));
-        if (c0 + C <= n) {
-          quant_tile_of<T, C>(rows, rows_seq, w + c0 * row_bytes, row_bytes, nb, xq, r0, k, y + r0 * n + c0, n);
-        } else {  // the last columns, one at a time
-          for (int64_t c = c0; c < n; ++c)
-            quant_tile_of<T, 1>(rows, rows_seq, w + c * row_bytes, row_bytes, nb, xq, r0, k, y + r0 * n + c, n);
-        }
+        group_tile_of<kFour>(rows, rows_seq, w + g * nb * gbb, nb, xq, r0, k, y + r0 * n + g * kGroup, n, cols);
       }
     }
   });
 }
 
-// One row takes 4 columns at a time (more independent work per activation block), more rows 2.
+#if TFS_AVX2 || TFS_AVX512
+// The 8 columns of one group block as float32 panel rows (`rows`: [32][ld], the group's 8 columns at
+// offset 0 of each row), each value as GGUF dequantizes it (multiply, then add: two roundings, as numpy).
 template <QType T>
-static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
-  if (m == 1) quant_columns<T, 4>(w, xq, y, m, k, n);
-  else quant_columns<T, kQuantTileCols>(w, xq, y, m, k, n);
-}
-
-// The weight's rows [c0, c0 + cols) as one float32 panel [k][kPanelCols] (zero past `cols`), each value as
-// GGUF dequantizes it: d * q for Q8_0, d * (q - 8) for Q4_0, d * q + m for Q4_1.
-template <QType T>
-static void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t c0, int64_t cols, float* panel) {
-  constexpr int64_t P = kPanelCols;
-  const int64_t bb = block_bytes(T);
-  for (int64_t c = 0; c < P; ++c) {
-    if (c >= cols) {
-      for (int64_t i = 0; i < nb * QK; ++i) panel[i * P + c] = 0.f;
-      continue;
-    }
-    const uint8_t* row = w + (c0 + c) * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bb;
-      const float d = block_scale<T>(blk);
-      float* out = panel + b * QK * P + c;
+static inline void dequantize_group_block(const uint8_t* gb, float* rows, int64_t ld) {
+  // bytes 4c + i of each 128-bit lane -> [i][c]; then the lanes' dwords interleaved: 8 bytes per input
+  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+  const __m256 m = T == QType::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)))
+                                    : _mm256_setzero_ps();
+  alignas(32) uint8_t buf[32];
+  auto emit = [&](__m256i quads, int64_t k0) {  // quads: 4 inputs x 8 columns, from input k0 on
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf),
+                       _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(quads, by_input), lanes));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(buf + 8 * i));
+      __m256 v;
       if constexpr (T == QType::Q8_0) {
-        const int8_t* q = static_cast<const BlockQ8_0*>(static_cast<const void*>(blk))->qs;
-        for (int j = 0; j < 32; ++j) out[j * P] = d * static_cast<float>(q[j]);
+        v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
       } else if constexpr (T == QType::Q4_0) {
-        const uint8_t* q = reinterpret_cast<const BlockQ4_0*>(blk)->qs;
-        for (int j = 0; j < 16; ++j) {
-          out[j * P] = d * static_cast<float>((q[j] & 0x0F) - 8);
-          out[(j + 16) * P] = d * static_cast<float>((q[j] >> 4) - 8);
-        }
+        const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(8));
+        v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
       } else {
-        const uint8_t* q = reinterpret_cast<const BlockQ4_1*>(blk)->qs;
-        const float m = half_to_float(reinterpret_cast<const BlockQ4_1*>(blk)->m);
-        for (int j = 0; j < 16; ++j) {
-          out[j * P] = d * static_cast<float>(q[j] & 0x0F) + m;
-          out[(j + 16) * P] = d * static_cast<float>(q[j] >> 4) + m;
-        }
+        v = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), m);
       }
+      _mm256_storeu_ps(rows + (k0 + i) * ld, v);
+    }
+  };
+  if constexpr (T == QType::Q8_0) {
+    for (int j = 0; j < 8; ++j) emit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * j)), 4 * j);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32 + 32 * p));
+      emit(_mm256_and_si256(v, low), 4 * p);
+      emit(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), 16 + 4 * p);
     }
   }
+}
+#endif
+
+// The columns [c0, c0 + cols) as one float32 panel [k][kPanelCols] (zero past `cols`), exactly dequantized.
+template <QType T>
+static void dequantize_panel(const uint8_t* w, int64_t nb, int64_t groups, int64_t c0, int64_t cols, float* panel) {
+  constexpr int64_t P = kPanelCols;
+  const int64_t gbb = group_block_bytes(T);
+  for (int64_t g0 = 0; g0 < P; g0 += kGroup) {
+    const int64_t g = (c0 + g0) / kGroup;
+    for (int64_t b = 0; b < nb; ++b) {
+      float* rows = panel + b * QK * P + g0;
+      if (g >= groups || g0 >= cols) {
+        for (int64_t j = 0; j < QK; ++j) std::fill(rows + j * P, rows + j * P + kGroup, 0.f);
+        continue;
+      }
+      const uint8_t* gb = w + (g * nb + b) * gbb;
+#if TFS_AVX2 || TFS_AVX512
+      dequantize_group_block<T>(gb, rows, P);
+#else
+      for (int64_t c = 0; c < kGroup; ++c)
+        for (int64_t j = 0; j < QK; ++j) rows[j * P + c] = group_weight(gb, T, c, j);
+#endif
+    }
+  }
+  if (cols < P)  // columns of the last group past out_features: their zero scales already gave 0
+    for (int64_t i = 0; i < nb * QK; ++i) std::fill(panel + i * P + cols, panel + (i + 1) * P, 0.f);
 }
 
 template <QType T>
 static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nb = k / QK, row_bytes = nb * block_bytes(T);
-  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t nb = k / QK, panels = (n + kPanelCols - 1) / kPanelCols, groups = (n + kGroup - 1) / kGroup;
   const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t tile_rows = (m + num_tiles - 1) / num_tiles;
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
@@ -266,7 +311,7 @@ static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m
     std::vector<float> panel(k * kPanelCols);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
-      dequantize_panel<T>(w, row_bytes, nb, p * kPanelCols, cols, panel.data());
+      dequantize_panel<T>(w, nb, groups, p * kPanelCols, cols, panel.data());
       for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
         const int rows = static_cast<int>(std::min(tile_rows, m - r0));
         linear_tile_of<float, 1>(rows, seq, x + r0 * k, k, panel.data(), nullptr, y + r0 * n + p * kPanelCols, n,
@@ -278,34 +323,46 @@ static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m
 
 }  // namespace tfs
 
-// y = x @ W.T + bias with W in GGUF blocks: `blocks` uint8 [out_features, in_features / 32 * block bytes],
-// `qtype` GGUF's type id (2: Q4_0, 3: Q4_1, 8: Q8_0). x: float32 [rows, in_features] -> [rows, out_features].
+// GGUF blocks uint8 [out_features, in_features / 32 * block bytes] of `qtype` (GGUF's type id: 2 Q4_0,
+// 3 Q4_1, 8 Q8_0) -> the kernels' layout, uint8 [ceil(out_features / 8), in_features / 32, group block bytes].
+torch::Tensor repack_blocks(torch::Tensor blocks, int64_t qtype) {
+  using tfs::QType;
+  const auto type = static_cast<QType>(qtype);
+  TORCH_CHECK(type == QType::Q4_0 || type == QType::Q4_1 || type == QType::Q8_0, "qtype: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % tfs::block_bytes(type) == 0,
+              "blocks: uint8 [out_features, bytes per row]");
+  auto bc = blocks.contiguous();
+  const int64_t n = bc.size(0), nb = bc.size(1) / tfs::block_bytes(type);
+  auto out = torch::empty({(n + tfs::kGroup - 1) / tfs::kGroup, nb, tfs::group_block_bytes(type)}, bc.options());
+  tfs::repack(bc.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), n, nb, type);
+  return out;
+}
+
+// y = x @ W.T + bias with W repacked by repack_blocks. x: float32 [rows, in_features] -> [rows, out_features].
 // Rows before `float_from` (all where it is negative) multiply with int8 activations, the rest in float32
-// over the dequantized weight.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, c10::optional<torch::Tensor> bias,
-                           int64_t float_from) {
+// over the exactly dequantized weight.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t out_features,
+                           c10::optional<torch::Tensor> bias, int64_t float_from) {
   using tfs::QType;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(),
-              "blocks: contiguous uint8 [out_features, bytes per row]");
   const auto type = static_cast<QType>(qtype);
   TORCH_CHECK(type == QType::Q4_0 || type == QType::Q4_1 || type == QType::Q8_0, "qtype: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
   auto xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % tfs::QK == 0 && blocks.size(1) == k / tfs::QK * tfs::block_bytes(type), "blocks do not match x");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              k % tfs::QK == 0 && packed.size(0) == (n + tfs::kGroup - 1) / tfs::kGroup &&
+              packed.size(1) == k / tfs::QK && packed.size(2) == tfs::group_block_bytes(type),
+              "packed blocks do not match x and out_features");
   const int64_t mi = float_from < 0 ? m : std::min(float_from, m);  // rows on the integer road
   auto y = torch::empty({m, n}, x.options());
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (mi > 0) {
     tfs::QuantRows xq;
     tfs::quantize_rows(xp, mi, k, xq);
-    switch (type) {
-      case QType::Q4_0: tfs::quant_linear<QType::Q4_0>(w, xq, yp, mi, k, n); break;
-      case QType::Q4_1: tfs::quant_linear<QType::Q4_1>(w, xq, yp, mi, k, n); break;
-      case QType::Q8_0: tfs::quant_linear<QType::Q8_0>(w, xq, yp, mi, k, n); break;
-    }
+    if (tfs::four_bit(type)) tfs::quant_linear<true>(w, xq, yp, mi, k, n);
+    else tfs::quant_linear<false>(w, xq, yp, mi, k, n);
   }
   if (mi < m) {
     switch (type) {
