@@ -34,6 +34,9 @@ class EngineConfig:
     # gguf where the model came from a GGUF file (gguf_file), else float32
     weights: str = "auto"
     gguf_file: str | None = None  # the GGUF file the model was loaded from (Engine.from_pretrained fills it in)
+    # speculative decoding: "ngram" proposes tokens by prompt lookup (engine/spec_decode.py) for greedy requests
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # proposals per step at most
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -49,6 +52,9 @@ class EngineConfig:
                f"must be auto or none (got {self.generation_config!r})")
         _check(self.weights in WEIGHT_FORMATS, "weights",
                f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})")
+        _check(self.speculative in (None, "ngram"), "speculative", f"must be ngram or None (got {self.speculative!r})")
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
+               f"must be in [1, 16] (got {self.num_speculative_tokens})")
         _check(self.forward_backend in FORWARD_BACKENDS, "forward_backend",
                f"must be one of {', '.join(FORWARD_BACKENDS)} (got {self.forward_backend!r})")
 

@@ -102,6 +102,11 @@ def serve(
     block_size: Annotated[int, typer.Option(min=1, callback=_power_of_two,
                                             help="Tokens per KV cache block (a power of two).",
                                             rich_help_panel=ENGINE)] = 16,
+    speculative: Annotated[str | None, typer.Option(
+        help="ngram: speculative decoding by prompt lookup for greedy requests (the same tokens, several per "
+             "step where the text repeats itself, as in edits, code and quotes).", rich_help_panel=ENGINE)] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(
+        min=1, max=16, help="Tokens proposed per step with --speculative.", rich_help_panel=ENGINE)] = 4,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching",
                                                     help="Do not reuse the KV of shared prompt prefixes.",
                                                     rich_help_panel=ENGINE)] = False,
@@ -210,7 +215,8 @@ def serve(
         "max_num_seqs": max_num_seqs, "block_size": _same(ctx, "block_size", block_size, cb_block_size),
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
-        "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value}
+        "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
+        "speculative": speculative, "num_speculative_tokens": num_speculative_tokens}
     engine_config = _engine_config(engine_kwargs)
     _configure_logging(log_level.value)
     _check_attention(attn_implementation, device, dtype)

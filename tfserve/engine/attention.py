@@ -76,6 +76,7 @@ class AttentionMetadata:
     cpu_ops: object = None  # the compiled CPU kernels (see kernels.py), or None
     flash: bool = False  # attend with flash-attn (see FlashLayout) instead of SDPA per group
     flash_layout: FlashLayout | None = None  # made by the first layer of the step, shared by the others
+    num_decode_tokens: int = 0  # the step's first tokens that are decodes (proposals checked included)
 
 
 @dataclass(slots=True)

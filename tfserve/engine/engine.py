@@ -14,6 +14,7 @@ from tfserve.engine.kv_cache import BlockPool
 from tfserve.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
+from tfserve.engine.spec_decode import accepted
 from tfserve.errors import ContextLengthError
 from tfserve.sampling_params import SamplingParams
 
@@ -32,7 +33,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, config)
         self.block_pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs,
+                                   config.num_speculative_tokens if config.speculative else 0)
+        self.num_draft_tokens = 0  # speculative decoding: proposals checked, and accepted
+        self.num_accepted_tokens = 0
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
@@ -199,13 +203,27 @@ class Engine:
             if request.scheduled_time is None:
                 request.scheduled_time = now
         try:
-            sampled, samples = self.runner.execute(plan)
+            sampled, samples, verified = self.runner.execute(plan)
         except Exception:  # isolate the failing request(s); the others keep going
             logger.exception("step failed; retrying its requests one by one")
             return self._step_one_by_one(plan)
+        return self._finish_step(plan, sampled, samples, verified)
+
+    def _finish_step(self, plan: SchedulerOutput, sampled, samples, verified) -> list[RequestOutput]:
+        """Commit a step that ran: the proposals each request keeps, its computed tokens, its outputs."""
         self.block_pool.commit()
-        self.scheduler.advance(plan)
-        return self._postprocess(sampled, samples)
+        kept = {}
+        for request, choices in verified:
+            tokens = accepted(request.spec_token_ids, choices)
+            kept[request.request_id] = tokens
+            self.num_draft_tokens += len(request.spec_token_ids)
+            self.num_accepted_tokens += len(tokens) - 1
+        self.scheduler.advance(plan, {r.request_id: len(r.spec_token_ids) + 1 - len(kept[r.request_id])
+                                      for r, _ in verified})
+        new_tokens = [(r, [samples.token_ids[i]], samples.logprobs[i] if samples.logprobs is not None else None)
+                      for i, r in enumerate(sampled)]
+        new_tokens += [(r, kept[r.request_id], None) for r, _ in verified]
+        return self._postprocess(new_tokens)
 
     def _step_one_by_one(self, plan: SchedulerOutput) -> list[RequestOutput]:
         # Blocks cached for the failed step may hold no KV: forget them, and recompute from scratch any
@@ -219,14 +237,12 @@ class Engine:
                 continue
             single = SchedulerOutput([request], [num_new], int(num_new == 1), [], num_new)
             try:
-                sampled, samples = self.runner.execute(single)
+                sampled, samples, verified = self.runner.execute(single)
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)
                 outputs.append(self.fail(request, f"{type(exc).__name__}: {exc}"))
                 continue
-            self.block_pool.commit()
-            self.scheduler.advance(single)
-            outputs.extend(self._postprocess(sampled, samples))
+            outputs.extend(self._finish_step(single, sampled, samples, verified))
         return outputs
 
     def fail(self, request: Request, message: str) -> RequestOutput:
@@ -238,32 +254,37 @@ class Engine:
             request.status = RequestStatus.FINISHED_ERROR
         return self._output(request, [], "", final=True)
 
-    def _postprocess(self, sampled: list[Request], samples) -> list[RequestOutput]:
+    def _postprocess(self, new_tokens: list[tuple[Request, list[int], dict | None]]) -> list[RequestOutput]:
+        """Each request's new tokens (one, or several from speculative decoding; a logprob for a sampled one),
+        appended one at a time until one of them finishes it."""
         outputs = []
         now = time.perf_counter()
-        for i, request in enumerate(sampled):
-            token_id = samples.token_ids[i]
-            request.token_ids.append(token_id)
+        for request, token_ids, logprob in new_tokens:
             if request.first_token_time is None:
                 request.first_token_time = now
-            logprob = samples.logprobs[i] if samples.logprobs is not None else None
             if logprob is not None:
                 request.logprobs.append(logprob)
-            status = self._check_stop(request, token_id)
-            delta = ""
+            delta, status, taken = "", None, []
             detok = request.detokenizer
-            if detok is not None:
-                hides_token = status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None
-                delta, stop_str = detok.step([] if hides_token else [token_id])
-                if stop_str is not None:
-                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-                elif status is not None:
-                    delta += detok.flush()
+            for token_id in token_ids:
+                request.token_ids.append(token_id)
+                taken.append(token_id)
+                status = self._check_stop(request, token_id)
+                if detok is not None:
+                    hides_token = status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None
+                    text, stop_str = detok.step([] if hides_token else [token_id])
+                    delta += text
+                    if stop_str is not None:
+                        status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                    elif status is not None:
+                        delta += detok.flush()
+                if status is not None:
+                    break
             if status is not None:
                 self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request, status)
                 request.finish_time = now
-            outputs.append(self._output(request, [token_id], delta, final=status is not None,
+            outputs.append(self._output(request, taken, delta, final=status is not None,
                                         delta_logprobs=[logprob] if logprob is not None else None))
         return outputs
 
@@ -332,6 +353,11 @@ class Engine:
         return {request_id: results[request_id] for request_id in order}
 
     # -- stats ------------------------------------------------------------------------------------------
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Speculative decoding: the share of proposed tokens the model agreed with (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def num_running(self) -> int:

@@ -113,7 +113,7 @@ class BlockPool:
             self.ref_counts[block_id] = 1
             request.block_ids.append(block_id)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))  # not proposals
         return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -49,7 +49,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
-        "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids",
+        "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -57,6 +57,7 @@ class Request:
         self.request_id = request_id
         self._prompt_token_ids = list(prompt_token_ids)  # shared by every output, never copied per token
         self.token_ids: list[int] = list(prompt_token_ids)
+        self.spec_token_ids: list[int] = []  # this step's proposals (speculative decoding), not yet tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids

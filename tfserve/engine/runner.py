@@ -75,14 +75,22 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step. Returns the requests that sampled a token (in order) and their samples."""
+    def execute(self, plan: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None, list[tuple[Request, list[int]]]]:
+        """Run one step. Returns the requests that sampled a token (in order), their samples, and for each
+        request with proposals (speculative decoding) its greedy token after each of its new tokens."""
         input_ids, positions, slots, sample_index, samplers = [], [], [], [], []
+        verify: list[tuple[Request, int, int]] = []  # request, first logits row, rows
+        verify_index: list[int] = []
         size = self.block_size
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
+            if request.spec_token_ids:  # the last token, then the proposals: every position is checked
+                input_ids.extend(request.token_ids[start:] + request.spec_token_ids)
+                verify.append((request, len(verify_index), num_new))
+                verify_index.extend(range(len(input_ids) - num_new, len(input_ids)))
+            else:
+                input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
@@ -91,44 +99,56 @@ class ModelRunner:
                 samplers.append(request)
         device = self.device
         groups = []
-        num_decodes = plan.num_decodes
-        if num_decodes:
-            groups.append(self._group(plan, 0, num_decodes, 0))
-        if num_decodes < len(plan.requests):
-            groups.append(self._group(plan, num_decodes, len(plan.requests), num_decodes))
+        # decodes, and each checked proposal as a decode of its own (the same attention as one at a time)
+        num_verifies = sum(1 for r in plan.requests[plan.num_decodes:] if r.spec_token_ids)
+        first_prefill = plan.num_decodes + num_verifies
+        decode_rows = [(r, r.num_computed_tokens + i) for r, n in zip(plan.requests[:first_prefill], plan.num_new_tokens)
+                       for i in range(n)]
+        if decode_rows:
+            groups.append(self._decode_group(decode_rows))
+        if first_prefill < len(plan.requests):
+            groups.append(self._group(plan, first_prefill, len(plan.requests), len(decode_rows)))
         attention.set_metadata(AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             groups=groups, kv_caches=self.kv_caches, block_size=size, cpu_ops=self.cpu_ops,
-            flash=self.flash_attention,
+            flash=self.flash_attention, num_decode_tokens=len(decode_rows),
         ))
         input_ids = torch.tensor(input_ids, device=device)
         positions = torch.tensor(positions, device=device)
-        sample_index = torch.tensor(sample_index, dtype=torch.long, device=device)
+        sample_index = torch.tensor(sample_index + verify_index, dtype=torch.long, device=device)
         try:
             logits = self.forward(input_ids, positions, sample_index)
         finally:
             attention.set_metadata(None)
+        verified = []
+        if verify:
+            choices = logits[len(samplers):].max(dim=-1).indices.tolist()  # greedy, as the sampler's own
+            verified = [(request, choices[first:first + rows]) for request, first, rows in verify]
         if not samplers:
-            return [], None
-        return samplers, self.sampler(logits, samplers)
+            return [], None, verified
+        return samplers, self.sampler(logits[:len(samplers)], samplers), verified
+
+    def _decode_group(self, rows: list[tuple[Request, int]]) -> AttentionGroup:
+        """Metadata for the step's first tokens, one query each: `rows` of (request, position)."""
+        device = self.device
+        max_blocks = max(len(r.block_ids) for r, _ in rows)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in rows]
+        return AttentionGroup(
+            start=0, end=len(rows),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            query_positions=torch.tensor([[p] for _, p in rows], dtype=torch.long, device=device),
+            key_lens=torch.tensor([p + 1 for _, p in rows], dtype=torch.long, device=device),
+            pad_index=None, unpad_index=None,
+        )
 
     def _group(self, plan: SchedulerOutput, first: int, last: int, token_start: int) -> AttentionGroup:
-        """Metadata for requests `first:last` of the plan, whose tokens start at packed index `token_start`
-        (decodes come first, one token each, so a group's token offset is known)."""
+        """Metadata for prefill requests `first:last` of the plan, whose tokens start at packed index
+        `token_start` (after the decode rows)."""
         requests = plan.requests[first:last]
         num_new = plan.num_new_tokens[first:last]
         max_blocks = max(len(r.block_ids) for r in requests)
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests]
         device = self.device
-        if first == 0 and plan.num_decodes == last:  # decodes
-            positions = [[r.num_computed_tokens] for r in requests]
-            return AttentionGroup(
-                start=0, end=last,
-                block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-                query_positions=torch.tensor(positions, dtype=torch.long, device=device),
-                key_lens=torch.tensor([p[0] + 1 for p in positions], dtype=torch.long, device=device),
-                pad_index=None, unpad_index=None,
-            )
         max_q = max(num_new)
         positions, pad_index, unpad_index = [], [], []
         offset = 0

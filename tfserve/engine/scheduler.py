@@ -5,7 +5,8 @@ Each step has a token budget (`max_batch_tokens`) and a cap on running sequences
 Running requests go first (decodes, and prefills already under way), then waiting ones in arrival order;
 a prompt longer than the budget left is chunked. When the pool runs out of blocks, the latest-arrived
 running request is preempted: its blocks are freed and it is recomputed later (its prefix may still be
-cached).
+cached). With speculative decoding a greedy decode also computes its proposals (`spec_token_ids`), and
+`advance` takes back the ones the step rejected.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from dataclasses import dataclass, field
 
 from tfserve.engine.kv_cache import BlockPool
 from tfserve.engine.request import Request, RequestStatus
+from tfserve.engine.spec_decode import propose_ngram
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan, handed to the runner."""
 
-    requests: list[Request] = field(default_factory=list)  # decodes (one new token) first, then prefills
+    requests: list[Request] = field(default_factory=list)  # decodes (one new token) first, then decodes with
+    # proposals (their new tokens: the last token, then `spec_token_ids`), then prefills
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each request computes this step
     num_decodes: int = 0  # the first `num_decodes` requests compute exactly one token
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
@@ -35,8 +38,10 @@ class SchedulerOutput:
 class Scheduler:
     """FCFS continuous batching over a token budget, with chunked prefill and preemption by recompute."""
 
-    def __init__(self, block_pool: BlockPool, max_batch_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_pool: BlockPool, max_batch_tokens: int, max_num_seqs: int,
+                 num_speculative_tokens: int = 0) -> None:
         self.block_pool = block_pool
+        self.num_speculative_tokens = num_speculative_tokens  # n-gram proposals per greedy decode; 0: off
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -53,6 +58,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_batch_tokens
         decodes: list[tuple[Request, int]] = []
+        verifies: list[tuple[Request, int]] = []  # decodes with proposals
         prefills: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
@@ -60,6 +66,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            request.spec_token_ids = self._proposals(request, budget) if num_new == 1 else []
+            num_new += len(request.spec_token_ids)
             while not self.block_pool.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -67,7 +75,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                (decodes if num_new == 1 else prefills).append((request, num_new))
+                (decodes if num_new == 1 else verifies if request.spec_token_ids else prefills).append((request, num_new))
                 budget -= num_new
                 i += 1
 
@@ -87,7 +95,7 @@ class Scheduler:
             (decodes if num_new == 1 else prefills).append((request, num_new))
             budget -= num_new
 
-        scheduled = decodes + prefills
+        scheduled = decodes + verifies + prefills
         return SchedulerOutput(
             requests=[r for r, _ in scheduled],
             num_new_tokens=[n for _, n in scheduled],
@@ -96,10 +104,20 @@ class Scheduler:
             num_batched_tokens=self.max_batch_tokens - budget,
         )
 
-    def advance(self, plan: SchedulerOutput) -> None:
-        """The step ran: every scheduled request has computed its new tokens."""
+    def advance(self, plan: SchedulerOutput, num_rejected: dict[str, int] | None = None) -> None:
+        """The step ran: every scheduled request has computed its new tokens, less the proposals it rejected
+        (`num_rejected` by request id: their KV is overwritten later)."""
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new - (num_rejected or {}).get(request.request_id, 0)
+            request.spec_token_ids = []
+
+    def _proposals(self, request: Request, budget: int) -> list[int]:
+        """N-gram proposals for a greedy decode (none past its max_tokens or the step's budget)."""
+        params = request.params
+        if not self.num_speculative_tokens or not params.greedy or params.logprobs is not None or params.needs_penalties:
+            return []
+        room = min(self.num_speculative_tokens, budget - 1, params.max_tokens - request.num_output_tokens - 1)
+        return propose_ngram(request.token_ids, room) if room > 0 else []
 
     def requeue(self, request: Request) -> None:
         """Send a running request back to the front of the queue to be recomputed from scratch."""
@@ -107,6 +125,7 @@ class Scheduler:
         self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.block_pool.free_request(request)
         request.num_computed_tokens = 0  # recomputed from scratch (a cached prefix may still be hit)
         request.status = RequestStatus.PREEMPTED

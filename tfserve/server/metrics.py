@@ -40,6 +40,12 @@ class ServerMetrics:
                lambda: engine().block_pool.num_blocks if engine() else 0)
         _gauge(registry, "tfserve_prefix_cache_hit_rate", "Share of prompt blocks found in the prefix cache",
                lambda: engine().block_pool.stats.hit_rate if engine() else 0.0)
+        _gauge(registry, "tfserve_spec_decode_draft_tokens", "Speculative decoding: tokens proposed and checked",
+               lambda: engine().num_draft_tokens if engine() else 0)
+        _gauge(registry, "tfserve_spec_decode_accepted_tokens", "Speculative decoding: proposals accepted",
+               lambda: engine().num_accepted_tokens if engine() else 0)
+        _gauge(registry, "tfserve_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed",
+               lambda: engine().spec_acceptance_rate if engine() else 0.0)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Count one finished sequence's tokens and timings."""

@@ -125,8 +125,9 @@ class LeanForward:
         rms_norm, rotary = self.rms_norm, self.rotary
         meta = attention.get_metadata()
         decode = meta.groups[0] if self.ops is not None and len(meta.groups) == 1 and meta.groups[0].pad_index is None else None
-        # decode tokens come first; block-quantized layers take prompt tokens (from here on) in float32
-        num_decodes = meta.groups[0].end if meta.groups and meta.groups[0].pad_index is None else 0
+        # decode tokens come first (proposals checked included); block-quantized layers take prompt tokens,
+        # from here on, in float32
+        num_decodes = meta.num_decode_tokens
         x = model.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
         cos, sin = cos[0], sin[0]
