@@ -52,7 +52,7 @@ class EngineConfig:
                f"must be auto or none (got {self.generation_config!r})")
         _check(self.weights in WEIGHT_FORMATS, "weights",
                f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})")
-        _check(self.speculative in (None, "ngram"), "speculative", f"must be ngram or None (got {self.speculative!r})")
+        _check(self.speculative in (None, "ngram"), "speculative", f"must be ngram, or unset (got {self.speculative!r})")
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
                f"must be in [1, 16] (got {self.num_speculative_tokens})")
         _check(self.forward_backend in FORWARD_BACKENDS, "forward_backend",

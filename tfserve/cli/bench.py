@@ -42,6 +42,8 @@ def offline(
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
     quantization: QuantizationOpt = Quantization.none,
+    speculative: Annotated[str | None, typer.Option(
+        "--speculative", help="ngram: speculative decoding by prompt lookup (the tfserve engine).")] = None,
     output_json: OutputJsonOpt = None,
 ) -> None:
     """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
@@ -54,6 +56,7 @@ def offline(
       tfserve bench offline --engine transformers-static --num-prompts 1
     """
     from tfserve.bench import offline as bench_offline
+    from tfserve.cli.loading import engine_config_from_flags
     from tfserve.bench.metrics import summarize
     from tfserve.cli.progress import step_progress
     from tfserve.models.loading import load_model
@@ -64,9 +67,10 @@ def offline(
         if engine == "tfserve":  # the engine as `tfserve serve` builds it (weight formats, kernels)
             from tfserve.engine.engine import Engine
 
-            ours = Engine.from_pretrained(model, dtype=dtype.value, device=device, quantization=quantization.value,
-                                          progress=progress, max_num_seqs=max_num_seqs,
-                                          max_batch_tokens=max_batch_tokens)
+            config = engine_config_from_flags({"max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
+                                               "speculative": speculative})
+            ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,
+                                          quantization=quantization.value, progress=progress)
             loaded = SimpleNamespace(model=ours.model, tokenizer=ours.tokenizer, name=ours.model_name)
         else:
             loaded = load_model(model, dtype=dtype.value, device=device, quantization=quantization.value,

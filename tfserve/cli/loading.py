@@ -4,6 +4,17 @@ shown as progress, started on its background thread."""
 from __future__ import annotations
 
 
+def engine_config_from_flags(engine_kwargs: dict):
+    """The one EngineConfig the flags describe; a bad value is one line naming the flag."""
+    from tfserve.config import EngineConfig
+    from tfserve.errors import TfserveError
+
+    try:
+        return EngineConfig(**engine_kwargs)
+    except ValueError as exc:
+        raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
+
+
 def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True):
     """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves). Loads on demand
     show no progress bars (they would tangle with the access log)."""

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from tfserve.cli import serve_compat as compat
-from tfserve.cli.loading import load_engine
+from tfserve.cli.loading import engine_config_from_flags, load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
                                  Quantization, QuantizationOpt, TrustRemoteCodeOpt)
 from tfserve.cli.serve_compat import Reasoning
@@ -217,7 +217,7 @@ def serve(
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
         "speculative": speculative, "num_speculative_tokens": num_speculative_tokens}
-    engine_config = _engine_config(engine_kwargs)
+    engine_config = engine_config_from_flags(engine_kwargs)
     _configure_logging(log_level.value)
     _check_attention(attn_implementation, device, dtype)
     load_options = {"dtype": dtype, "device": device, "quantization": quantization,
@@ -354,16 +354,6 @@ def _check_attention(attn_implementation: str | None, device: str, dtype: str) -
     if dtype == Dtype.float32.value:
         raise TfserveError("--attn-implementation flash_attention_2 runs in float16 or bfloat16: pass "
                            "--dtype bfloat16 (or leave --dtype auto)")
-
-
-def _engine_config(engine_kwargs: dict):
-    """The one EngineConfig the flags describe; a bad value is one line naming the flag."""
-    from tfserve.config import EngineConfig
-
-    try:
-        return EngineConfig(**engine_kwargs)
-    except ValueError as exc:
-        raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
 
 
 class _StderrHandler(logging.StreamHandler):
