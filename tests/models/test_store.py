@@ -48,6 +48,9 @@ def test_list_and_info_read_json_only(make_fake_model):
     assert info.max_position_embeddings == 512 and info.vocab_size == 320 and info.dtype == "float32"
     assert info.has_chat_template
     assert store.model_info(str(store.model_path("tiny"))).path == info.path  # a path works too
+    assert info.gguf_file is None
+    (store.model_path("tiny") / "model.gguf").write_bytes(b"GGUF")  # a pulled model keeps its original file
+    assert store.model_info("tiny").gguf_file == str(store.model_path("tiny") / "model.gguf")
 
 
 def test_info_finds_chat_template_jinja(make_fake_model, tmp_path):

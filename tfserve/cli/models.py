@@ -103,7 +103,7 @@ def list_(as_json: JsonOpt = False) -> None:
 def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory or cached hub id.", metavar="NAME",
                                               autocompletion=_complete_model, show_default=False)],
          as_json: JsonOpt = False) -> None:
-    """Show architecture, layers, heads, context length, vocabulary, dtype and chat template.
+    """Show architecture, layers, heads, context length, vocabulary, dtype, chat template and GGUF blocks.
 
     NAME is a store name, the path of a Hugging Face model directory, or a hub id in the local HF cache.
 
@@ -136,6 +136,8 @@ def info(name: Annotated[str, typer.Argument(help="Store name, HF model director
         ("Dtype", details.dtype),
         ("Chat template", "yes" if details.has_chat_template else "no"),
         ("Size on disk", decimal(details.size_bytes)),
+        ("GGUF blocks", "model.gguf (on CPU the engine runs its blocks; --dtype float32 expands them)"
+         if details.gguf_file else None),
         ("Path", details.path),
     ]
     for label, value in rows:

@@ -17,6 +17,7 @@ from math import prod
 from pathlib import Path
 
 from tfserve.errors import ModelNotFoundError, ModelStoreError
+from tfserve.models.gguf_weights import STORE_FILE
 from tfserve.models import catalog
 
 # A store name is one path component; a leading dot marks the pull's temp dirs.
@@ -55,6 +56,7 @@ class ModelInfo:
     size_bytes: int
     has_chat_template: bool
     path: str
+    gguf_file: str | None = None  # the original GGUF kept beside the HF files, whose blocks the engine runs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -165,6 +167,7 @@ def model_info(name_or_path: str) -> ModelInfo:
         size_bytes=dir_size(path),
         has_chat_template=has_chat_template(path),
         path=str(path),
+        gguf_file=str(path / STORE_FILE) if (path / STORE_FILE).is_file() else None,
     )
 
 
