@@ -17,8 +17,8 @@ from math import prod
 from pathlib import Path
 
 from tfserve.errors import ModelNotFoundError, ModelStoreError
-from tfserve.models.gguf_weights import STORE_FILE
 from tfserve.models import catalog
+from tfserve.models.gguf_weights import STORE_FILE
 
 # A store name is one path component; a leading dot marks the pull's temp dirs.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
