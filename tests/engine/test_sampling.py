@@ -264,7 +264,8 @@ def test_n_with_a_clashing_child_id_queues_nothing(make_engine):
 def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
     import torch
 
-    from tfserve.engine.sampler import _apply_top_p
+    from tfserve.engine.sampler import _nucleus, _nucleus_candidates
+    from tfserve.sampling_params import SamplingParams
 
     def reference(probs, top_p):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -275,6 +276,13 @@ def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
     gen = torch.Generator().manual_seed(0)
     peaked = (torch.randn(3, 5000, generator=gen) * 8).softmax(-1)  # nucleus among the first 256
     flat = torch.randn(3, 5000, generator=gen).softmax(-1)  # it is not: the whole vocabulary is sorted
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 6
     for probs in (peaked, flat, torch.cat([peaked, flat])):
         top_p = torch.full((probs.shape[0],), 0.9)
-        assert torch.equal(_apply_top_p(probs, top_p), reference(probs, top_p))
+        candidates = _nucleus_candidates(probs, params[: probs.shape[0]], [False] * probs.shape[0])
+        if probs is peaked:
+            values, ids = candidates
+            assert torch.equal(torch.zeros_like(probs).scatter_(1, ids, _nucleus(values, top_p)),
+                               reference(probs, top_p))
+        else:
+            assert candidates is None

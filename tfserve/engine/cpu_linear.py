@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from tfserve.models.gguf_weights import BLOCK_TYPES, QuantizedWeight
+
 MAX_PACKED_BYTES = 4 << 30  # a float32 packed copy is as large as the weights
 _PANEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_Q8_0 = 8
-_BLOCK_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+_Q8_0 = BLOCK_TYPES["Q8_0"]
+_BLOCK_NAMES = {qtype: name for name, qtype in BLOCK_TYPES.items()}
 
 
 class EngineLinear:
@@ -85,8 +87,6 @@ def fused(layers: list[torch.nn.Linear], ops, weights: str, blocks: list | None 
     stacked = _Stacked(weight, bias, sum(layer.out_features for layer in layers))
     if blocks:
         import numpy as np
-
-        from tfserve.models.gguf_weights import QuantizedWeight
 
         joined = QuantizedWeight(np.concatenate([b.blocks for b in blocks]), blocks[0].qtype, blocks[0].type_name)
         return EngineLinear(stacked, ops, "gguf", joined)

@@ -67,15 +67,13 @@ class LeanForward:
 
         def linear(*layers: torch.nn.Linear) -> _Projection:
             """The layers' projections, as one stacked kernel call where their weights share a format."""
-            fmts = {format_of(layer) for layer in layers}
-            fmt = fmts.pop()
-            qtypes = {blocks[names[id(layer)]].qtype for layer in layers} if fmt == "gguf" else set()
-            if len(layers) > 1 and not fmts and fmt != "torch" and len(qtypes) <= 1:
-                parts = [blocks[names[id(layer)]] for layer in layers] if fmt == "gguf" else None
-                return _Projection([cpu_linear.fused(list(layers), ops, fmt, parts)],
+            fmts = [format_of(layer) for layer in layers]
+            parts = [blocks.get(names[id(layer)]) for layer in layers]
+            if len(layers) > 1 and len(set(fmts)) == 1 and fmts[0] != "torch" and \
+                    len({p.qtype for p in parts if p is not None}) <= 1:
+                return _Projection([cpu_linear.fused(list(layers), ops, fmts[0], parts if fmts[0] == "gguf" else None)],
                                    [layer.out_features for layer in layers])
-            return _Projection([EngineLinear(layer, ops if format_of(layer) != "torch" else None, format_of(layer),
-                                             blocks.get(names[id(layer)])) for layer in layers])
+            return _Projection([EngineLinear(layer, ops, fmt, part) for layer, fmt, part in zip(layers, fmts, parts)])
 
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[

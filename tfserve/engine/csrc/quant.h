@@ -80,7 +80,8 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& ou
 constexpr int64_t kGroup = 8;
 
 inline bool four_bit(QType t) { return t != QType::Q8_0; }
-inline int64_t group_block_bytes(QType t) { return four_bit(t) ? 32 + 128 : 16 + 256; }
+constexpr int64_t group_block_bytes(bool four) { return four ? 32 + 128 : 16 + 256; }
+inline int64_t group_block_bytes(QType t) { return group_block_bytes(four_bit(t)); }
 
 // blocks: [n][nb] GGUF blocks -> [ceil(n / 8)][nb] group blocks (columns past n: zero).
 inline void repack(const uint8_t* src, uint8_t* dst, int64_t n, int64_t nb, QType t) {
@@ -131,7 +132,7 @@ inline float group_weight(const uint8_t* gb, QType t, int64_t c, int64_t k) {
 template <bool kFour, int R>
 static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows& xq, int64_t r0, int64_t k,
                               float* y, int64_t ldy, int64_t cols) {
-  constexpr int64_t gbb = kFour ? 160 : 272;
+  constexpr int64_t gbb = group_block_bytes(kFour);
 #if TFS_AVX2 || TFS_AVX512
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -219,7 +220,7 @@ constexpr int kQuantTileRows = 4;
 
 template <bool kFour>
 static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nb = k / QK, gbb = kFour ? 160 : 272, groups = (n + kGroup - 1) / kGroup;
+  const int64_t nb = k / QK, gbb = group_block_bytes(kFour), groups = (n + kGroup - 1) / kGroup;
   constexpr auto rows_seq = std::make_integer_sequence<int, kQuantTileRows>{};
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
