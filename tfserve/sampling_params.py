@@ -3,8 +3,51 @@
 from __future__ import annotations
 
 import math
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+GRAMMAR_KINDS = ("json_schema", "regex", "lark", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint on a request's output, enforced token by token (`tfserve.engine.structured`): a JSON schema,
+    a regular expression, a Lark grammar (llguidance's dialect, which may embed `%json {...}`) or a choice among
+    strings. Hashable, so compiled grammars are cached by it."""
+
+    kind: str
+    source: str  # the schema as JSON text, the regex, the grammar, or the choices as a JSON array
+
+    def __post_init__(self) -> None:
+        _check(self.kind in GRAMMAR_KINDS, "grammar", f"kind must be one of {', '.join(GRAMMAR_KINDS)}")
+        _check(isinstance(self.source, str) and bool(self.source), "grammar", "source must be a non-empty string")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> Grammar:
+        """Output that validates against `schema` (a dict or its JSON text)."""
+        # keys keep their order: properties are written in the order the schema lists them
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Grammar:
+        return cls("lark", grammar)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> Grammar:
+        """Exactly one of `choices`."""
+        _check(isinstance(choices, list) and bool(choices) and all(isinstance(c, str) and c for c in choices),
+               "choice", "must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(choices))
 
 
 @dataclass(slots=True)
@@ -28,12 +71,16 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    grammar: Grammar | None = None  # constrained decoding: the output follows it token by token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are held off until this many tokens are out
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         for name in _FLOAT_FIELDS:  # floats from here on: an int past int64 would overflow the sampler's tensors
@@ -58,11 +105,23 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", "must be a tfserve Grammar")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                   for t, b in self.logit_bias.items()), "logit_bias",
+               "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               "must be an integer in [0, max_tokens]")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True when the sampler changes this request's logits beyond temperature and truncation (penalties,
+        biases, a grammar, a minimum length): its greedy token is not the model's plain argmax."""
+        return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
     @property
     def needs_penalties(self) -> bool:

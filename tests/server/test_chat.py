@@ -182,8 +182,10 @@ def test_tool_calls_streamed_as_deltas(scripted_server):
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert content == "Let me check." and finish == "tool_calls"
-    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
+    # as OpenAI streams them: the first delta opens the call (id, name, no arguments), the rest add arguments
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris"}
 
 
 def test_without_tools_the_text_is_left_alone(scripted_server):

@@ -15,6 +15,7 @@ from tfserve.engine.request import Request, RequestMetrics, RequestOutput, Reque
 from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
 from tfserve.engine.spec_decode import accepted
+from tfserve.engine.structured import StructuredOutputs
 from tfserve.errors import ContextLengthError
 from tfserve.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class Engine:
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         # what a request that leaves a sampling field out gets (as vLLM's --generation-config auto)
         self.sampling_defaults = sampling_defaults(model) if config.generation_config == "auto" else {}
         # where the model came from, for banners and /v1/models (from_pretrained fills them in)
@@ -119,6 +121,8 @@ class Engine:
         requests = []
         for child_id, child_params in children:
             request = Request(child_id, prompt_ids, child_params, self.eos_token_ids)
+            if child_params.grammar is not None:  # compiled once, here, off the step loop
+                request.matcher = self.structured.matcher(child_params.grammar)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, skip_special_tokens=child_params.skip_special_tokens,
@@ -176,6 +180,9 @@ class Engine:
                 f"{num_blocks} KV blocks but the cache has {self.block_pool.num_blocks}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now and free its blocks. Unknown or finished ids are ignored."""
@@ -269,6 +276,10 @@ class Engine:
             for token_id in token_ids:
                 request.token_ids.append(token_id)
                 taken.append(token_id)
+                if request.matcher is not None and not request.matcher.consume_token(token_id):
+                    # the mask allowed only what the grammar accepts: this is a bug, not the client's
+                    logger.error("request %s: grammar rejected token %d: %s", request.request_id, token_id,
+                                 request.matcher.get_error())
                 status = self._check_stop(request, token_id)
                 if detok is not None:
                     hides_token = status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None

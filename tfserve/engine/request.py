@@ -49,7 +49,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
-        "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids",
+        "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids", "matcher",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -76,6 +76,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.detokenizer = None
         self.generator = None
+        self.matcher = None  # the grammar's state when params.grammar constrains the output (engine.structured)
 
     @property
     def num_tokens(self) -> int:

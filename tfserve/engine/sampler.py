@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tfserve.engine.request import Request
+from tfserve.engine.structured import apply_grammars
 
 
 @dataclass(slots=True)
@@ -45,6 +46,10 @@ class Sampler:
         params = [r.params for r in requests]
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
+        if any(p.logit_bias or p.min_tokens for p in params):
+            logits = _apply_bias(logits, requests)
+        if any(r.matcher is not None for r in requests):
+            logits = apply_grammars(logits if logits is not raw_logits else logits.clone(), requests)
         greedy = [p.greedy for p in params]
         if all(greedy):
             token_ids = logits.max(dim=-1).indices  # max() is ~3x faster than argmax() on CPU
@@ -140,6 +145,27 @@ class Sampler:
             top = list(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs])) if p.logprobs else []
             result.append({"token_id": ids[i], "logprob": chosen[i], "top": top})
         return result
+
+
+def _apply_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """OpenAI's `logit_bias` (added to the logits), and vLLM's `min_tokens` (EOS and stop token ids at -inf
+    until that many tokens are out), as one sparse scatter."""
+    rows, columns, values = [], [], []
+    vocab_size = logits.shape[-1]
+    for i, request in enumerate(requests):
+        p = request.params
+        for token_id, bias in p.logit_bias.items():
+            rows.append(i), columns.append(token_id), values.append(float(bias))
+        if request.num_output_tokens < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
+            for token_id in sorted(t for t in stops if t < vocab_size):
+                rows.append(i), columns.append(token_id), values.append(float("-inf"))
+    if not rows:
+        return logits
+    logits = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+    logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    return logits
 
 
 def _apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ class Scheduler:
     def _proposals(self, request: Request, budget: int) -> list[int]:
         """N-gram proposals for a greedy decode (none past its max_tokens or the step's budget)."""
         params = request.params
-        if not self.num_speculative_tokens or not params.greedy or params.logprobs is not None or params.needs_penalties:
+        if not self.num_speculative_tokens or not params.greedy or params.logprobs is not None or params.shapes_logits:
             return []
         room = min(self.num_speculative_tokens, budget - 1, params.max_tokens - request.num_output_tokens - 1)
         return propose_ngram(request.token_ids, room) if room > 0 else []

@@ -18,7 +18,9 @@ from tfserve.server.protocol import (field, make_params, param_names, read_json,
                                      text_of, use_model)
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
-from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from tfserve.server.response_format import compile_grammar, requested_grammar
+from tfserve.server.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, parse_tool_calls
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -34,13 +36,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     num_top = parse_logprobs(body)
     if num_top is not None:
         kwargs["logprobs"] = num_top
-    check_response_format(body)
+    tool_format = detect_format(state.engine.tokenizer)
+    await constrain(state, body, tools, tool_format, kwargs)
     stream, include_usage = stream_options(body)
     prompt_ids = render_chat(state.engine.tokenizer, messages, tools, template_kwargs(state, body))
     names = param_names(body, max_tokens_fields, "messages")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names)
-    reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools))
+    reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format)
     async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage, params.n)
@@ -105,6 +108,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
         field(tool["function"], "name", str, required=True, param=f"tools[{i}].function.name")
+        field(tool["function"], "parameters", dict, param=f"tools[{i}].function.parameters")
     return tools
 
 
@@ -119,11 +123,24 @@ def parse_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if logprobs else None
 
 
-def check_response_format(body: dict[str, Any]) -> None:
-    response_format = field(body, "response_format", dict)
-    if response_format and response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format {response_format.get('type')!r} is not supported; only text",
-                          "response_format")
+async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_format: Any,
+                    kwargs: dict[str, Any]) -> None:
+    """The grammar a reply must follow, compiled, into `kwargs`: `response_format` (and vLLM's fields), or calls
+    of the forced tools (`tool_choice` "required" or named) in the model's own format."""
+    constraint = requested_grammar(body)
+    forced = forced_tools(tools, field(body, "tool_choice", (str, dict))) if tools else None
+    tokenizer = state.engine.tokenizer
+    if forced:
+        if constraint is not None:
+            raise bad_request(f"{constraint[1]} cannot be combined with tool_choice required or a named function: "
+                              "the reply is a tool call", constraint[1])
+        parallel = field(body, "parallel_tool_calls", bool, True)
+        constraint = (tool_call_grammar(tool_format, forced, parallel, tokenizer), "tools")
+    if constraint is not None:
+        await compile_grammar(state.engine, *constraint)
+        kwargs["grammar"] = constraint[0]
+    if tools and needs_special_tokens(tool_format, tokenizer):  # e.g. Mistral's [TOOL_CALLS]
+        kwargs["skip_special_tokens"] = False
 
 
 def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -154,9 +171,11 @@ class _Reply(Reply):
 
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state: Any, model: str, num_top: int | None, parse_tools_enabled: bool) -> None:
+    def __init__(self, state: Any, model: str, num_top: int | None, parse_tools_enabled: bool,
+                 tool_format: Any = None) -> None:
         super().__init__(model, "chatcmpl")
         self.state, self.num_top, self.tools = state, num_top, parse_tools_enabled
+        self.tool_format = tool_format
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         if self.num_top is None:
@@ -174,7 +193,7 @@ class _Reply(Reply):
             message: dict[str, Any] = {"role": "assistant", "content": output.text, "refusal": None}
             finish_reason = output.finish_reason
             if self.tools:
-                content, calls = parse_tool_calls(output.text)
+                content, calls = parse_tool_calls(output.text, self.tool_format)
                 if calls:
                     message.update(content=content, tool_calls=[call.to_openai() for call in calls])
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -184,7 +203,7 @@ class _Reply(Reply):
 
     async def stream(self, request: web.Request, outputs, usage, include_usage: bool, n: int) -> web.StreamResponse:
         sse = EventStream(request)
-        parsers = {i: ToolCallStream() for i in range(n)} if self.tools else {}
+        parsers = {i: ToolCallStream(self.tool_format) for i in range(n)} if self.tools else {}
         started: set[int] = set()
         try:
             async for index, output in outputs:
@@ -221,8 +240,10 @@ class _Reply(Reply):
         events = parser.feed(output.delta_text) + (parser.finish() if output.finished else [])
         deltas = []
         for event in events:
-            if isinstance(event, ToolCall):
+            if isinstance(event, ToolCall):  # a call opens: id and name (arguments follow, or are whole here)
                 delta = {"tool_calls": [event.to_openai(index=event.index)]}
+            elif isinstance(event, ArgumentsDelta):
+                delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
             else:
                 delta = {"content": event}
             deltas.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})

@@ -12,6 +12,7 @@ from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import completion_logprobs
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
                                      stream_options, use_model)
+from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 
@@ -23,6 +24,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = parse_prompts(body, state.engine.tokenizer, state.engine.vocab_size)
     echo = field(body, "echo", bool, False)
     kwargs = sampling_kwargs(body, default_max_tokens=16)  # OpenAI's default for this API
+    constraint = requested_grammar(body)  # vLLM takes response_format and structured_outputs here too
+    if constraint is not None:
+        await compile_grammar(state.engine, *constraint)
+        kwargs["grammar"] = constraint[0]
     num_top = field(body, "logprobs", int)
     if num_top is not None:
         if not 0 <= num_top <= 20:

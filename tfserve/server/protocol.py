@@ -102,9 +102,30 @@ def sampling_kwargs(body: dict[str, Any], *, max_tokens_fields: tuple[str, ...] 
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_INT64 for t in stop_token_ids):
             raise bad_request("stop_token_ids must be an array of token ids (integers >= 0)", "stop_token_ids")
         kwargs["stop_token_ids"] = stop_token_ids
-    if field(body, "logit_bias", dict):
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    logit_bias = field(body, "logit_bias", dict)
+    if logit_bias:
+        kwargs["logit_bias"] = _logit_bias(logit_bias)
+    min_tokens = field(body, "min_tokens", int)
+    if min_tokens:
+        if min_tokens < 0:
+            raise bad_request(f"min_tokens must be an integer >= 0 (got {shorten(min_tokens)})", "min_tokens")
+        kwargs["min_tokens"] = min_tokens
     return kwargs
+
+
+def _logit_bias(logit_bias: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's `{"token id": bias}` (JSON keys are strings) -> {token id: bias in [-100, 100]}."""
+    if len(logit_bias) > 1024:
+        raise bad_request("logit_bias may hold at most 1024 tokens", "logit_bias")
+    result = {}
+    for key, bias in logit_bias.items():
+        where = f"logit_bias.{key}"
+        if not (key.isascii() and key.isdigit()) or int(key) >= MAX_INT64:
+            raise bad_request(f"logit_bias keys must be token ids (got {shorten(key)})", where)
+        if not _is_a(bias, float) or not -100 <= bias <= 100:
+            raise bad_request(f"{where} must be a number in [-100, 100] (got {shorten(bias)})", where)
+        result[int(key)] = float(bias)
+    return result
 
 
 def param_names(body: dict[str, Any], max_tokens_fields: tuple[str, ...], prompt_field: str) -> dict[str, str]:

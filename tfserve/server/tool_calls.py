@@ -1,17 +1,56 @@
-"""Hermes/Qwen-style tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the model's
-text become OpenAI `tool_calls`, whole (`parse_tool_calls`) or while streaming (`ToolCallStream`).
+"""Tool calls in the model's text -> OpenAI `tool_calls`, whole (`parse_tool_calls`) or while streaming
+(`ToolCallStream`), in the format the model's chat template uses (`ToolCallFormat`):
 
-A block whose JSON does not parse is left in the content as the model wrote it: never lose text.
+- Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
+- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
+- Llama 3.x JSON: `{"name": ..., "parameters": {...}}` as the whole reply (or after `<|python_tag|>`),
+  several separated by `;`.
+
+Streaming follows OpenAI: a call's first delta carries its id and name with empty arguments, then the
+arguments arrive as they are written. A block that is not a call is left in the content as the model wrote
+it: never lose text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
-START = "<tool_call>"
-END = "</tool_call>"
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFormat:
+    """How one family of chat templates writes calls."""
+
+    name: str
+    start: str  # opens a region of calls
+    end: str  # closes it ("" when the region runs to the end of the reply)
+    arguments_key: str  # the key the template writes ("arguments" or "parameters"); both are read
+    list_of_calls: bool  # the region is a JSON array of calls (Mistral)
+    bare_json_start: bool = False  # a reply that starts with `{` opens a region too (Llama 3.x)
+
+
+HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "arguments", list_of_calls=False)
+MISTRAL = ToolCallFormat("mistral", "[TOOL_CALLS]", "", "arguments", list_of_calls=True)
+LLAMA3_JSON = ToolCallFormat("llama3_json", "<|python_tag|>", "", "parameters", list_of_calls=False,
+                             bare_json_start=True)
+FORMATS = {f.name: f for f in (HERMES, MISTRAL, LLAMA3_JSON)}
+
+
+def detect_format(tokenizer) -> ToolCallFormat:
+    """The format a model's chat template asks for (Hermes when it says nothing: what our parser always read)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = "\n".join(str(t) for t in template.values())
+    vocab = getattr(tokenizer, "get_vocab", dict)()
+    if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in vocab:
+        return MISTRAL
+    if "<tool_call>" in template:
+        return HERMES
+    if "<|python_tag|>" in template or ('"parameters"' in template and "function" in template):
+        return LLAMA3_JSON
+    return HERMES
 
 
 @dataclass(slots=True)
@@ -30,8 +69,16 @@ class ToolCall:
         return call
 
 
+@dataclass(slots=True)
+class ArgumentsDelta:
+    """More of the arguments of call `index` (streamed after the ToolCall that opened it with "")."""
+
+    index: int
+    text: str
+
+
 def parse_call(raw: str) -> ToolCall | None:
-    """The JSON inside one `<tool_call>` block -> a ToolCall, or None when it is not one."""
+    """One call's JSON object -> a ToolCall, or None when it is not one."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
@@ -44,70 +91,159 @@ def parse_call(raw: str) -> ToolCall | None:
     return ToolCall(data["name"], arguments)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Split a whole output into (content outside the blocks, or None when empty; the calls)."""
-    stream = ToolCallStream()
-    events = stream.feed(text) + stream.finish()
-    calls = [e for e in events if isinstance(e, ToolCall)]
-    content = "".join(e for e in events if isinstance(e, str))
+def parse_tool_calls(text: str, fmt: ToolCallFormat | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Split a whole output into (content outside the calls, or None when empty; the calls)."""
+    stream = ToolCallStream(fmt)
+    return merge(stream.feed(text) + stream.finish())
+
+
+def merge(events: list) -> tuple[str | None, list[ToolCall]]:
+    """Stream events -> (content or None, whole calls)."""
+    calls: list[ToolCall] = []
+    texts = []
+    for event in events:
+        if isinstance(event, ToolCall):
+            calls.append(ToolCall(event.name, event.arguments, event.id, event.index))
+        elif isinstance(event, ArgumentsDelta):
+            calls[-1].arguments += event.text
+        else:
+            texts.append(event)
+    content = "".join(texts)
     if calls:
         content = content.strip()
     return content or None, calls
 
 
-class ToolCallStream:
-    """Feed text deltas, get back content strings and whole ToolCalls in order.
+# the opening of a call object whose name comes first: its arguments can stream as they are written
+_HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
 
-    Text that may be the start of `<tool_call>` is held back until it is clearly not; a block is
-    emitted as one ToolCall once `</tool_call>` arrives (or at `finish`, for a model stopped right before it).
+
+class ToolCallStream:
+    """Feed text deltas, get back content strings, ToolCalls and ArgumentsDeltas in order.
+
+    Text that may be the start of a call region is held back until it is clearly not. Inside a region each
+    call object is read as it comes: with its name first, the call opens at once and its arguments stream;
+    otherwise it is parsed whole when its object closes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolCallFormat | None = None) -> None:
+        self.fmt = fmt or HERMES
         self._buffer = ""
-        self._in_call = False
+        self._in_region = False
+        self._object: _ObjectReader | None = None  # the call object being read
+        self._region_raw = ""  # the region's text so far, given back as content if it holds no call
+        self._region_calls = 0
         self._pending_space = ""  # trailing whitespace: content if text follows, dropped if a call does
+        self._seen_text = False
         self.num_calls = 0
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list:
         self._buffer += text
-        events: list[str | ToolCall] = []
-        while True:
-            if self._in_call:
-                end = self._buffer.find(END)
-                if end < 0:
-                    return events
-                raw, self._buffer = self._buffer[:end], self._buffer[end + len(END):]
-                self._in_call = False
-                self._emit_block(raw, closed=True, events=events)
-                continue
-            start = self._buffer.find(START)
-            if start >= 0:
-                self._emit_text(self._buffer[:start], events)
-                self._buffer = self._buffer[start + len(START):]
-                self._in_call = True
-                continue
-            keep = _partial_suffix(self._buffer, START)
-            self._emit_text(self._buffer[: len(self._buffer) - keep], events)
-            self._buffer = self._buffer[len(self._buffer) - keep:]
-            return events
+        events: list = []
+        while self._buffer:
+            if self._in_region:
+                if not self._feed_region(events):
+                    break
+            elif not self._feed_outside(events):
+                break
+        return events
 
-    def finish(self) -> list[str | ToolCall]:
-        """Whatever is still held: an unclosed block that parses is a call, anything else is content."""
-        events: list[str | ToolCall] = []
-        if self._in_call:
-            self._emit_block(self._buffer, closed=False, events=events)
+    def finish(self) -> list:
+        """Whatever is still held: a call cut short is parsed if it can be, anything else is content."""
+        events: list = []
+        if self._in_region:
+            reader = self._object
+            call = parse_call(reader.text) if reader is not None and not reader.streaming else None
+            if call is not None:
+                self._open(call, events)
+            elif self._region_calls == 0 and (reader is None or not reader.streaming):
+                self._emit_text(self._region_raw + self._buffer, events, force=True)
         else:
             self._emit_text(self._buffer, events)
         if self._pending_space and not self.num_calls:
             events.append(self._pending_space)
-        self._buffer, self._in_call, self._pending_space = "", False, ""
+        self._buffer, self._in_region, self._pending_space, self._object = "", False, "", None
         return events
 
-    def _emit_block(self, raw: str, closed: bool, events: list) -> None:
-        call = parse_call(raw.strip())
-        if call is None:
-            self._emit_text(START + raw + (END if closed else ""), events, force=True)
-            return
+    def _feed_outside(self, events: list) -> bool:
+        fmt = self.fmt
+        start = self._buffer.find(fmt.start)
+        if fmt.bare_json_start and not self._seen_text and self._buffer.lstrip().startswith("{"):
+            start, skip = len(self._buffer) - len(self._buffer.lstrip()), 0
+        else:
+            skip = len(fmt.start)
+        if start >= 0:
+            self._emit_text(self._buffer[:start], events)
+            self._region_raw = self._buffer[start:start + skip]
+            self._buffer = self._buffer[start + skip:]
+            self._in_region, self._region_calls = True, 0
+            return True
+        keep = _partial_suffix(self._buffer, fmt.start)
+        if fmt.bare_json_start and not self._seen_text and not self._buffer.strip():
+            keep = len(self._buffer)  # only whitespace yet: the reply may still open with `{`
+        self._emit_text(self._buffer[: len(self._buffer) - keep], events)
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        return False
+
+    def _feed_region(self, events: list) -> bool:
+        """Consume region text; False when more text is needed."""
+        if self._object is not None:
+            consumed, done = self._object.feed(self._buffer)
+            self._region_raw += self._buffer[:consumed]
+            if self._object.streaming and not self._object.opened:
+                self._open(ToolCall(self._object.name, ""), events)
+                self._object.opened = True
+            if self._object.streaming and self._object.arguments:
+                events.append(ArgumentsDelta(self.num_calls - 1, self._object.arguments))
+                self._object.arguments = ""
+            self._buffer = self._buffer[consumed:]
+            if not done:
+                return False
+            if not self._object.streaming:
+                call = parse_call(self._object.text)
+                if call is None:
+                    return self._give_up(events)
+                self._open(call, events)
+            self._object, self._region_calls = None, self._region_calls + 1
+            return True
+        stripped = self._buffer.lstrip(" \t\r\n,;[]" if self.fmt.list_of_calls or self.fmt.bare_json_start else " \t\r\n")
+        self._region_raw += self._buffer[: len(self._buffer) - len(stripped)]
+        self._buffer = stripped
+        if not stripped:
+            return False
+        if self.fmt.end and stripped.startswith(self.fmt.end):
+            self._buffer = stripped[len(self.fmt.end):]
+            if self._region_calls == 0:  # an empty block: content as written
+                self._emit_text(self._region_raw + self.fmt.end, events, force=True)
+            self._in_region = False
+            return True
+        if self.fmt.end and _partial_suffix(stripped, self.fmt.end) == len(stripped):
+            return False
+        if stripped.startswith("{"):
+            self._object = _ObjectReader()
+            return True
+        return self._give_up(events)
+
+    def _give_up(self, events: list) -> bool:
+        """The region is not calls: its text (and, for a format with an end, up to that end) is content."""
+        fmt = self.fmt
+        raw, self._object = self._region_raw, None
+        if fmt.end:
+            end = self._buffer.find(fmt.end)
+            if end < 0:
+                self._region_raw = raw
+                return False  # wait for the end (or finish) to give it all back
+            raw += self._buffer[: end + len(fmt.end)]
+            self._buffer = self._buffer[end + len(fmt.end):]
+        else:
+            raw += self._buffer
+            self._buffer = ""
+        if self._region_calls == 0:
+            self._emit_text(raw, events, force=True)
+        self._in_region = False
+        return True
+
+    def _open(self, call: ToolCall, events: list) -> None:
         call.index = self.num_calls
         self.num_calls += 1
         self._pending_space = ""  # models write newlines around calls; those are not content
@@ -118,7 +254,64 @@ class ToolCallStream:
         body = text if force else text.rstrip()
         self._pending_space = text[len(body):]
         if body:
+            self._seen_text = True
             events.append(body)
+
+
+class _ObjectReader:
+    """Reads one JSON object as it streams, tracking strings and nesting. Once `{"name": "...", "arguments": `
+    is read (`streaming`), the arguments value's text is handed out as it comes (`arguments`)."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the object so far (until it streams)
+        self.name = ""
+        self.streaming = False
+        self.opened = False
+        self.arguments = ""  # arguments text not yet handed out
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._args_depth = None  # depth at which the arguments value started
+
+    def feed(self, text: str) -> tuple[int, bool]:
+        """Consume from `text`; returns (characters consumed, whether the object closed)."""
+        for i, char in enumerate(text):
+            done = self._step(char)
+            if self.streaming:
+                if self._args_depth is not None:
+                    closes = self._depth == self._args_depth and char in "}]" and not self._in_string
+                    if self._depth > self._args_depth or closes:
+                        self.arguments += char
+                    if closes:  # the arguments value is whole: the rest is the object's tail
+                        self._args_depth = None
+            else:
+                self.text += char
+                if char in "{[" and self._depth == 2 and not self._in_string:
+                    match = _HEADER.match(self.text)
+                    if match and match.end() == len(self.text) - 1:
+                        self.name = json.loads(f'"{match.group(1)}"')
+                        self.streaming, self._args_depth, self.arguments = True, 1, char
+            if done:
+                return i + 1, True
+        return len(text), False
+
+    def _step(self, char: str) -> bool:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+            return False
+        if char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+            return self._depth == 0
+        return False
 
 
 def _partial_suffix(text: str, marker: str) -> int:

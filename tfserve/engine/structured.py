@@ -1,0 +1,147 @@
+"""Constrained decoding with llguidance: a request's `Grammar` compiles once (cached by value), each request
+carries its own matcher, and each step the allowed tokens of every constrained row are computed together and
+masked into the logits for the whole batch at once (`apply_grammars`).
+
+Why llguidance: on this project's 2-core CPU it compiled a nested JSON schema in 3 ms where xgrammar took
+300 ms and outlines-core 800 ms, which is what lets a new schema never stall the server; a mask costs
+~80 us per token (xgrammar ~15 us, outlines-core ~155 us), small beside a decode step; it has no dependencies
+(xgrammar pulls triton), speaks JSON schema, regex and a Lark dialect that embeds JSON schemas (how tool calls
+are enforced), and llama.cpp and vLLM run it too.
+
+The matcher advances only in `Engine._postprocess`, on tokens that were kept; preemption keeps a request's
+tokens and so its matcher, and recompute never samples again what the matcher has consumed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from tfserve.sampling_params import Grammar
+
+# JSON as models write it (json.dumps' separators, no free whitespace): free whitespace lets a small model
+# pad forever; a schema may still ask for other layouts with llguidance's "x-guidance" key.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile: the message says why (an invalid schema, an unsupported keyword)."""
+
+
+class StructuredOutputs:
+    """One engine's grammar compiler: its tokenizer as llguidance sees it (built on first use, ~0.5 s), compiled
+    grammars by value, and matchers for new requests. Thread-safe: the server compiles off the step loop."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer = None
+        self._compiled: OrderedDict[Grammar, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, grammar: Grammar) -> str:
+        """llguidance's form of `grammar`, validated; GrammarError when it does not compile."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled
+        compiled = _to_llguidance(grammar)
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(compiled, self.ll_tokenizer)
+        if error:
+            raise GrammarError(_first_line(error))
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, grammar: Grammar) -> Any:
+        """A fresh matcher (one per request: it holds that request's position in the grammar)."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.ll_tokenizer, self.compile(grammar), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_first_line(matcher.get_error()))
+        return matcher
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self.tokenizer is None:
+                    raise GrammarError("constrained decoding needs the model's tokenizer")
+                import llguidance.hf
+
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                except ValueError as exc:  # a slow (Python) tokenizer
+                    raise GrammarError(f"constrained decoding needs a fast tokenizer: {exc}") from None
+            return self._ll_tokenizer
+
+
+def _to_llguidance(grammar: Grammar) -> str:
+    from llguidance import LLMatcher
+
+    if grammar.kind == "json_schema":
+        try:
+            schema = json.loads(grammar.source)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be an object")
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if grammar.kind == "regex":
+        return LLMatcher.grammar_from_regex(grammar.source)
+    if grammar.kind == "choice":
+        choices = json.loads(grammar.source)
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return LLMatcher.grammar_from_lark(grammar.source)
+
+
+def _first_line(error: str) -> str:
+    # llguidance appends the grammar source with a caret; the first lines say what is wrong
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return " ".join(lines[:3]) if lines else "the grammar does not compile"
+
+
+def apply_grammars(logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+    """`logits` [num_rows, vocab] with every token a constrained row's grammar forbids at -inf (in place).
+    A row whose grammar allows nothing left (finished, and held open by min_tokens) keeps its EOS tokens."""
+    import llguidance.torch as llt
+
+    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if not rows:
+        return logits
+    vocab_size = logits.shape[-1]
+    bitmask = llt.allocate_token_bitmask(len(rows), vocab_size)  # [rows, ceil(vocab / 32)] int32
+    for slot, i in enumerate(rows):
+        llt.fill_next_token_bitmask(requests[i].matcher, bitmask, slot)
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    index = torch.tensor(rows, device=logits.device)
+    allowed = allowed.to(logits.device)
+    constrained = logits[index].masked_fill(~allowed, float("-inf"))
+    for slot, i in enumerate(rows):
+        if not bool(allowed[slot].any()):
+            eos = [t for t in requests[i].eos_token_ids if t < vocab_size]
+            constrained[slot, eos] = logits[i, eos]
+    logits[index] = constrained
+    return logits
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed masks [rows, words] (bit j of word w allows token 32 w + j) -> bool [rows, vocab]."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [rows, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -1,0 +1,84 @@
+"""`tool_choice` "required" or a named function, enforced: a grammar over the model's own tool-call format
+(`tool_calls.ToolCallFormat`) whose calls name only the allowed tools, each with arguments that validate
+against that tool's `parameters` schema. Even a 135M model then always answers with a valid call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tfserve.engine.structured import JSON_OPTIONS
+from tfserve.sampling_params import Grammar
+from tfserve.server.errors import bad_request
+from tfserve.server.protocol import field
+from tfserve.server.tool_calls import ToolCallFormat
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, where: str = "tool_choice"
+                 ) -> list[dict[str, Any]] | None:
+    """The function definitions a reply must call one of: all for "required", the named one for
+    `{"type": "function", "function": {"name": ...}}` (or the Responses API's `{"type": "function", "name": ...}`),
+    None when the model may answer freely ("auto", "none", absent). 400 for a name not in `tools`."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    functions = [tool.get("function", tool) for tool in tools]
+    if tool_choice == "required":
+        return functions
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
+        raise bad_request(f'{where} must be none, auto, required or {{"type": "function", "function": {{"name": ...}}}}',
+                          where)
+    named = tool_choice.get("function", tool_choice)
+    name = field(named, "name", str, required=True,
+                 param=f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
+    chosen = [f for f in functions if f.get("name") == name]
+    if not chosen:
+        known = ", ".join(repr(f.get("name")) for f in functions) or "none"
+        raise bad_request(f"{where} names the function {name!r}, which is not in tools (tools: {known})",
+                          f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
+    return chosen
+
+
+def tool_call_grammar(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any) -> Grammar:
+    """A Lark grammar (llguidance's, with embedded JSON schemas) for one call, or one or more when `parallel`,
+    written as `fmt` writes them."""
+    # key order kept (name first, so arguments can stream); JSON laid out as in response formats
+    call_schema = json.dumps({**_calls_schema(functions, fmt.arguments_key), "x-guidance": JSON_OPTIONS})
+    call = f"%json {call_schema}"
+    if fmt.name == "hermes":
+        rules = [f"call: {_literal(tokenizer, fmt.start)} \"\\n\" {call} \"\\n\" {_literal(tokenizer, fmt.end)}",
+                 'start: call ("\\n" call)*' if parallel else "start: call"]
+    elif fmt.list_of_calls:  # Mistral: [TOOL_CALLS][{...}, {...}]
+        more = '(", " call)*' if parallel else ""
+        rules = [f"call: {call}", f'start: {_literal(tokenizer, fmt.start)} "[" call {more} "]"']
+    else:  # Llama 3.x JSON: {...}; {...}
+        rules = [f"call: {call}", 'start: call ("; " call)*' if parallel else "start: call"]
+    return Grammar.lark("\n".join(reversed(rules)) + "\n")
+
+
+def _calls_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    options = []
+    for function in functions:
+        parameters = function.get("parameters") or _EMPTY_PARAMETERS
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        })
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _literal(tokenizer: Any, text: str) -> str:
+    """A Lark literal for `text`: its special token by id when the tokenizer has one (a grammar's strings
+    never match special tokens), else the quoted string."""
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if token.content == text and token.special:
+            return f"<[{token_id}]>"
+    return json.dumps(text)
+
+
+def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
+    """True when the format's marker is a special token: the text must keep it for the parser to see calls."""
+    return _literal(tokenizer, fmt.start).startswith("<[")
