@@ -13,7 +13,7 @@ from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
 from tfserve.server.tool_calls import ToolCallFormat
 
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, where: str = "tool_choice"
@@ -61,6 +61,9 @@ def _calls_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[s
     options = []
     for function in functions:
         parameters = function.get("parameters") or _EMPTY_PARAMETERS
+        if isinstance(parameters.get("properties"), dict) and "additionalProperties" not in parameters:
+            # only the declared parameters (as OpenAI's strict tools): an open object lets a model invent keys
+            parameters = {**parameters, "additionalProperties": False}
         options.append({
             "type": "object",
             "properties": {"name": {"const": function["name"]}, arguments_key: parameters},

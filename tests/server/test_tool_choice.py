@@ -1,0 +1,83 @@
+"""Enforced tool calls in each template family's own format, on a tiny random model: the grammar makes the
+model write what the parser reads back (Hermes blocks, Mistral's `[TOOL_CALLS]` special token, Llama 3 JSON)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tfserve import Engine, SamplingParams
+from tfserve.server.errors import ApiError
+from tfserve.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
+from tiny import build_llama, build_tokenizer
+
+FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 6}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}},
+    {"name": "ping"},  # no parameters: an empty object
+]
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer():
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "[TOOL_CALLS]"]})
+    tokenizer.chat_template = "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}[TOOL_CALLS]?"
+    return tokenizer
+
+
+def generate(tokenizer, grammar, *, skip_special_tokens=True, seed=0) -> str:
+    engine = Engine(build_llama(tokenizer), tokenizer, block_size=8, num_blocks=64)
+    params = SamplingParams(grammar=grammar, max_tokens=120, temperature=1.0, seed=seed,
+                            skip_special_tokens=skip_special_tokens)
+    (output,) = engine.generate_batch([tokenizer.encode("weather in Paris?")], params).values()
+    assert output.finish_reason == "stop", output.text
+    return output.text
+
+
+def test_formats_are_read_from_the_template(mistral_tokenizer):
+    hermes = build_tokenizer()
+    assert detect_format(hermes) is HERMES  # its template writes <tool_call> blocks
+    assert detect_format(mistral_tokenizer) is MISTRAL
+    llama = build_tokenizer()
+    llama.chat_template = "{{ '<|python_tag|>' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert detect_format(llama) is LLAMA3_JSON
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_forced_calls_in_text_formats_parse_and_validate(fmt, seed):
+    tokenizer = build_tokenizer()
+    text = generate(tokenizer, tool_call_grammar(fmt, FUNCTIONS, parallel=False, tokenizer=tokenizer), seed=seed)
+    content, (call,) = parse_tool_calls(text, fmt)
+    assert content is None
+    schema = {f["name"]: f.get("parameters", {"type": "object", "maxProperties": 0}) for f in FUNCTIONS}[call.name]
+    assert call.name == "get_weather" or call.arguments == "{}"
+    jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_mistral_calls_open_with_the_special_token(mistral_tokenizer):
+    assert needs_special_tokens(MISTRAL, mistral_tokenizer)
+    grammar = tool_call_grammar(MISTRAL, FUNCTIONS[:1], parallel=False, tokenizer=mistral_tokenizer)
+    assert "<[" in grammar.source  # the marker by token id: a string never matches a special token
+    text = generate(mistral_tokenizer, grammar, skip_special_tokens=False)
+    assert text.startswith("[TOOL_CALLS][")
+    content, (call,) = parse_tool_calls(text, MISTRAL)
+    assert content is None and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), FUNCTIONS[0]["parameters"])
+
+
+def test_forced_tools_by_choice():
+    tools = [{"type": "function", "function": f} for f in FUNCTIONS]
+    assert forced_tools(tools, "auto") is None and forced_tools(tools, "none") is None
+    assert [f["name"] for f in forced_tools(tools, "required")] == ["get_weather", "ping"]
+    assert [f["name"] for f in forced_tools(tools, {"type": "function", "function": {"name": "ping"}})] == ["ping"]
+    # the Responses API names the function at the top level
+    assert [f["name"] for f in forced_tools(FUNCTIONS, {"type": "function", "name": "ping"})] == ["ping"]
+    with pytest.raises(ApiError) as error:
+        forced_tools(tools, {"type": "function", "function": {"name": "nope"}})
+    assert error.value.param == "tool_choice.function.name" and "get_weather" in error.value.message
