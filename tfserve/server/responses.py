@@ -1,10 +1,14 @@
-"""POST /v1/responses: `input` (text or messages) + `instructions` -> one assistant message, whole or as the
-Responses event stream (created, in_progress, output_item.added, content_part.added, output_text.delta...,
-output_text.done, content_part.done, output_item.done, then completed — or incomplete when cut by
-max_output_tokens, as OpenAI does), every event with an increasing `sequence_number`."""
+"""POST /v1/responses: `input` (text or items) + `instructions` -> output items (an assistant message, and a
+`function_call` item per tool call), whole or as the Responses event stream (created, in_progress, then per
+item output_item.added, its deltas, output_item.done, then completed — or incomplete when cut by
+max_output_tokens, as OpenAI does), every event with an increasing `sequence_number`.
+
+`tools` (flat function tools), `tool_choice` (enforced as on chat), `text.format` (structured outputs) and
+`previous_response_id` over an in-memory store (`store: false` keeps a response out of it)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from contextlib import aclosing
@@ -15,95 +19,160 @@ from aiohttp import web
 from tfserve.server.chat import render_chat, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
-from tfserve.server.protocol import field, make_params, param_names, read_json, sampling_kwargs, text_of, use_model
+from tfserve.server.protocol import field, make_params, param_names, read_json, sampling_kwargs, use_model
+from tfserve.server.response_format import compile_grammar, requested_grammar
+from tfserve.server.response_items import (StoredResponse, as_response_format, chat_tools, echo_tools, parse_input,
+                                           parse_tools, text_format)
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
-
-_ROLES = ("system", "developer", "user", "assistant")
+from tfserve.server.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = await use_model(request, body, state)
-    for unsupported in ("previous_response_id", "conversation"):
-        if body.get(unsupported) is not None:
-            raise bad_request(f"{unsupported} is not supported: this server keeps no conversation state", unsupported)
+    if body.get("conversation") is not None:
+        raise bad_request("conversation is not supported: use previous_response_id", "conversation")
     instructions = field(body, "instructions", str)
     metadata = field(body, "metadata", dict, {})
-    messages = parse_input(body, instructions)
+    previous_id = field(body, "previous_response_id", str)
+    history = state.responses.get(previous_id).messages if previous_id else []
+    # instructions are not carried over from a previous response (as OpenAI): they lead this turn only
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + parse_input(body)
+    tools = parse_tools(body)
+    tool_choice = field(body, "tool_choice", (str, dict), "auto")
+    fmt = text_format(body)
     kwargs = sampling_kwargs(body, max_tokens_fields=("max_output_tokens",))
     kwargs.pop("n", None)
+    tokenizer = state.engine.tokenizer
+    tool_format = detect_format(tokenizer)
+    offered = tools if tools and tool_choice != "none" else []
+    constraint = requested_grammar({"response_format": as_response_format(fmt)})
+    if constraint is not None:
+        constraint = (constraint[0], "text.format")
+    forced = forced_tools(offered, tool_choice) if offered else None
+    parallel = field(body, "parallel_tool_calls", bool, True)
+    if forced:
+        if constraint is not None:
+            raise bad_request("text.format cannot be combined with tool_choice required or a named function",
+                              "text.format")
+        constraint = (tool_call_grammar(tool_format, forced, parallel, tokenizer), "tools")
+    if constraint is not None:
+        await compile_grammar(state.engine, *constraint)
+        kwargs["grammar"] = constraint[0]
+    if offered and needs_special_tokens(tool_format, tokenizer):
+        kwargs["skip_special_tokens"] = False
     stream = field(body, "stream", bool, False)
-    prompt_ids = render_chat(state.engine.tokenizer, messages, None, template_kwargs(state, body))
+    prompt_ids = render_chat(tokenizer, messages, chat_tools(offered) or None, template_kwargs(state, body))
     names = param_names(body, ("max_output_tokens",), "input")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names)
-    reply = _Reply(model, instructions, metadata, body, params)
+    reply = _Reply(model, body, params, tool_format if offered else None)
     async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
-            return await reply.stream(request, outputs, usage)
-        final = None
-        async for _, output in outputs:
-            final = output if output.finished else final
-    return web.json_response(reply.response(final, usage))
-
-
-def parse_input(body: dict[str, Any], instructions: str | None) -> list[dict[str, str]]:
-    """`input` (a string or a list of message items) -> chat messages, `instructions` first as system."""
-    items = field(body, "input", (str, list), required=True)
-    messages = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    if not items:
-        raise bad_request("input must not be empty", "input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", where)
-        if item.get("type", "message") != "message":
-            raise bad_request(f"{where}.type {item.get('type')!r} is not supported; send message items", f"{where}.type")
-        role = field(item, "role", str, required=True, param=f"{where}.role")
-        if role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)} (got {role!r})", f"{where}.role")
-        content = field(item, "content", (str, list), required=True, param=f"{where}.content")
-        messages.append({"role": "system" if role == "developer" else role,
-                         "content": text_of(content, f"{where}.content")})
-    return messages
+            response = await reply.stream(request, outputs, usage)
+        else:
+            response = None
+            final = None
+            async for _, output in outputs:
+                final = output if output.finished else final
+            reply.finish(final)
+    if reply.done is not None and field(body, "store", bool, True):
+        state.responses.put(reply.id, StoredResponse(messages + reply.as_messages(), model))
+    return response if response is not None else web.json_response(reply.response(usage))
 
 
 class _Reply:
-    def __init__(self, model: str, instructions: str | None, metadata: dict, body: dict, params: Any) -> None:
-        self.model, self.instructions, self.metadata, self.params = model, instructions, metadata, params
-        self.max_output_tokens = body.get("max_output_tokens")
+    """The output items of one response as they form: a message for text, a function_call per call."""
+
+    def __init__(self, model: str, body: dict, params: Any, tool_format: Any) -> None:
+        self.model, self.body, self.params = model, body, params
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sequence_number = 0
+        self.parser = ToolCallStream(tool_format) if tool_format is not None else None
+        self.items: list[dict] = []  # in output order
+        self.message: dict | None = None  # the message item, once text arrives
+        self.done: Any = None  # the final engine output
 
-    def message(self, text: str, status: str) -> dict:
-        content = [_text_part(text)] if status != "in_progress" else []
-        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+    # -- items ------------------------------------------------------------------------------------------
 
-    def response(self, final: Any | None, usage: Any) -> dict:
-        """The Response object: in progress (final None) or finished."""
+    def _events(self, text: str, finished: bool) -> list:
+        """New text as content strings and calls (through the tool-call parser when tools are on)."""
+        if self.parser is None:
+            return [text] if text else []
+        return self.parser.feed(text) + (self.parser.finish() if finished else [])
+
+    def _open_message(self) -> dict:
+        self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                        "role": "assistant", "content": []}
+        self.items.append(self.message)
+        return self.message
+
+    def _open_call(self, call: ToolCall) -> dict:
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                "call_id": call.id, "name": call.name, "arguments": call.arguments}
+        self.items.append(item)
+        return item
+
+    def finish(self, final: Any) -> None:
+        """Build the items of a whole (not streamed) reply."""
+        for event in self._events(final.text, True):
+            if isinstance(event, ToolCall):
+                self._open_call(event)
+            elif isinstance(event, ArgumentsDelta):
+                self.items[-1]["arguments"] += event.text
+            else:
+                message = self.message or self._open_message()
+                if not message["content"]:
+                    message["content"].append(_text_part(""))
+                message["content"][0]["text"] += event
+        self._close(final)
+
+    def _close(self, final: Any) -> None:
+        self.done = final
+        status = "incomplete" if final.finish_reason == "length" else "completed"
+        for item in self.items:
+            item["status"] = status
+        if self.message is None and not self.items:  # an empty reply is still a message
+            self._open_message()["status"] = status
+            self.message["content"].append(_text_part(""))
+
+    def as_messages(self) -> list[dict]:
+        """This response's output as chat messages, for a later `previous_response_id`."""
+        text = "".join(part["text"] for part in self.message["content"]) if self.message else ""
+        calls = [{"id": item["call_id"], "type": "function",
+                  "function": {"name": item["name"], "arguments": _arguments(item["arguments"])}}
+                 for item in self.items if item["type"] == "function_call"]
+        return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+
+    def response(self, usage: Any) -> dict:
+        """The Response object: in progress (before `finish`/`_close`) or finished."""
         status, incomplete, output = "in_progress", None, []
+        final = self.done
         if final is not None:
             status = "incomplete" if final.finish_reason == "length" else "completed"
             incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-            output = [self.message(final.text, "incomplete" if incomplete else "completed")]
+            output = self.items
+        body = self.body
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "error": None, "incomplete_details": incomplete, "instructions": self.instructions,
-            "max_output_tokens": self.max_output_tokens, "model": self.model, "output": output,
-            "parallel_tool_calls": False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": self.params.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": "none", "tools": [], "top_p": self.params.top_p, "truncation": "disabled",
-            "metadata": self.metadata, "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None, "incomplete_details": incomplete, "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"), "model": self.model, "output": output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None}, "store": body.get("store", True),
+            "temperature": self.params.temperature, "text": {"format": text_format(body)},
+            "tool_choice": body.get("tool_choice", "auto"), "tools": echo_tools(body.get("tools") or []),
+            "top_p": self.params.top_p, "truncation": "disabled", "metadata": body.get("metadata") or {},
+            "completed_at": int(time.time()) if status == "completed" else None,
             # OpenAI's schema types usage as an object: absent, not null, until there is one
             **({"usage": _usage(usage)} if final is not None else {}),
         }
+
+    # -- stream ---------------------------------------------------------------------------------------------
 
     async def _event(self, sse: EventStream, kind: str, **data: Any) -> None:
         await sse.send({"type": kind, "sequence_number": self.sequence_number, **data}, event=kind)
@@ -111,27 +180,70 @@ class _Reply:
 
     async def stream(self, request: web.Request, outputs, usage) -> web.StreamResponse:
         sse = EventStream(request)
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        await self._event(sse, "response.created", response=self.response(None, usage))
-        await self._event(sse, "response.in_progress", response=self.response(None, usage))
-        await self._event(sse, "response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-        await self._event(sse, "response.content_part.added", **where, part=_text_part(""))
+        await self._event(sse, "response.created", response=self.response(usage))
+        await self._event(sse, "response.in_progress", response=self.response(usage))
         try:
             final = None
             async for _, output in outputs:
-                if output.delta_text:
-                    await self._event(sse, "response.output_text.delta", **where, delta=output.delta_text, logprobs=[])
+                for event in self._events(output.delta_text, output.finished):
+                    await self._stream_event(sse, event)
                 final = output if output.finished else final
         except ApiError as exc:
             await self._event(sse, "error", code=exc.code or exc.type, message=exc.message, param=exc.param)
             return await sse.close()
-        done = self.response(final, usage)
-        item = done["output"][0]
-        await self._event(sse, "response.output_text.done", **where, text=final.text, logprobs=[])
-        await self._event(sse, "response.content_part.done", **where, part=_text_part(final.text))
-        await self._event(sse, "response.output_item.done", output_index=0, item=item)
+        if self.message is None and not self.items:
+            await self._stream_event(sse, "")
+        self._close(final)
+        for index, item in enumerate(self.items):
+            await self._stream_item_done(sse, index, item)
+        done = self.response(usage)
         await self._event(sse, f"response.{done['status']}", response=done)
         return await sse.close()
+
+    async def _stream_event(self, sse: EventStream, event: Any) -> None:
+        if isinstance(event, ToolCall):
+            item = self._open_call(ToolCall(event.name, "", event.id))
+            index = len(self.items) - 1
+            await self._event(sse, "response.output_item.added", output_index=index, item=dict(item))
+            if event.arguments:  # a call parsed whole
+                await self._stream_event(sse, ArgumentsDelta(event.index, event.arguments))
+            return
+        if isinstance(event, ArgumentsDelta):
+            item = next(i for i in reversed(self.items) if i["type"] == "function_call")
+            item["arguments"] += event.text
+            await self._event(sse, "response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=self.items.index(item), delta=event.text)
+            return
+        if self.message is None:
+            message = self._open_message()
+            index = len(self.items) - 1
+            await self._event(sse, "response.output_item.added", output_index=index, item=dict(message, content=[]))
+            message["content"].append(_text_part(""))
+            await self._event(sse, "response.content_part.added", **self._where(), part=_text_part(""))
+        if event:
+            self.message["content"][0]["text"] += event
+            await self._event(sse, "response.output_text.delta", **self._where(), delta=event, logprobs=[])
+
+    def _where(self) -> dict:
+        return {"item_id": self.message["id"], "output_index": self.items.index(self.message), "content_index": 0}
+
+    async def _stream_item_done(self, sse: EventStream, index: int, item: dict) -> None:
+        if item["type"] == "function_call":
+            await self._event(sse, "response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              name=item["name"], arguments=item["arguments"])
+        else:
+            text = item["content"][0]["text"]
+            await self._event(sse, "response.output_text.done", **self._where(), text=text, logprobs=[])
+            await self._event(sse, "response.content_part.done", **self._where(), part=_text_part(text))
+        await self._event(sse, "response.output_item.done", output_index=index, item=item)
+
+
+def _arguments(text: str) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _text_part(text: str) -> dict:

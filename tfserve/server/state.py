@@ -14,6 +14,7 @@ from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
 from tfserve.server.metrics import ServerMetrics
 from tfserve.server.residency import Loader, ModelResidency
+from tfserve.server.response_items import ResponseStore
 
 if TYPE_CHECKING:
     from tfserve.engine.async_engine import AsyncEngine
@@ -43,6 +44,7 @@ class ServerState:
         # defaults for every chat template render (--chat-template-kwargs, --reasoning); a request's own override
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
+        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
 
     def set_engine(self, async_engine: AsyncEngine, name: str | None = None, path: str | Path | None = None) -> None:
         """Serve the (started) engine of `async_engine` under `name` (default: the engine's model name, and

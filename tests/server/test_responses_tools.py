@@ -1,0 +1,110 @@
+"""/v1/responses with function tools, enforced tool choice, text.format and previous_response_id, through the
+openai SDK; every object and event checked against OpenAI's published schema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+from test_openapi import check, event_schemas, stream
+
+from tiny import MODEL_NAME
+
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                       "required": ["city"], "additionalProperties": False}}
+FORCED = {"model": MODEL_NAME, "input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required",
+          "parallel_tool_calls": False, "temperature": 0.9, "max_output_tokens": 80, "extra_body": {"seed": 3}}
+
+
+def raw(body: dict) -> dict:
+    """An SDK call's keyword arguments as a raw body (extra_body merged in)."""
+    body = dict(body)
+    return {**body, **body.pop("extra_body", {})}
+
+
+class Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    verdict: bool
+    score: int = Field(ge=0, le=9)
+
+
+def test_forced_call_is_a_function_call_item(server):
+    response = server.client().responses.create(**FORCED)
+    assert response.status == "completed"
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id.startswith("call_")
+    jsonschema.validate(json.loads(item.arguments), TOOL["parameters"])
+    check("Response", server.request("POST", "/v1/responses", raw(FORCED))[2])
+
+
+def test_forced_call_streams_argument_deltas(server):
+    events = stream(server, "/v1/responses", {**raw(FORCED), "stream": True})
+    for event in events:
+        check(event_schemas()[event["type"]], event)
+    kinds = [e["type"] for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2]["item"]["type"] == "function_call"
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and "".join(deltas) == done["arguments"]
+    final = events[-1]["response"]
+    assert kinds[-1] == "response.completed" and final["output"][0]["arguments"] == done["arguments"]
+
+
+def test_named_tool_choice_in_the_responses_shape(server):
+    other = {**TOOL, "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}},
+                                                        "required": ["zone"]}}
+    response = server.client().responses.create(**{**FORCED, "tools": [TOOL, other],
+                                                   "tool_choice": {"type": "function", "name": "get_time"}})
+    (item,) = response.output
+    assert item.name == "get_time" and json.loads(item.arguments) == {"zone": "UTC"}
+
+
+def test_text_format_json_schema_through_the_parse_helper(server):
+    response = server.client().responses.parse(model=MODEL_NAME, input="Is it sunny?", text_format=Answer,
+                                               temperature=0.7, extra_body={"seed": 1}, max_output_tokens=60)
+    assert isinstance(response.output_parsed, Answer)
+
+
+def test_previous_response_id_continues_the_conversation(server, tokenizer):
+    client = server.client()
+    first = client.responses.create(**FORCED)
+    call = first.output[0]
+    follow = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    second = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input=follow, tools=[TOOL],
+                                      max_output_tokens=3, temperature=0)
+    assert second.previous_response_id == first.id
+    # the prompt is the whole conversation: the first turn, its call, the tool's answer
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.loads(call.arguments)}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    tools = [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
+    expected = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    assert second.usage.input_tokens == len(expected["input_ids"])
+    third = client.responses.create(model=MODEL_NAME, previous_response_id=second.id, input="thanks", tools=[TOOL],
+                                    max_output_tokens=2, temperature=0)  # tools are sent again each turn, as OpenAI
+    assert third.usage.input_tokens > second.usage.input_tokens
+
+
+def test_store_false_is_not_kept(server):
+    response = server.client().responses.create(model=MODEL_NAME, input="hi", store=False, max_output_tokens=2)
+    status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "again",
+                                                                "previous_response_id": response.id})
+    assert status == 404 and error["error"]["param"] == "previous_response_id"
+    check("ErrorResponse", error)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+])
+def test_bad_tools_and_formats_are_400s(server, body, param):
+    status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi", **body})
+    assert status == 400 and error["error"]["param"] == param, error

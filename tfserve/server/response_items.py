@@ -1,0 +1,142 @@
+"""The Responses API's own shapes: `input` items (messages, `function_call`, `function_call_output`) -> chat
+messages for the template, its flat function `tools`, `text.format`, and the bounded store behind
+`previous_response_id`."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.protocol import field, text_of
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_input(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`input` (a string or a list of items) -> chat messages. A `function_call` item becomes an assistant
+    message's tool call (consecutive calls share one message); a `function_call_output`, a tool message."""
+    items = field(body, "input", (str, list), required=True)
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise bad_request("input must not be empty", "input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = field(item, "role", str, required=True, param=f"{where}.role")
+            if role not in ROLES:
+                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
+            content = field(item, "content", (str, list), required=True, param=f"{where}.content")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": text_of(content, f"{where}.content")})
+        elif kind == "function_call":
+            call = _template_call(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
+            output = field(item, "output", (str, list), required=True, param=f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, f"{where}.output")})
+        else:
+            raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call or "
+                              "function_call_output items", f"{where}.type")
+    return messages
+
+
+def _template_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    name = field(item, "name", str, required=True, param=f"{where}.name")
+    call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
+    raw = field(item, "arguments", str, "{}", param=f"{where}.arguments")
+    try:
+        arguments = json.loads(raw or "{}")
+    except json.JSONDecodeError:
+        raise bad_request(f"{where}.arguments must be a JSON object string", f"{where}.arguments") from None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.arguments must be a JSON object string", f"{where}.arguments")
+    # chat templates take arguments as a mapping (HF convention)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Responses API's flat function tools (`{"type": "function", "name", "parameters", ...}`), checked."""
+    tools = field(body, "tools", list, [])
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{where} must be an object", where)
+        if tool.get("type") != "function":
+            raise bad_request(f"{where}.type {tool.get('type')!r} is not supported; this server runs function "
+                              "tools", f"{where}.type")
+        field(tool, "name", str, required=True, param=f"{where}.name")
+        field(tool, "parameters", dict, param=f"{where}.parameters")
+    return tools
+
+
+def echo_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as the Response object reports them (OpenAI fills in `strict`, true by default, and
+    `parameters`)."""
+    return [{"type": "function", "name": tool["name"], "description": tool.get("description"),
+             "parameters": tool.get("parameters"), "strict": tool.get("strict", True)} for tool in tools]
+
+
+def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flat Responses tools -> the chat shape chat templates read (`{"type": "function", "function": {...}}`)."""
+    keys = ("name", "description", "parameters")
+    return [{"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}} for tool in tools]
+
+
+def text_format(body: dict[str, Any]) -> dict[str, Any]:
+    """`text.format` ({"type": "text"} when absent) and the same as a chat `response_format`, for the grammar."""
+    text = field(body, "text", dict, {})
+    fmt = field(text, "format", dict, {"type": "text"}, param="text.format")
+    if fmt.get("type") == "json_schema":  # flat here; nested under json_schema on chat
+        field(fmt, "name", str, required=True, param="text.format.name")
+        field(fmt, "schema", dict, required=True, param="text.format.schema")
+    return fmt
+
+
+def as_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    if fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    messages: list[dict[str, Any]]  # the conversation so far, the response's own output included
+    model: str
+
+
+class ResponseStore:
+    """The last `max_responses` stored responses (`store` true, OpenAI's default), in memory, for
+    `previous_response_id`: oldest dropped first."""
+
+    def __init__(self, max_responses: int = 1000) -> None:
+        self.max_responses = max_responses
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._responses[response_id] = stored
+        while len(self._responses) > self.max_responses:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse:
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"Previous response with id {response_id!r} not found (this server keeps the last "
+                                f"{self.max_responses} stored responses, in memory)", param="previous_response_id",
+                           code="previous_response_not_found")
+        return stored
+
+    def __len__(self) -> int:
+        return len(self._responses)
