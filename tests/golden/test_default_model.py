@@ -113,3 +113,47 @@ def test_speculative_decoding_gives_the_same_greedy_tokens(default_model_dir, dt
                         engine.generate_batch(prompts, SamplingParams(max_tokens=40, temperature=0)).values()])
     assert results[0] == results[1]
     assert engine.num_accepted_tokens > 0
+
+
+# -- structured outputs and enforced tool calls on the real model ----------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+
+
+def test_the_default_model_fills_a_json_schema_and_a_forced_tool_call(gguf_engine):
+    import json
+
+    import jsonschema
+
+    from tfserve import SamplingParams
+    from tfserve.sampling_params import Grammar
+    from tfserve.server.tool_calls import detect_format, parse_tool_calls
+    from tfserve.server.tool_choice import tool_call_grammar
+
+    tokenizer = gguf_engine.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    prompt = chat_ids(tokenizer, "What is the capital of France? Answer in JSON with city and country.")
+    (out,) = gguf_engine.generate_batch([prompt], SamplingParams(max_tokens=40, temperature=0,
+                                                                 grammar=Grammar.json_schema(schema))).values()
+    answer = json.loads(out.text)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris"
+
+    fmt = detect_format(tokenizer)
+    grammar = tool_call_grammar(fmt, [WEATHER_TOOL["function"]], parallel=False, tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    ids = tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    (out,) = gguf_engine.generate_batch([list(ids)], SamplingParams(max_tokens=60, temperature=0,
+                                                                    grammar=grammar)).values()
+    assert out.finish_reason == "stop"
+    content, (call,) = parse_tool_calls(out.text, fmt)
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+    assert call.name == "get_weather" and arguments["city"] == "Paris" and content is None
