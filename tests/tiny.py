@@ -208,3 +208,18 @@ def wait_until_idle(engine, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def run_engine(engine, items: list) -> list:
+    """Add every (prompt, params) and step until all finish; final outputs in order (children of n > 1 flat).
+    Every KV block is free again at the end."""
+    ids = []
+    for prompt, params in items:
+        ids.extend(engine.add_request(prompt, params))
+    results = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    return [results[i] for i in ids]

@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from tfserve import SamplingParams
+from tiny import run_engine as run
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 23]
 OTHER_PROMPTS = [[9, 8, 7, 6, 5, 4, 3], [200, 201, 202], list(range(30, 55)), [77] * 9]
@@ -19,20 +20,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[i
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0, **kwargs)
     return out[0, len(prompt):].tolist()
-
-
-def run(engine, items: list[tuple[list[int], SamplingParams]]) -> list:
-    """Add every (prompt, params) and step until all finish; final outputs in order (children of n > 1 flat)."""
-    ids = []
-    for prompt, params in items:
-        ids.extend(engine.add_request(prompt, params))
-    results = {}
-    while engine.has_unfinished:
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    return [results[i] for i in ids]
 
 
 def sampled(seed: int | None = None, **kwargs) -> SamplingParams:

@@ -13,6 +13,7 @@ import pytest
 from tfserve import SamplingParams
 from tfserve.engine.structured import GrammarError, unpack_bitmask
 from tfserve.sampling_params import Grammar
+from tiny import run_engine as run
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64]
 
@@ -48,19 +49,6 @@ SCHEMAS = {
         "type": "array", "items": {"$ref": "#/$defs/point"}, "minItems": 2, "maxItems": 2,
     },
 }
-
-
-def run(engine, items):
-    ids = []
-    for prompt, params in items:
-        ids.extend(engine.add_request(prompt, params))
-    results = {}
-    while engine.has_unfinished:
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    return [results[i] for i in ids]
 
 
 def schema_params(schema, **kwargs) -> SamplingParams:
