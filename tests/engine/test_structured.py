@@ -168,3 +168,20 @@ def test_logit_bias_and_min_tokens(make_engine):
     assert held.finish_reason == "stop"
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request(PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_the_mask_kernel_equals_torch():
+    import torch
+
+    from tfserve.engine import kernels
+
+    torch.manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word is partly past the vocabulary
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32)
+    bitmask[0, :5], bitmask[1, 3:9] = 0, -1  # the words the kernel fills or skips whole
+    logits = torch.randn(5, vocab)
+    rows = torch.tensor([4, 0, 2])
+    expected = logits.clone()
+    expected[rows] = torch.where(unpack_bitmask(bitmask, vocab), logits[rows], float("-inf"))
+    kernels.cpu_ops().apply_token_bitmask_(logits, bitmask, rows)
+    assert torch.equal(logits, expected)

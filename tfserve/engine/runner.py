@@ -44,8 +44,8 @@ class ModelRunner:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
-        self.sampler = Sampler(self.device)
         self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.sampler = Sampler(self.device, self.cpu_ops)
         self.forward = select_backend(model, config, self.cpu_ops)
 
     @property

@@ -24,8 +24,9 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of `logits` for the matching request."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cpu_ops=None) -> None:
         self.device = device
+        self.cpu_ops = cpu_ops  # the CPU kernels, when the runner built them: grammar masks in one pass
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         for request in requests:
@@ -49,7 +50,9 @@ class Sampler:
         if any(p.logit_bias or p.min_tokens for p in params):
             logits = _apply_bias(logits, requests)
         if any(r.matcher is not None for r in requests):
-            logits = apply_grammars(logits if logits is not raw_logits else logits.clone(), requests)
+            if logits is raw_logits and any(p.logprobs is not None for p in params):
+                logits = logits.clone()  # the mask writes in place: logprobs are the model's own
+            logits = apply_grammars(logits.contiguous(), requests, self.cpu_ops)
         greedy = [p.greedy for p in params]
         if all(greedy):
             token_ids = logits.max(dim=-1).indices  # max() is ~3x faster than argmax() on CPU

@@ -466,6 +466,42 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
   return out;
 }
 
+// Constrained decoding: every token a row's grammar forbids goes to -inf, in place. bitmask [num_masks, words]
+// int32, bit j of word w allowing token 32 w + j (llguidance's layout); mask i applies to logits row rows[i].
+// Grammars mostly allow few tokens, so most words are 0: a fill, not 32 tests.
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.is_contiguous() && logits.dim() == 2 && logits.scalar_type() == torch::kFloat32,
+              "logits: contiguous float32 [num_rows, vocab]");
+  TORCH_CHECK(bitmask.is_contiguous() && bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32,
+              "bitmask: contiguous int32 [num_masks, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.size(0) == bitmask.size(0),
+              "rows: int64 [num_masks]");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), num_rows = logits.size(0);
+  TORCH_CHECK(words * 32 >= vocab, "bitmask too short for the vocabulary");
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(row_index[i] >= 0 && row_index[i] < num_rows, "row out of range");
+  const int32_t* mp = bitmask.data_ptr<int32_t>();
+  float* lp = logits.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = lp + row_index[i] * vocab;
+      const int32_t* mask = mp + i * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t bits = static_cast<uint32_t>(mask[w]);
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        if (bits == 0) {
+          std::fill(row + base, row + base + n, neg_inf);
+          continue;
+        }
+        for (int64_t j = 0; j < n; ++j)
+          if (!((bits >> j) & 1u)) row[base + j] = neg_inf;
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL: the server's event loop thread goes on while the engine thread computes.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -489,4 +525,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)", nogil);
   m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)", nogil);
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "Forbidden tokens of constrained rows to -inf, in place (CPU)",
+        nogil);
 }
