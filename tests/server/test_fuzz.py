@@ -269,18 +269,24 @@ ODD_VALUES = [
     None, True, False, 0, 1, -1, 2, 0.5, -0.0, 1.5, 2**31, 2**63, -(2**63) - 1, 2**64, 10**300, 1e308, -1e308,
     1e-320, "", " ", "x", "🎉", "\u0000", "\u202e\u200b", "<|im_end|>", "a" * 5000, [], [None], [[]], [1, "a"],
     [-1], ["x"] * 20, {}, {"type": None}, {"type": "text"}, {"a": {"b": {"c": [1, [2, [3]]]}}}, [{}], [{"role": 1}],
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": 5}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}, {"json": True}, {"regex": ""},
+    {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/nowhere"}}}, {"type": "regex", "regex": "a{99999}"},
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}], {"type": "function"},
 ]
 COMMON_FIELDS = [
     "model", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "stream", "stream_options",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "metadata", "",
+    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "metadata", "", "min_tokens",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 ]
 FIELDS = {
     CHAT: COMMON_FIELDS + ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                            "tool_choice", "response_format", "chat_template_kwargs", "parallel_tool_calls"],
-    COMPLETIONS: COMMON_FIELDS + ["prompt", "max_tokens", "echo", "logprobs", "suffix", "best_of"],
+    COMPLETIONS: COMMON_FIELDS + ["prompt", "max_tokens", "echo", "logprobs", "suffix", "best_of", "response_format"],
     RESPONSES: COMMON_FIELDS + ["input", "instructions", "max_output_tokens", "previous_response_id",
-                                "conversation", "chat_template_kwargs"],
+                                "conversation", "chat_template_kwargs", "tools", "tool_choice", "text", "store",
+                                "parallel_tool_calls"],
 }
 MESSAGE_FIELDS = {CHAT: ("messages", ["role", "content", "name", "tool_calls", "tool_call_id"]),
                   RESPONSES: ("input", ["role", "content", "type"])}
