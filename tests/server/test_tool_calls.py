@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tfserve.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from tfserve.server.tool_calls import ToolCall, ToolCallStream, merge, parse_tool_calls
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
@@ -49,7 +49,7 @@ def test_unclosed_block_at_the_end():
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
 def test_streaming_in_any_chunking_equals_whole_parse(size):
-    text = f"Sure. {CALL}\nand <tool_ not a call {CALL}"
+    text = f"Sure. {CALL}\nand <tool_ not a call {CALL.replace('Paris', 'Rome')}"
     stream = ToolCallStream()
     events = []
     for i in range(0, len(text), size):
@@ -73,3 +73,20 @@ def test_to_openai_shape():
     call = ToolCall("f", "{}", id="call_1")
     assert call.to_openai() == {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     assert call.to_openai(index=2)["index"] == 2
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_repeated_call_is_dropped_and_ends_the_reply(size):
+    rome = CALL.replace("Paris", "Rome")
+    prefix = CALL.replace("Paris", "Pari")  # begins like the first call, then differs: it streams once it differs
+    text = f"{CALL}\n{prefix}\n{rome}\n{CALL}\n{rome}\nmore text"
+    stream = ToolCallStream()
+    events = []
+    for i in range(0, len(text), size):
+        events += stream.feed(text[i:i + size])
+    events += stream.finish()
+    content, calls = merge(events)
+    assert stream.repeated and content is None
+    assert [(c.index, json.loads(c.arguments)["city"]) for c in calls] == [(0, "Paris"), (1, "Pari"), (2, "Rome")]
+    # the repeat never began on the wire: no event belongs to a fourth call
+    assert all(getattr(e, "index", 0) <= 2 for e in events)

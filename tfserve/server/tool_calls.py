@@ -124,6 +124,10 @@ class ToolCallStream:
     Text that may be the start of a call region is held back until it is clearly not. Inside a region each
     call object is read as it comes: with its name first, the call opens at once and its arguments stream;
     otherwise it is parsed whole when its object closes.
+
+    A call that repeats an earlier call of the same reply exactly (name and arguments) is dropped and ends the
+    reply (`repeated`): small models, allowed several calls, tend to write the same one until max_tokens. While
+    a call is still a prefix of an earlier one it is held back, so a client never sees a repeat begin.
     """
 
     def __init__(self, fmt: ToolCallFormat | None = None) -> None:
@@ -135,9 +139,15 @@ class ToolCallStream:
         self._region_calls = 0
         self._pending_space = ""  # trailing whitespace: content if text follows, dropped if a call does
         self._seen_text = False
+        self._done: list[tuple[str, str]] = []  # (name, arguments) of the calls so far
+        self._current: list[str] = ["", ""]  # the streaming call's name and arguments so far
+        self._held: list | None = None  # its events, while it may still repeat an earlier call
         self.num_calls = 0
+        self.repeated = False
 
     def feed(self, text: str) -> list:
+        if self.repeated:
+            return []
         self._buffer += text
         events: list = []
         while self._buffer:
@@ -151,11 +161,15 @@ class ToolCallStream:
     def finish(self) -> list:
         """Whatever is still held: a call cut short is parsed if it can be, anything else is content."""
         events: list = []
+        if self.repeated:
+            return events
+        if self._held is not None:  # cut short while it was still repeating an earlier call: dropped
+            self._held, self.num_calls = None, self.num_calls - 1
         if self._in_region:
             reader = self._object
             call = parse_call(reader.text) if reader is not None and not reader.streaming else None
             if call is not None:
-                self._open(call, events)
+                self._whole_call(call, events)
             elif self._region_calls == 0 and (reader is None or not reader.streaming):
                 self._emit_text(self._region_raw + self._buffer, events, force=True)
         else:
@@ -191,10 +205,10 @@ class ToolCallStream:
             consumed, done = self._object.feed(self._buffer)
             self._region_raw += self._buffer[:consumed]
             if self._object.streaming and not self._object.opened:
-                self._open(ToolCall(self._object.name, ""), events)
+                self._call_opened(ToolCall(self._object.name, ""), events)
                 self._object.opened = True
             if self._object.streaming and self._object.arguments:
-                events.append(ArgumentsDelta(self.num_calls - 1, self._object.arguments))
+                self._arguments(self._object.arguments, events)
                 self._object.arguments = ""
             self._buffer = self._buffer[consumed:]
             if not done:
@@ -203,8 +217,13 @@ class ToolCallStream:
                 call = parse_call(self._object.text)
                 if call is None:
                     return self._give_up(events)
-                self._open(call, events)
+                self._whole_call(call, events)
+            else:
+                self._call_closed(events)
             self._object, self._region_calls = None, self._region_calls + 1
+            if self.repeated:
+                self._buffer = ""
+                return False
             return True
         stripped = self._buffer.lstrip(" \t\r\n,;[]" if self.fmt.list_of_calls or self.fmt.bare_json_start else " \t\r\n")
         self._region_raw += self._buffer[: len(self._buffer) - len(stripped)]
@@ -243,10 +262,48 @@ class ToolCallStream:
         self._in_region = False
         return True
 
-    def _open(self, call: ToolCall, events: list) -> None:
+    def _call_opened(self, call: ToolCall, events: list) -> None:
+        """A streaming call's name is known; its arguments follow (`_arguments`), then `_call_closed`."""
         call.index = self.num_calls
         self.num_calls += 1
         self._pending_space = ""  # models write newlines around calls; those are not content
+        self._current = [call.name, ""]
+        if any(name == call.name for name, _ in self._done):
+            self._held = [call]
+        else:
+            events.append(call)
+
+    def _arguments(self, text: str, events: list) -> None:
+        self._current[1] += text
+        delta = ArgumentsDelta(self.num_calls - 1, text)
+        if self._held is None:
+            events.append(delta)
+            return
+        self._held.append(delta)
+        name, so_far = self._current
+        if not any(n == name and arguments.startswith(so_far) for n, arguments in self._done):
+            events.extend(self._held)  # no longer an earlier call's beginning: out it goes
+            self._held = None
+
+    def _call_closed(self, events: list) -> None:
+        call = tuple(self._current)
+        if self._held is not None:
+            self._held = None
+            if call in self._done:
+                self.num_calls -= 1
+                self.repeated = True
+                return
+        self._done.append(call)
+
+    def _whole_call(self, call: ToolCall, events: list) -> None:
+        """A call parsed whole (its name did not come first, or it was cut short)."""
+        if (call.name, call.arguments) in self._done:
+            self.repeated = True
+            return
+        self._done.append((call.name, call.arguments))
+        call.index = self.num_calls
+        self.num_calls += 1
+        self._pending_space = ""
         events.append(call)
 
     def _emit_text(self, text: str, events: list, force: bool = False) -> None:
