@@ -108,3 +108,13 @@ def test_store_false_is_not_kept(server):
 def test_bad_tools_and_formats_are_400s(server, body, param):
     status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi", **body})
     assert status == 400 and error["error"]["param"] == param, error
+
+
+def test_a_repeated_call_ends_the_response(server):
+    body = {**FORCED, "parallel_tool_calls": True, "temperature": 0, "extra_body": {}}
+    response = server.client().responses.create(**body)
+    assert response.status == "completed" and [item.type for item in response.output] == ["function_call"]
+    assert response.usage.output_tokens < 80
+    events = stream(server, "/v1/responses", {**raw(body), "stream": True})
+    assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == ["function_call"]
+    assert events[-1]["type"] == "response.completed"

@@ -151,14 +151,21 @@ def test_tool_choice_required_always_gives_a_valid_call(server, temperature, see
     check_call(call, tools)
 
 
-def test_parallel_calls_are_allowed_and_each_is_valid(server):
+def test_parallel_calls_stop_where_the_model_repeats_itself(server):
     tools = [WEATHER_TOOL, TIME_TOOL]
-    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=tools,
-                                                    tool_choice="required", temperature=0, max_tokens=100)
-    calls = reply.choices[0].message.tool_calls
-    assert len(calls) >= 2  # greedy on this model repeats its call: cut by max_tokens, the whole ones parse
-    for call in calls[:-1]:
-        check_call(call, tools)
+    body = dict(model=MODEL_NAME, messages=MESSAGES, tools=tools, tool_choice="required", temperature=0, max_tokens=100)
+    reply = server.client().chat.completions.create(**body)
+    # greedy, this model writes its call again and again: the repeat is dropped and ends the reply there
+    (call,) = reply.choices[0].message.tool_calls
+    check_call(call, tools)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.usage.completion_tokens < 100  # the engine request was ended, not run to max_tokens
+    deltas, finish = [], None
+    for chunk in server.client().chat.completions.create(**body, stream=True):
+        deltas += chunk.choices[0].delta.tool_calls or [] if chunk.choices else []
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert finish == "tool_calls" and {d.index for d in deltas} == {0}  # the repeat never began on the wire
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
 def test_named_tool_choice_and_no_parallel_calls(server):

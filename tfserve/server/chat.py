@@ -4,6 +4,7 @@ OpenAI sends them (role chunk, content chunks, a finish chunk per choice, a usag
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -16,10 +17,11 @@ from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, stream_options,
                                      text_of, use_model)
+from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.response_format import compile_grammar, requested_grammar
-from tfserve.server.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, parse_tool_calls
+from tfserve.server.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, merge
 from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -44,7 +46,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names)
     reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format)
-    async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
+    reply.reasoning = reasoning_for(state.engine.tokenizer, prompt_ids)
+    async with aclosing(run_choices(state, usage, engine_requests, reply.stopped)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage, params.n)
         return await reply.complete(outputs, usage, params.n)
@@ -176,6 +179,9 @@ class _Reply(Reply):
         super().__init__(model, "chatcmpl")
         self.state, self.num_top, self.tools = state, num_top, parse_tools_enabled
         self.tool_format = tool_format
+        self.reasoning: Reasoning | None = None  # a reasoning model's split of the output (reasoning_for)
+        self.num_reasoning_tokens = 0
+        self.stopped: set[int] = set()  # choices ended early (a repeated tool call), for run_choices
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         if self.num_top is None:
@@ -183,27 +189,69 @@ class _Reply(Reply):
         return {"content": chat_logprobs(entries or [], self.state.token_texts, self.num_top), "refusal": None}
 
     async def complete(self, outputs, usage, n: int) -> web.Response:
-        finals: dict[int, Any] = {}
-        async for index, output in outputs:
-            if output.finished:
-                finals[index] = output
+        last: dict[int, Any] = {}
+        splits, parsers = self._splitters(n), self._parsers(n)
+        thoughts: dict[int, list[str]] = {i: [] for i in range(n)}
+        texts: dict[int, list[str]] = {i: [] for i in range(n)}
+        events: dict[int, list] = {i: [] for i in range(n)}
+        async for index, output in outputs:  # fed as it comes, as when streamed: the same split, calls and count
+            last[index] = output
+            reasoning, content = self._split(splits[index], output) if index in splits else ("", output.delta_text)
+            thoughts[index].append(reasoning)
+            texts[index].append(content)
+            if index in parsers:
+                events[index] += self._feed(index, parsers[index], content, output.finished)
         choices = []
         for index in range(n):
-            output = finals[index]
-            message: dict[str, Any] = {"role": "assistant", "content": output.text, "refusal": None}
+            output = last[index]
+            whole = output.finished and index not in splits
+            text = output.text if whole else "".join(texts[index])
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if index in splits:  # vLLM's field; present (null when empty) for every reasoning model
+                message["reasoning_content"] = "".join(thoughts[index]) or None
             finish_reason = output.finish_reason
-            if self.tools:
-                content, calls = parse_tool_calls(output.text, self.tool_format)
+            if index in parsers:
+                content, calls = merge(events[index])
                 if calls:
                     message.update(content=content, tool_calls=[call.to_openai() for call in calls])
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
             choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),
                             "finish_reason": finish_reason})
-        return web.json_response(self.envelope("chat.completion", choices, usage=usage.to_openai()))
+        return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage)))
+
+    def _parsers(self, n: int) -> dict[int, ToolCallStream]:
+        return {i: ToolCallStream(self.tool_format) for i in range(n)} if self.tools else {}
+
+    def _feed(self, index: int, parser: ToolCallStream, text: str, finished: bool) -> list:
+        """Content text -> tool-call events; a reply that repeats a call is ended there (its engine request
+        aborted by run_choices)."""
+        events = parser.feed(text) + (parser.finish() if finished else [])
+        if parser.repeated:
+            self.stopped.add(index)
+        return events
+
+    def _splitters(self, n: int) -> dict[int, ReasoningStream]:
+        return {i: self.reasoning.stream() for i in range(n)} if self.reasoning is not None else {}
+
+    def _split(self, splitter: ReasoningStream, output: Any) -> tuple[str, str]:
+        """One output's new text -> (reasoning, content); the splitter's token count joins the reply's."""
+        before = splitter.num_reasoning_tokens
+        reasoning, content = splitter.feed(output.delta_text, len(output.delta_tokens))
+        if output.finished:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        self.num_reasoning_tokens += splitter.num_reasoning_tokens - before
+        return reasoning, content
+
+    def _usage(self, usage: Any) -> dict:
+        body = usage.to_openai()
+        if self.reasoning is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": self.num_reasoning_tokens}
+        return body
 
     async def stream(self, request: web.Request, outputs, usage, include_usage: bool, n: int) -> web.StreamResponse:
         sse = EventStream(request)
-        parsers = {i: ToolCallStream(self.tool_format) for i in range(n)} if self.tools else {}
+        parsers, splits = self._parsers(n), self._splitters(n)
         started: set[int] = set()
         try:
             async for index, output in outputs:
@@ -211,16 +259,22 @@ class _Reply(Reply):
                     started.add(index)
                     await sse.send(self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], include_usage))
+                if index in splits:  # reasoning first, then the content goes on as the model's whole text would
+                    reasoning, content = self._split(splits[index], output)
+                    if reasoning:
+                        await sse.send(self.chunk([{"index": index, "delta": {"reasoning_content": reasoning},
+                                                     "logprobs": None, "finish_reason": None}], include_usage))
+                    output = replace(output, delta_text=content)
                 for delta in self._deltas(index, output, parsers.get(index)):
                     await sse.send(self.chunk([delta], include_usage))
-                if output.finished:
-                    finish_reason = output.finish_reason
-                    if finish_reason == "stop" and parsers.get(index) and parsers[index].num_calls:
+                if output.finished or index in self.stopped:
+                    finish_reason = output.finish_reason if output.finished else None
+                    if finish_reason in ("stop", None) and parsers.get(index) and parsers[index].num_calls:
                         finish_reason = "tool_calls"
                     await sse.send(self.chunk([{"index": index, "delta": {}, "logprobs": None,
                                                  "finish_reason": finish_reason}], include_usage))
             if include_usage:
-                await sse.send(self.chunk([], True, usage.to_openai()))
+                await sse.send(self.chunk([], True, self._usage(usage)))
         except ApiError as exc:
             if not sse.is_open:
                 raise
@@ -237,7 +291,7 @@ class _Reply(Reply):
                 return []
             return [{"index": index, "delta": {"content": output.delta_text}, "logprobs": logprobs,
                      "finish_reason": None}]
-        events = parser.feed(output.delta_text) + (parser.finish() if output.finished else [])
+        events = self._feed(index, parser, output.delta_text, output.finished)
         deltas = []
         for event in events:
             if isinstance(event, ToolCall):  # a call opens: id and name (arguments follow, or are whole here)

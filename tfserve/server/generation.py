@@ -75,28 +75,38 @@ def admit(state: ServerState, request: web.Request, prompts: list[list[int]], pa
     return usage, requests
 
 
-async def run_choices(state: ServerState, usage: Usage, requests: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+async def run_choices(state: ServerState, usage: Usage, requests: list[Any],
+                      stopped: set[int] | None = None) -> AsyncIterator[tuple[int, Any]]:
     """Run the engine requests `admit` built, concurrently, and yield `(index, output)` as tokens arrive; the
     index is the request's place in `requests` (its choice index). Raises ApiError 500 for a sequence the
-    engine failed, 503 for one it aborted (shutdown)."""
+    engine failed, 503 for one it aborted (shutdown).
+
+    A consumer may end a choice early by adding its index to `stopped` (e.g. a reply that repeats a tool
+    call): its engine request is aborted, no more of its outputs come, and its tokens so far are counted."""
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(state, index, engine_request, queue))
              for index, engine_request in enumerate(requests)]
     num_left = len(tasks)
     last_token_time: dict[int, float] = {}
+    last_output: dict[int, Any] = {}
+    ended: set[int] = set()  # finished, or stopped by the consumer
     try:
         while num_left:
             index, output = await queue.get()
+            if index in ended:  # queued before the consumer stopped it
+                continue
             if isinstance(output, BaseException):
                 raise output
             now = time.perf_counter()
             if index in last_token_time and output.delta_tokens:
                 state.metrics.inter_token.observe(now - last_token_time[index])
             last_token_time[index] = now
+            last_output[index] = output
             if usage.ttft_s is None and output.delta_tokens:
                 usage.ttft_s = now - usage.started
             if output.finished:
                 num_left -= 1
+                ended.add(index)
                 _check_finished(output)
                 usage.completion_tokens += len(output.generated_tokens)
                 usage.outputs.append(output)
@@ -104,6 +114,11 @@ async def run_choices(state: ServerState, usage: Usage, requests: list[Any]) -> 
                     usage.num_cached_tokens += output.metrics.num_cached_tokens
                 state.metrics.observe_finished(output)
             yield index, output
+            for index in sorted((stopped or set()) - ended):
+                ended.add(index)
+                num_left -= 1
+                tasks[index].cancel()  # aborts its engine request
+                usage.completion_tokens += len(last_output[index].generated_tokens) if index in last_output else 0
     finally:
         for task in tasks:
             task.cancel()

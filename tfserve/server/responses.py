@@ -1,7 +1,8 @@
-"""POST /v1/responses: `input` (text or items) + `instructions` -> output items (an assistant message, and a
-`function_call` item per tool call), whole or as the Responses event stream (created, in_progress, then per
-item output_item.added, its deltas, output_item.done, then completed — or incomplete when cut by
-max_output_tokens, as OpenAI does), every event with an increasing `sequence_number`.
+"""POST /v1/responses: `input` (text or items) + `instructions` -> output items (a `reasoning` item for a
+reasoning model's thinking, an assistant message, and a `function_call` item per tool call), whole or as the
+Responses event stream (created, in_progress, then per item output_item.added, its deltas, output_item.done,
+then completed — or incomplete when cut by max_output_tokens, as OpenAI does), every event with an increasing
+`sequence_number`.
 
 `tools` (flat function tools), `tool_choice` (enforced as on chat), `text.format` (structured outputs) and
 `previous_response_id` over an in-memory store (`store: false` keeps a response out of it)."""
@@ -20,6 +21,7 @@ from tfserve.server.chat import render_chat, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
 from tfserve.server.protocol import field, make_params, param_names, read_json, sampling_kwargs, use_model
+from tfserve.server.reasoning import Reasoning, reasoning_for
 from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.server.response_items import (StoredResponse, as_response_format, chat_tools, echo_tools, parse_input,
                                            parse_tools, text_format)
@@ -69,25 +71,32 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     names = param_names(body, ("max_output_tokens",), "input")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names)
-    reply = _Reply(model, body, params, tool_format if offered else None)
-    async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
+    reply = _Reply(model, body, params, tool_format if offered else None, reasoning_for(tokenizer, prompt_ids))
+    async with aclosing(run_choices(state, usage, engine_requests, reply.stopped)) as outputs:
         if stream:
             response = await reply.stream(request, outputs, usage)
         else:
             response = None
-            final = None
-            async for _, output in outputs:
-                final = output if output.finished else final
-            reply.finish(final)
+            events, final = [], None
+            async for _, output in outputs:  # fed as it comes, as when streamed: the same split and token count
+                events += reply.events(output)
+                final = output  # the finished one, or where a repeated tool call cut it
+            reply.finish(final, events)
     if reply.done is not None and field(body, "store", bool, True):
         state.responses.put(reply.id, StoredResponse(messages + reply.as_messages(), model))
     return response if response is not None else web.json_response(reply.response(usage))
 
 
-class _Reply:
-    """The output items of one response as they form: a message for text, a function_call per call."""
+class ReasoningDelta(str):
+    """Reasoning text, among the content strings and calls of `_Reply.events`."""
 
-    def __init__(self, model: str, body: dict, params: Any, tool_format: Any) -> None:
+
+class _Reply:
+    """The output items of one response as they form: a reasoning item for thinking, a message for text, a
+    function_call per call."""
+
+    def __init__(self, model: str, body: dict, params: Any, tool_format: Any,
+                 reasoning: Reasoning | None = None) -> None:
         self.model, self.body, self.params = model, body, params
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -95,15 +104,41 @@ class _Reply:
         self.parser = ToolCallStream(tool_format) if tool_format is not None else None
         self.items: list[dict] = []  # in output order
         self.message: dict | None = None  # the message item, once text arrives
+        self.splitter = reasoning.stream() if reasoning is not None else None
+        self.thought: dict | None = None  # the reasoning item, once reasoning text arrives
+        self.thought_sent = False  # its done events went out (streaming: before the items that follow it)
         self.done: Any = None  # the final engine output
+        self.stopped: set[int] = set()  # for run_choices: the reply ended early (a repeated tool call)
 
     # -- items ------------------------------------------------------------------------------------------
 
-    def _events(self, text: str, finished: bool) -> list:
-        """New text as content strings and calls (through the tool-call parser when tools are on)."""
+    def events(self, output: Any) -> list:
+        """An output's new text as a ReasoningDelta (a reasoning model's thinking, first), then content strings
+        and calls (through the tool-call parser when tools are on)."""
+        text, finished, events = output.delta_text, output.finished, []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text, len(output.delta_tokens))
+            if finished:
+                more_reasoning, more_text = self.splitter.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                events.append(ReasoningDelta(reasoning))
         if self.parser is None:
-            return [text] if text else []
-        return self.parser.feed(text) + (self.parser.finish() if finished else [])
+            return events + ([text] if text else [])
+        events += self.parser.feed(text) + (self.parser.finish() if finished else [])
+        if self.parser.repeated:  # a repeated tool call ends the reply (run_choices aborts the rest)
+            self.stopped.add(0)
+        return events
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.splitter.num_reasoning_tokens if self.splitter is not None else 0
+
+    def _open_thought(self) -> dict:
+        self.thought = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress", "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}]}
+        self.items.append(self.thought)
+        return self.thought
 
     def _open_message(self) -> dict:
         self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
@@ -117,10 +152,12 @@ class _Reply:
         self.items.append(item)
         return item
 
-    def finish(self, final: Any) -> None:
-        """Build the items of a whole (not streamed) reply."""
-        for event in self._events(final.text, True):
-            if isinstance(event, ToolCall):
+    def finish(self, final: Any, events: list) -> None:
+        """Build the items of a whole (not streamed) reply from its `events`."""
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                (self.thought or self._open_thought())["content"][0]["text"] += event
+            elif isinstance(event, ToolCall):
                 self._open_call(event)
             elif isinstance(event, ArgumentsDelta):
                 self.items[-1]["arguments"] += event.text
@@ -134,8 +171,8 @@ class _Reply:
     def _close(self, final: Any) -> None:
         self.done = final
         status = "incomplete" if final.finish_reason == "length" else "completed"
-        for item in self.items:
-            item["status"] = status
+        for item in self.items:  # a reasoning block that was closed is whole even when the reply was cut later
+            item["status"] = "completed" if item is self.thought and self.splitter.closed else status
         if self.message is None and not self.items:  # an empty reply is still a message
             self._open_message()["status"] = status
             self.message["content"].append(_text_part(""))
@@ -169,7 +206,7 @@ class _Reply:
             "top_p": self.params.top_p, "truncation": "disabled", "metadata": body.get("metadata") or {},
             "completed_at": int(time.time()) if status == "completed" else None,
             # OpenAI's schema types usage as an object: absent, not null, until there is one
-            **({"usage": _usage(usage)} if final is not None else {}),
+            **({"usage": _usage(usage, self.num_reasoning_tokens)} if final is not None else {}),
         }
 
     # -- stream ---------------------------------------------------------------------------------------------
@@ -185,9 +222,9 @@ class _Reply:
         try:
             final = None
             async for _, output in outputs:
-                for event in self._events(output.delta_text, output.finished):
+                for event in self.events(output):
                     await self._stream_event(sse, event)
-                final = output if output.finished else final
+                final = output  # the finished one, or where a repeated tool call cut it
         except ApiError as exc:
             await self._event(sse, "error", code=exc.code or exc.type, message=exc.message, param=exc.param)
             return await sse.close()
@@ -195,12 +232,25 @@ class _Reply:
             await self._stream_event(sse, "")
         self._close(final)
         for index, item in enumerate(self.items):
-            await self._stream_item_done(sse, index, item)
+            if not (item is self.thought and self.thought_sent):
+                await self._stream_item_done(sse, index, item)
         done = self.response(usage)
         await self._event(sse, f"response.{done['status']}", response=done)
         return await sse.close()
 
     async def _stream_event(self, sse: EventStream, event: Any) -> None:
+        if isinstance(event, ReasoningDelta):
+            if self.thought is None:
+                item = self._open_thought()
+                await self._event(sse, "response.output_item.added", output_index=len(self.items) - 1,
+                                  item=dict(item, content=[]))
+            self.thought["content"][0]["text"] += event
+            await self._event(sse, "response.reasoning_text.delta", item_id=self.thought["id"],
+                              output_index=self.items.index(self.thought), content_index=0, delta=str(event))
+            return
+        if self.thought is not None and not self.thought_sent:  # the reasoning is over: done before what follows
+            self.thought["status"], self.thought_sent = "completed", True
+            await self._stream_item_done(sse, self.items.index(self.thought), self.thought)
         if isinstance(event, ToolCall):
             item = self._open_call(ToolCall(event.name, "", event.id))
             index = len(self.items) - 1
@@ -231,6 +281,9 @@ class _Reply:
         if item["type"] == "function_call":
             await self._event(sse, "response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               name=item["name"], arguments=item["arguments"])
+        elif item["type"] == "reasoning":
+            await self._event(sse, "response.reasoning_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=item["content"][0]["text"])
         else:
             text = item["content"][0]["text"]
             await self._event(sse, "response.output_text.done", **self._where(), text=text, logprobs=[])
@@ -250,10 +303,11 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _usage(usage: Any) -> dict:
+def _usage(usage: Any, num_reasoning_tokens: int) -> dict:
     # the prompt tokens not read from the prefix cache were computed and written to it
     details = {"cached_tokens": usage.num_cached_tokens,
                "cache_write_tokens": usage.prompt_tokens - usage.num_cached_tokens}
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": details,
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}

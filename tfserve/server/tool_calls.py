@@ -192,7 +192,7 @@ class ToolCallStream:
             self._buffer = self._buffer[start + skip:]
             self._in_region, self._region_calls = True, 0
             return True
-        keep = _partial_suffix(self._buffer, fmt.start)
+        keep = partial_suffix(self._buffer, fmt.start)
         if fmt.bare_json_start and not self._seen_text and not self._buffer.strip():
             keep = len(self._buffer)  # only whitespace yet: the reply may still open with `{`
         self._emit_text(self._buffer[: len(self._buffer) - keep], events)
@@ -236,7 +236,7 @@ class ToolCallStream:
                 self._emit_text(self._region_raw + self.fmt.end, events, force=True)
             self._in_region = False
             return True
-        if self.fmt.end and _partial_suffix(stripped, self.fmt.end) == len(stripped):
+        if self.fmt.end and partial_suffix(stripped, self.fmt.end) == len(stripped):
             return False
         if stripped.startswith("{"):
             self._object = _ObjectReader()
@@ -371,7 +371,7 @@ class _ObjectReader:
         return False
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):
