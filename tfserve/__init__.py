@@ -6,7 +6,7 @@ torch and transformers load only when an engine is built.
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["Engine", "SamplingParams", "Grammar", "RequestOutput", "__version__"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,10 @@ def __getattr__(name: str):
         from tfserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "Grammar":
+        from tfserve.sampling_params import Grammar
+
+        return Grammar
     if name == "RequestOutput":
         from tfserve.engine.request import RequestOutput
 
