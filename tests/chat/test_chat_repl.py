@@ -196,3 +196,29 @@ def test_completion_of_commands_and_arguments():
     assert complete("/set te") == ["temperature"]
     assert complete("/model ti") == [MODEL_NAME]
     assert complete("hello /sa") == [] and complete("sa") == []
+
+
+def test_a_reasoning_models_thinking_is_shown_apart_and_not_kept(console):
+    from tfserve.chat.client import Thinking
+
+    pieces = [Thinking("Let me think"), Thinking(" about it."), "The answer ", "is 42."]
+    session = ChatSession(ScriptedBackend(pieces), console)
+    out = run_keys(session, "question\r/exit\r")
+    assert "Let me think about it." in out and "The answer is 42." in out
+    assert out.index("Let me think") < out.index("The answer")
+    assert session.conversation.turns[-1] == {"role": "assistant", "content": "The answer is 42."}
+
+
+def test_reasoning_content_deltas_become_thinking():
+    from types import SimpleNamespace
+
+    from tfserve.chat.client import Thinking, _RemoteReply
+
+    def chunk(finish=None, **delta):
+        return SimpleNamespace(usage=None, choices=[SimpleNamespace(finish_reason=finish,
+                                                                    delta=SimpleNamespace(**{"content": None, **delta}))])
+
+    stream = [chunk(reasoning_content="hmm"), chunk(reasoning="vllm-style"), chunk(content="ok", finish="stop")]
+    deltas = list(_RemoteReply(stream))
+    assert deltas == ["hmm", "vllm-style", "ok"]
+    assert [type(d) for d in deltas] == [Thinking, Thinking, str]

@@ -39,6 +39,11 @@ class ReplyStats:
     finish_reason: str | None = None  # "stop" | "length" | ...; None while streaming or when cut off
 
 
+class Thinking(str):
+    """A delta of a reasoning model's thinking (`reasoning_content`), shown apart from the answer and never sent
+    back in the conversation."""
+
+
 class Reply(Protocol):
     """One streaming reply: iterate for text deltas; `close()` stops it (the server aborts the request)."""
 
@@ -165,8 +170,15 @@ class _RemoteReply:
                 for choice in chunk.choices:
                     if choice.finish_reason is not None:
                         self.stats.finish_reason = choice.finish_reason
-                    if choice.delta is not None and choice.delta.content:
-                        yield choice.delta.content
+                    delta = choice.delta
+                    if delta is None:
+                        continue
+                    # tfserve and vLLM's name, then the newer `reasoning`: extra fields the SDK keeps as they come
+                    thinking = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+                    if isinstance(thinking, str) and thinking:
+                        yield Thinking(thinking)
+                    if delta.content:
+                        yield delta.content
         except openai.APIConnectionError:
             raise ConnectionLost("connection lost in the middle of the reply") from None
         except openai.APIError as exc:

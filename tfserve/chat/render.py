@@ -9,12 +9,14 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import IO
 
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
 from rich.segment import Segment
 from rich.spinner import Spinner
 from rich.text import Text
+
+from tfserve.chat.client import Thinking
 
 REFRESH_PER_SECOND = 12
 
@@ -63,6 +65,7 @@ class LiveReply:
     def __init__(self, console: Console, markdown: bool = True) -> None:
         self.console = console
         self._tail = _Tail(markdown)
+        self._thinking = Text(style="dim italic")  # a reasoning model's thinking, above its answer
         self._live = Live(Spinner("dots", style="dim"), console=console, refresh_per_second=REFRESH_PER_SECOND,
                           vertical_overflow="visible", transient=False)
 
@@ -77,13 +80,18 @@ class LiveReply:
         return self
 
     def append(self, delta: str) -> None:
-        if not self._tail.text:
+        if isinstance(delta, Thinking):
+            if not self._thinking:
+                self._live.update(Group(self._thinking, self._tail))
+            self._thinking.append(delta)
+            return
+        if not self._tail.text and not self._thinking:
             self._live.update(self._tail)
         self._tail.text += delta
 
     def __exit__(self, *exc: object) -> None:
         self._tail.streaming = False
-        self._live.transient = not self._tail.text  # nothing arrived: take the spinner away
+        self._live.transient = not self._tail.text and not self._thinking  # nothing arrived: no spinner left
         self._stack.close()  # the final, full render; then echo comes back
         if self._tail.text and not self.console.is_terminal:
             self.console.line()  # Live ends the line itself only on terminals
@@ -124,6 +132,8 @@ class PlainReply:
         return self
 
     def append(self, delta: str) -> None:
+        if isinstance(delta, Thinking):  # a pipe gets the answer only
+            return
         self.text += delta
         self.file.write(delta)
         self.file.flush()
