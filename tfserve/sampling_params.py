@@ -69,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob (and the top k); None = off
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     grammar: Grammar | None = None  # constrained decoding: the output follows it token by token
@@ -101,6 +102,9 @@ class SamplingParams:
                "must be a 64-bit integer")
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+               "must be an integer in [0, 20]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
+            self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs",
                "must be an integer in [0, 20]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

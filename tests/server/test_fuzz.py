@@ -282,8 +282,10 @@ COMMON_FIELDS = [
 ]
 FIELDS = {
     CHAT: COMMON_FIELDS + ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                           "tool_choice", "response_format", "chat_template_kwargs", "parallel_tool_calls"],
-    COMPLETIONS: COMMON_FIELDS + ["prompt", "max_tokens", "echo", "logprobs", "suffix", "best_of", "response_format"],
+                           "tool_choice", "response_format", "chat_template_kwargs", "parallel_tool_calls",
+                           "prompt_logprobs", "continue_final_message", "add_generation_prompt"],
+    COMPLETIONS: COMMON_FIELDS + ["prompt", "max_tokens", "echo", "logprobs", "suffix", "best_of", "response_format",
+                                  "prompt_logprobs"],
     RESPONSES: COMMON_FIELDS + ["input", "instructions", "max_output_tokens", "previous_response_id",
                                 "conversation", "chat_template_kwargs", "tools", "tool_choice", "text", "store",
                                 "parallel_tool_calls"],

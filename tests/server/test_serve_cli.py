@@ -118,9 +118,9 @@ def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkey
     seen = []
     real_render = chat.render_chat
 
-    def render(tok, messages, tools, template_kwargs=None):
+    def render(tok, messages, tools, template_kwargs=None, **options):
         seen.append(template_kwargs)
-        return real_render(tok, messages, tools, template_kwargs)
+        return real_render(tok, messages, tools, template_kwargs, **options)
 
     monkeypatch.setattr(chat, "render_chat", render)
     from tfserve.server import responses

@@ -24,16 +24,21 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
     """The prompt's token ids: `messages` (and `tools`) through the model's chat template, ending with the
-    assistant's generation prompt. `template_kwargs` become template variables; they cannot change how the
+    assistant's generation prompt (unless `add_generation_prompt` is False), or with `continue_final_message`
+    the last message left open for the model to continue (an assistant prefill; transformers' argument, which
+    leaves out the generation prompt). `template_kwargs` become template variables; they cannot change how the
     prompt is rendered to ids (a caller should reject RENDER_ARGUMENTS among them)."""
     from jinja2 import TemplateError
 
     if not has_chat_template(tokenizer):
         raise ChatTemplateError("the model has no chat template")
-    kwargs = {**(template_kwargs or {}), "tools": tools, "add_generation_prompt": True, "tokenize": True,
-              "return_dict": True, "return_tensors": None, "chat_template": None}
+    kwargs = {**(template_kwargs or {}), "tools": tools,
+              "add_generation_prompt": add_generation_prompt and not continue_final_message,
+              "continue_final_message": continue_final_message, "tokenize": True, "return_dict": True,
+              "return_tensors": None, "chat_template": None}
     try:
         rendered = tokenizer.apply_chat_template(messages, **kwargs)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:

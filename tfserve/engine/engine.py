@@ -339,6 +339,7 @@ class Engine:
             delta_logprobs=delta_logprobs,
             stop_reason=request.stop_reason,
             error=request.error,
+            prompt_logprobs=None if request.needs_prompt_logits else request.prompt_logprobs,
         )
 
     # -- offline batch ----------------------------------------------------------------------------------

@@ -69,8 +69,9 @@ class BlockPool:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding this request's leading full blocks. At least one prompt token is left
-        to compute, because the last one must run through the model to give logits."""
-        if not self.enable_prefix_caching:
+        to compute, because the last one must run through the model to give logits. None for a request that
+        needs its prompt's logits (prompt logprobs): it computes the whole prompt, as in vLLM."""
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
             return []
         max_tokens = request.num_tokens - 1
         self._hash_full_blocks(request, max_tokens)
@@ -99,7 +100,8 @@ class BlockPool:
         num_reusable = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if num_needed > len(self.free) - num_reusable:
             return False
-        if self.enable_prefix_caching and not request.block_ids:  # a first schedule (or a resume) looked up
+        # a first schedule (or a resume) looked up; one that may not read the cache is no miss
+        if self.enable_prefix_caching and not request.block_ids and not request.needs_prompt_logits:
             self.stats.num_queried_tokens += request.num_tokens
             self.stats.num_hit_tokens += len(cached_blocks) * self.block_size
         for block_id in cached_blocks:

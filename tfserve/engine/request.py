@@ -50,6 +50,7 @@ class Request:
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
         "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids", "matcher",
+        "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -72,6 +73,11 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        # vLLM's prompt logprobs, one entry per prompt token gathered so far; the first token's is None (nothing
+        # comes before it to predict it)
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         self.error: str | None = None
         self.stop_reason: str | int | None = None
         self.detokenizer = None
@@ -97,6 +103,12 @@ class Request:
     @property
     def max_num_tokens(self) -> int:
         return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all gathered: the prompt's logits must be computed, so its prefix
+        is not read from the cache (a hit skips the forward that gives them)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -139,6 +151,9 @@ class RequestOutput:
     delta_logprobs: list[dict[str, Any]] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    # vLLM's prompt logprobs: per prompt token {"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]},
+    # None for the first; on every output from the end of the prefill on (a request ended before has none)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,9 @@
 """The model runner: packs one `SchedulerOutput` into a single forward pass and samples.
 
 Every scheduled sequence's new tokens are concatenated into one row (`[1, num_tokens]`, no padding),
-with their positions and cache slots; logits are computed only where a sequence samples. Which forward
-computes them is the backend's business (engine/backends), picked once here from the EngineConfig.
+with their positions and cache slots; logits are computed only where a sequence samples, then where one checks
+proposals, then where one scores its prompt (prompt logprobs). Which forward computes them is the backend's
+business (engine/backends), picked once here from the EngineConfig.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRA
 from tfserve.engine import attention, kernels
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
 from tfserve.engine.backends import select_backend
+from tfserve.engine.prompt_logprobs import positions_to_score, score
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
 from tfserve.engine.scheduler import SchedulerOutput
@@ -77,14 +79,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None, list[tuple[Request, list[int]]]]:
         """Run one step. Returns the requests that sampled a token (in order), their samples, and for each
-        request with proposals (speculative decoding) its greedy token after each of its new tokens."""
+        request with proposals (speculative decoding) its greedy token after each of its new tokens. Requests
+        asking for prompt logprobs gather those of this step's prompt positions, once the step has run."""
         input_ids, positions, slots, sample_index, samplers = [], [], [], [], []
         verify: list[tuple[Request, int, int]] = []  # request, first logits row, rows
         verify_index: list[int] = []
+        scored: list[tuple[Request, range]] = []  # prompt logprobs: each request's positions to score
+        score_index: list[int] = []
         size = self.block_size
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             start = request.num_computed_tokens
             end = start + num_new
+            to_score = positions_to_score(request, start, end)
+            if to_score:  # packed index of position p: where this request's tokens begin, plus p - start
+                scored.append((request, to_score))
+                score_index.extend(len(input_ids) + p - start for p in to_score)
             if request.spec_token_ids:  # the last token, then the proposals: every position is checked
                 input_ids.extend(request.token_ids[start:] + request.spec_token_ids)
                 verify.append((request, len(verify_index), num_new))
@@ -115,18 +124,23 @@ class ModelRunner:
         ))
         input_ids = torch.tensor(input_ids, device=device)
         positions = torch.tensor(positions, device=device)
-        sample_index = torch.tensor(sample_index + verify_index, dtype=torch.long, device=device)
+        sample_index = torch.tensor(sample_index + verify_index + score_index, dtype=torch.long, device=device)
         try:
             logits = self.forward(input_ids, positions, sample_index)
         finally:
             attention.set_metadata(None)
+        num_samples, num_checks = len(samplers), len(verify_index)
         verified = []
         if verify:
-            choices = logits[len(samplers):].max(dim=-1).indices.tolist()  # greedy, as the sampler's own
+            checks = logits[num_samples:num_samples + num_checks]
+            choices = checks.max(dim=-1).indices.tolist()  # greedy, as the sampler's own
             verified = [(request, choices[first:first + rows]) for request, first, rows in verify]
-        if not samplers:
-            return [], None, verified
-        return samplers, self.sampler(logits[:len(samplers)], samplers), verified
+        prompt_entries = score(logits[num_samples + num_checks:], scored) if scored else []
+        samples = self.sampler(logits[:num_samples], samplers) if samplers else None
+        # kept only now that nothing can fail: a step retried one request at a time scores them again
+        for (request, _), entries in zip(scored, prompt_entries):
+            request.prompt_logprobs.extend(entries)
+        return samplers, samples, verified
 
     def _decode_group(self, rows: list[tuple[Request, int]]) -> AttentionGroup:
         """Metadata for the step's first tokens, one query each: `rows` of (request, position)."""

@@ -14,7 +14,7 @@ from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, ha
 from tfserve.server.body import loads
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
-from tfserve.server.logprobs import chat_logprobs
+from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, stream_options,
                                      text_of, use_model)
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
@@ -41,12 +41,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_format = detect_format(state.engine.tokenizer)
     await constrain(state, body, tools, tool_format, kwargs)
     stream, include_usage = stream_options(body)
-    prompt_ids = render_chat(state.engine.tokenizer, messages, tools, template_kwargs(state, body))
+    num_prompt_top = requested_prompt_logprobs(body, stream)
+    if num_prompt_top is not None:
+        kwargs["prompt_logprobs"] = num_prompt_top
+    prompt_ids = render_chat(state.engine.tokenizer, messages, tools, template_kwargs(state, body),
+                             **render_options(body))
     names = param_names(body, max_tokens_fields, "messages")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names)
     reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format)
     reply.reasoning = reasoning_for(state.engine.tokenizer, prompt_ids)
+    reply.num_prompt_top = num_prompt_top
     async with aclosing(run_choices(state, usage, engine_requests, reply.stopped)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage, params.n)
@@ -157,14 +162,29 @@ def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:
     return {**state.chat_template_kwargs, **requested}
 
 
+def render_options(body: dict[str, Any]) -> dict[str, bool]:
+    """vLLM's `add_generation_prompt` and `continue_final_message` (transformers' arguments): the latter leaves
+    the last message open for the model to continue (an assistant prefill) and so turns the generation prompt
+    off unless the client turns it on too, which is a 400."""
+    continue_final_message = field(body, "continue_final_message", bool, False)
+    add_generation_prompt = field(body, "add_generation_prompt", bool, not continue_final_message)
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message cannot be true with add_generation_prompt true: the final "
+                          "message is continued, no new one is started", "continue_final_message")
+    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+
+
 def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
     """The prompt's token ids through the model's chat template (`tfserve.engine.chat_template`); a model
     without one, or a template that rejects the messages, is the client's 400."""
     if not has_chat_template(tokenizer):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
     try:
-        return chat_template.render_chat(tokenizer, messages, tools, template_kwargs)
+        return chat_template.render_chat(tokenizer, messages, tools, template_kwargs,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -173,6 +193,7 @@ class _Reply(Reply):
     """Builds one request's response objects."""
 
     chunk_object = "chat.completion.chunk"
+    num_prompt_top: int | None = None  # vLLM's prompt_logprobs: the top tokens shown per prompt token
 
     def __init__(self, state: Any, model: str, num_top: int | None, parse_tools_enabled: bool,
                  tool_format: Any = None) -> None:
@@ -217,7 +238,15 @@ class _Reply(Reply):
                     finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
             choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),
                             "finish_reason": finish_reason})
-        return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage)))
+        return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage),
+                                               **self._prompt_logprobs(last[0])))
+
+    def _prompt_logprobs(self, output: Any) -> dict:
+        """vLLM's `prompt_logprobs`, when asked for: on the response, not a choice (every choice has one prompt)."""
+        if self.num_prompt_top is None:
+            return {}
+        entries = output.prompt_logprobs or []
+        return {"prompt_logprobs": prompt_logprobs(entries, self.state.token_texts, self.num_prompt_top)}
 
     def _parsers(self, n: int) -> dict[int, ToolCallStream]:
         return {i: ToolCallStream(self.tool_format) for i in range(n)} if self.tools else {}

@@ -1,4 +1,5 @@
-"""POST /v1/completions: the legacy prompt-in, text-out API (`echo`, legacy `logprobs`), whole or streamed."""
+"""POST /v1/completions: the legacy prompt-in, text-out API (`echo`, legacy `logprobs`, both together as
+OpenAI's API had them; vLLM's `prompt_logprobs`), whole or streamed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from aiohttp import web
 
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
-from tfserve.server.logprobs import completion_logprobs
+from tfserve.server.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
                                      stream_options, use_model)
 from tfserve.server.response_format import compile_grammar, requested_grammar
@@ -32,8 +33,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if num_top is not None:
         if not 0 <= num_top <= 20:
             raise bad_request(f"logprobs must be in [0, 20] (got {num_top})", "logprobs")
-        if echo:
-            raise bad_request("echo with logprobs is not supported: the engine computes no prompt logprobs", "echo")
         kwargs["logprobs"] = num_top
     if field(body, "suffix", str):
         raise bad_request("suffix is not supported", "suffix")
@@ -41,10 +40,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if best_of is not None and best_of != (kwargs.get("n") or 1):
         raise bad_request("best_of other than n is not supported", "best_of")
     stream, include_usage = stream_options(body)
+    num_prompt_top = requested_prompt_logprobs(body, stream)
+    # the prompt's own logprobs come first in `logprobs` with echo; vLLM's field shows them on its own
+    wanted = [k for k in (num_prompt_top, num_top if echo else None) if k is not None]
+    if wanted:
+        kwargs["prompt_logprobs"] = max(wanted)
     names = param_names(body, ("max_tokens",), "prompt")
     params = make_params(kwargs, max(len(p) for p, _ in prompts), state.engine, names)
     usage, engine_requests = admit(state, request, [p for p, _ in prompts], params, names)
     reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
+    reply.num_prompt_top = num_prompt_top
     async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage)
@@ -86,6 +91,7 @@ def _check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
 
 class _Reply(Reply):
     chunk_object = "text_completion"
+    num_prompt_top: int | None = None  # vLLM's prompt_logprobs: the top tokens shown per prompt token
 
     def __init__(self, state: Any, model: str, num_top: int | None, echo_texts: list[str] | None, n: int) -> None:
         super().__init__(model, "cmpl")
@@ -99,14 +105,36 @@ class _Reply(Reply):
             return None
         return completion_logprobs(entries or [], self.state.token_texts, offset)
 
+    def _echo_logprobs(self, output: Any) -> dict | None:
+        """The echoed prompt's logprobs (`echo` with `logprobs`), or None."""
+        if self.num_top is None or self.echo_texts is None or output.prompt_logprobs is None:
+            return None
+        return echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, self.state.token_texts, self.num_top)
+
+    def _choice_logprobs(self, index: int, output: Any) -> dict | None:
+        """A whole choice's `logprobs`: the echoed prompt's tokens, then the generated ones."""
+        generated = self._logprobs(_visible(output.logprobs, output), len(self._echo(index)))
+        echoed = self._echo_logprobs(output)
+        if generated is None or echoed is None:
+            return generated
+        return {key: echoed[key] + generated[key] for key in generated}
+
+    def _prompt_logprobs(self, output: Any) -> dict:
+        """vLLM's `prompt_logprobs` field of a choice, when asked for."""
+        if self.num_prompt_top is None:
+            return {}
+        entries = output.prompt_logprobs or []
+        return {"prompt_logprobs": prompt_logprobs(entries, self.state.token_texts, self.num_prompt_top)}
+
     async def complete(self, outputs, usage) -> web.Response:
         finals: dict[int, Any] = {}
         async for index, output in outputs:
             if output.finished:
                 finals[index] = output
         choices = [{"index": i, "text": self._echo(i) + finals[i].text,
-                    "logprobs": self._logprobs(_visible(finals[i].logprobs, finals[i]), 0),
-                    "finish_reason": finals[i].finish_reason} for i in sorted(finals)]
+                    "logprobs": self._choice_logprobs(i, finals[i]),
+                    "finish_reason": finals[i].finish_reason, **self._prompt_logprobs(finals[i])}
+                   for i in sorted(finals)]
         return web.json_response(self.envelope("text_completion", choices, usage=usage.to_openai()))
 
     async def stream(self, request: web.Request, outputs, usage, include_usage: bool) -> web.StreamResponse:
@@ -115,9 +143,10 @@ class _Reply(Reply):
         try:
             async for index, output in outputs:
                 if index not in offsets:
-                    offsets[index] = 0
+                    offsets[index] = len(self._echo(index))  # text_offset counts in the choice's whole text
                     if self.echo_texts is not None:
-                        await sse.send(self.chunk([{"index": index, "text": self._echo(index), "logprobs": None,
+                        await sse.send(self.chunk([{"index": index, "text": self._echo(index),
+                                                     "logprobs": self._echo_logprobs(output),
                                                      "finish_reason": None}], include_usage))
                 entries = _visible(output.delta_logprobs, output) if output.finished else output.delta_logprobs
                 if output.delta_text or entries:

@@ -1,5 +1,6 @@
 """Token logprobs in the two OpenAI shapes: chat (`{"content": [{token, logprob, bytes, top_logprobs}]}`)
-and legacy completions (`{tokens, token_logprobs, top_logprobs, text_offset}`).
+and legacy completions (`{tokens, token_logprobs, top_logprobs, text_offset}`, the prompt's tokens first with
+`echo`); and vLLM's `prompt_logprobs` (per prompt token `{token_id: {logprob, rank, decoded_token}}`).
 
 A token's string is its own bytes decoded (a byte-level token that is half of a character shows as
 U+FFFD, as OpenAI's do); `bytes` are the true bytes, so a client can join them back into the text.
@@ -11,6 +12,9 @@ import json
 import re
 from functools import lru_cache
 from typing import Any
+
+from tfserve.server.errors import bad_request
+from tfserve.server.protocol import field
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
 
@@ -95,6 +99,59 @@ def completion_logprobs(entries: list[dict], texts: TokenTexts, text_offset: int
         result["top_logprobs"].append(top)
         result["text_offset"].append(text_offset)
         text_offset += len(token)
+    return result
+
+
+def requested_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: how many top tokens to show at each prompt position (0: only the prompt's own),
+    or None. As in vLLM, not with `stream` (a stream chunk has no place for them)."""
+    num_top = field(body, "prompt_logprobs", int)
+    if num_top is None:
+        return None
+    if not 0 <= num_top <= 20:
+        raise bad_request(f"prompt_logprobs must be in [0, 20] (got {num_top})", "prompt_logprobs")
+    if stream:
+        raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    return num_top
+
+
+def prompt_logprobs(entries: list[dict | None], texts: TokenTexts, num_top: int) -> list[dict | None]:
+    """Engine prompt logprob entries -> vLLM's `prompt_logprobs`: None for the first token, then for each
+    token a mapping of token id to `{"logprob", "rank", "decoded_token"}`, the prompt's own token first and
+    then the `num_top` likeliest (rank 1 first)."""
+    result: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        shown = {entry["token_id"]: (entry["logprob"], entry["rank"])}
+        for rank, (token_id, logprob) in enumerate(entry["top"][:num_top], start=1):
+            shown.setdefault(token_id, (logprob, rank))
+        result.append({str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": texts(token_id)[0]}
+                       for token_id, (logprob, rank) in shown.items()})
+    return result
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[dict | None], texts: TokenTexts,
+                  num_top: int) -> dict[str, list]:
+    """A legacy completion's `logprobs` for its echoed prompt, as OpenAI's API gave them: the first token's
+    logprob and top logprobs null, offsets from 0."""
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text_offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        token, _ = texts(token_id)
+        result["tokens"].append(token)
+        result["text_offset"].append(text_offset)
+        text_offset += len(token)
+        if entry is None:
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+            continue
+        result["token_logprobs"].append(_finite(entry["logprob"]))
+        top: dict[str, float] = {}
+        for token_id, logprob in entry["top"][:num_top]:  # as completion_logprobs: the likelier of equal strings
+            top.setdefault(texts(token_id)[0], _finite(logprob))
+        result["top_logprobs"].append(top)
     return result
 
 
