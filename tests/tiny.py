@@ -123,6 +123,7 @@ class LiveServer:
 
     def close(self) -> None:
         self.call(self.runner.cleanup())
+        self.call(self.state.close_mcp())  # stdio MCP servers it started stop with it
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 

@@ -11,7 +11,7 @@ import pytest
 from tfserve.mcp.client import McpError, McpServers, McpTool
 from tfserve.mcp.config import parse_mcp_config
 
-TOY_TOOLS = ["echo", "add", "fail", "slow", "big", "crash", "grow", "header"]
+TOY_TOOLS = ["echo", "add", "fail", "slow", "big", "crash", "grow", "header", "pick"]
 
 
 def run_with(config: dict, errlog, body, **kwargs):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import Literal
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 
 def build() -> MCPServer:
-    """The toy server: echo, add, fail, slow, big, crash, grow, header."""
+    """The toy server: echo, add, fail, slow, big, crash, grow, header, pick."""
     server = MCPServer("toy", log_level="CRITICAL")  # failing tools on purpose: keep test output quiet
 
     @server.tool()
@@ -59,6 +60,11 @@ def build() -> MCPServer:
     def header(name: str, ctx: Context) -> str:
         """The value of one HTTP request header ("" over stdio or when absent)."""
         return (ctx.headers or {}).get(name.lower(), "")
+
+    @server.tool()
+    def pick(color: Literal["red", "blue"]) -> str:
+        """Pick a colour (a finite choice: even a random-weight model's forced call finishes)."""
+        return f"picked {color}"
 
     return server
 

@@ -23,6 +23,7 @@ from tfserve.errors import TfserveError
 
 ENGINE = "Engine"
 SERVER = "Server"
+MCP = "MCP tools"
 
 
 class GenerationConfig(str, Enum):
@@ -145,6 +146,18 @@ def serve(
     otel: Annotated[bool, typer.Option("--otel", help="Export a trace per request and the engine's gauges over "
                                                       "OTLP (OTEL_* variables configure it; needs the otel extra).",
                                        rich_help_panel=SERVER)] = False,
+    mcp_config: Annotated[str | None, typer.Option(
+        metavar="FILE", show_default=False, rich_help_panel=MCP,
+        help="MCP servers whose tools requests may use by server_label (/v1/responses mcp tools; chat completions "
+             "with {\"type\": \"mcp\"} tools): an mcpServers JSON file as Claude Desktop and Cursor use. Stdio "
+             "servers start with this server, restart if they die and stop with it.")] = None,
+    mcp_allow_url: Annotated[list[str] | None, typer.Option(
+        metavar="PATTERN", show_default=False, rich_help_panel=MCP,
+        help="Let requests name a server_url matching PATTERN (a glob over the URL, e.g. "
+             "'https://mcp.example.com/*'); repeatable. Without it a request's server_url is refused.")] = None,
+    mcp_timeout: Annotated[float, typer.Option(
+        min=0.001, metavar="SECONDS", rich_help_panel=MCP,
+        help="A tool call running longer fails (an mcp_call error the model reads), never a hung request.")] = 60.0,
     log_level: Annotated[LogLevel, typer.Option(case_sensitive=False,
                                                 help="info logs one access line per request; also sets "
                                                      "transformers' level (except info).",
@@ -185,6 +198,7 @@ def serve(
       tfserve serve -m ./my-hf-model --port 9000 --api-key secret
       tfserve serve --max-num-seqs 128 --kv-cache-memory 4GiB --cors-allow-origins '*'
       tfserve serve Qwen/Qwen3-1.7B --reasoning off        # pinned, as transformers serve
+      tfserve serve --mcp-config mcp.json                  # MCP tools for /v1/responses
       OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 tfserve serve --otel
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hello!"}]}'
@@ -228,7 +242,8 @@ def serve(
 
     state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand,
                         model_timeout_s=model_timeout if model_timeout > 0 else None,
-                        chat_template_kwargs=compat.chat_template_kwargs(chat_template_kwargs, reasoning))
+                        chat_template_kwargs=compat.chat_template_kwargs(chat_template_kwargs, reasoning),
+                        mcp=_mcp_options(mcp_config, mcp_allow_url, mcp_timeout))
     state.telemetry = from_options(state, otel)
     origins = [*(cors_allow_origins or ()), *(["*"] if enable_cors else [])]
     app = create_app(state, api_key=api_key or None, cors_allow_origins=origins,
@@ -284,6 +299,18 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_row("URL", f"{url}/v1" + ("  (API key required)" if has_api_key else ""))
     console.print(Panel(table, title="tfserve serve", expand=False))
     console.print(f"Health: {url}/health   Metrics: {url}/metrics   Ctrl+C drains and stops.")
+
+
+def _mcp_options(config: str | None, allow_url: list[str] | None, timeout_s: float):
+    """--mcp-config (read now: a bad file is one line before anything loads), --mcp-allow-url, --mcp-timeout."""
+    from tfserve.mcp.config import load_mcp_config
+    from tfserve.server.mcp_tools import McpOptions
+
+    try:
+        configs = load_mcp_config(config) if config is not None else {}
+    except ValueError as exc:
+        raise TfserveError(f"--mcp-config: {exc}") from None
+    return McpOptions(configs=configs, allow_url_patterns=tuple(allow_url or ()), timeout_s=timeout_s)
 
 
 def _note(message: str) -> None:

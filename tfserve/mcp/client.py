@@ -20,6 +20,8 @@ from tfserve.mcp.connection import Connection, McpConnectError, describe_error, 
 logger = logging.getLogger(__name__)
 
 MAX_TOOL_PAGES = 100  # a server that paginates forever cannot hang a listing
+# McpCallResult.error_code: JSON-RPC codes for what went wrong around a tool (MCP's own request-timeout code first)
+TIMED_OUT, UNREACHABLE, CALL_FAILED = -32001, -32000, -32603
 
 
 class McpError(Exception):
@@ -48,6 +50,9 @@ class McpCallResult:
     is_error: bool = False
     error: str | None = None  # set when is_error: the tool's own message, or what went wrong around it
     truncated: bool = False  # output was cut to max_output_bytes
+    # a failure around the tool (JSON-RPC style: -32001 timed out, -32000 server unreachable or crashed, -32603
+    # the call failed) rather than the tool's own error result; None for a tool's own error or a success
+    error_code: int | None = None
 
 
 class McpServers:
@@ -142,21 +147,24 @@ class McpServers:
         try:
             connection = await self._live(label)
         except McpError as e:
-            return McpCallResult(output="", is_error=True, error=str(e))
+            return McpCallResult(output="", is_error=True, error=str(e), error_code=UNREACHABLE)
         client = connection.client
         if client is None:
-            return McpCallResult(output="", is_error=True, error=f"MCP server {connection.name!r} is not connected")
+            return McpCallResult(output="", is_error=True, error=f"MCP server {connection.name!r} is not connected",
+                                 error_code=UNREACHABLE)
         try:
             async with asyncio.timeout(timeout_s):
                 result = await client.call_tool(name, arguments or {})
         except TimeoutError:
-            return McpCallResult(output="", is_error=True, error=f"tool {name!r} timed out after {timeout_s:g} s")
+            return McpCallResult(output="", is_error=True, error=f"tool {name!r} timed out after {timeout_s:g} s",
+                                 error_code=TIMED_OUT)
         except Exception as e:
             if is_connection_closed(e):
                 connection.dead = True  # the next call restarts it
                 error = f"MCP server {connection.name!r} closed the connection during {name!r} (crashed?)"
-                return McpCallResult(output="", is_error=True, error=error)
-            return McpCallResult(output="", is_error=True, error=f"tool {name!r} failed: {describe_error(e)}")
+                return McpCallResult(output="", is_error=True, error=error, error_code=UNREACHABLE)
+            return McpCallResult(output="", is_error=True, error=f"tool {name!r} failed: {describe_error(e)}",
+                                 error_code=CALL_FAILED)
         text, truncated = cap_output(result_text(result), max_output_bytes)
         if result.is_error:
             return McpCallResult(output=text, is_error=True, error=text or f"tool {name!r} reported an error",

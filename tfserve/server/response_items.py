@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from tfserve.server.errors import ApiError, bad_request
@@ -47,10 +48,27 @@ def parse_input(body: dict[str, Any]) -> list[dict[str, Any]]:
             call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
             output = field(item, "output", (str, list), required=True, param=f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, f"{where}.output")})
-        else:
-            raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call or "
-                              "function_call_output items", f"{where}.type")
+        elif kind == "mcp_call":  # an earlier response's output sent back: the call and what it returned
+            messages += mcp_call_messages(item, where)
+        elif kind not in MCP_CONTROL_ITEMS:
+            raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call, "
+                              "function_call_output or mcp items", f"{where}.type")
     return messages
+
+
+# read by the MCP approval flow (mcp_tools), not rendered: a listing, an approval request and its answer
+MCP_CONTROL_ITEMS = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response")
+
+
+def mcp_call_messages(item: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """An `mcp_call` item -> the assistant's call and the tool message with its output (or error)."""
+    call = _template_call({**item, "call_id": field(item, "id", str, required=True, param=f"{where}.id")}, where)
+    output = field(item, "output", str, param=f"{where}.output")
+    error = item.get("error")
+    if output is None and error is not None:
+        output = f"Error: {error.get('message') or json.dumps(error)}" if isinstance(error, dict) else f"Error: {error}"
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": output or ""}]
 
 
 def _template_call(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -68,15 +86,18 @@ def _template_call(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Responses API's flat function tools (`{"type": "function", "name", "parameters", ...}`), checked."""
+    """The Responses API's flat function tools (`{"type": "function", "name", "parameters", ...}`), checked, and
+    its `mcp` tools as they are (mcp_tools.split_tools checks them)."""
     tools = field(body, "tools", list, [])
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise bad_request(f"{where} must be an object", where)
+        if tool.get("type") == "mcp":
+            continue
         if tool.get("type") != "function":
             raise bad_request(f"{where}.type {tool.get('type')!r} is not supported; this server runs function "
-                              "tools", f"{where}.type")
+                              "and mcp tools", f"{where}.type")
         field(tool, "name", str, required=True, param=f"{where}.name")
         field(tool, "parameters", dict, param=f"{where}.parameters")
     return tools
@@ -85,8 +106,14 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
 def echo_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The tools as the Response object reports them (OpenAI fills in `strict`, true by default, and
     `parameters`)."""
-    return [{"type": "function", "name": tool["name"], "description": tool.get("description"),
+    return [_echo_mcp(tool) if tool.get("type") == "mcp" else
+            {"type": "function", "name": tool["name"], "description": tool.get("description"),
              "parameters": tool.get("parameters"), "strict": tool.get("strict", True)} for tool in tools]
+
+
+def _echo_mcp(tool: dict[str, Any]) -> dict[str, Any]:
+    # credentials stay out of the echo (and of the store): OpenAI reports headers as null
+    return {**{k: v for k, v in tool.items() if k != "authorization"}, "headers": None}
 
 
 def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -115,6 +142,9 @@ def as_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
 class StoredResponse:
     messages: list[dict[str, Any]]  # the conversation so far, the response's own output included
     model: str
+    # MCP calls waiting for an mcp_approval_response: approval request id -> its item (server_label, name, arguments)
+    pending_approvals: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
+    listed: frozenset[str] = frozenset()  # MCP server labels whose tools an mcp_list_tools item already gave
 
 
 class ResponseStore:

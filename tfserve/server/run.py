@@ -36,6 +36,7 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
             pass
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
+    mcp_started = asyncio.ensure_future(state.start_mcp())  # alongside the model's loading
     try:
         await web.TCPSite(runner, host, port).start()
         if load is not None and not await _load(state, load, stop):
@@ -47,6 +48,9 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
     finally:
         state.stop()
         await runner.cleanup()
+        mcp_started.cancel()
+        await asyncio.gather(mcp_started, return_exceptions=True)
+        await state.close_mcp()
         if state.telemetry is not None:
             state.telemetry.shutdown()
 

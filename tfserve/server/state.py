@@ -12,6 +12,7 @@ from aiohttp import web
 
 from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
+from tfserve.server.mcp_tools import McpOptions
 from tfserve.server.metrics import ServerMetrics
 from tfserve.server.residency import Loader, ModelResidency
 from tfserve.server.response_items import ResponseStore
@@ -26,7 +27,8 @@ class ServerState:
     """The model holder and lifecycle of one server. Lives on the event loop's thread."""
 
     def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None,
-                 model_timeout_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 model_timeout_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 mcp: McpOptions | None = None) -> None:
         self.engine: Any = None  # tfserve Engine, once loaded
         self.async_engine: Any = None
         self.model_name: str | None = None
@@ -45,6 +47,28 @@ class ServerState:
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
+        self.mcp_options = mcp or McpOptions()
+        self._mcp_servers: Any = None  # tfserve.mcp.client.McpServers, made on first use (the SDK loads then)
+
+    @property
+    def mcp_servers(self) -> Any:
+        """The MCP servers this server calls tools on: --mcp-config's, and request URLs --mcp-allow-url allows."""
+        if self._mcp_servers is None:
+            from tfserve.mcp.client import McpServers
+
+            self._mcp_servers = McpServers(self.mcp_options.configs,
+                                           allow_url_patterns=self.mcp_options.allow_url_patterns)
+        return self._mcp_servers
+
+    async def start_mcp(self) -> None:
+        """Start the configured stdio servers and connect the HTTP ones (failures are logged and retried on use)."""
+        if self.mcp_options.configs:
+            await self.mcp_servers.start()
+
+    async def close_mcp(self) -> None:
+        """Stop every stdio MCP server and close every connection."""
+        if self._mcp_servers is not None:
+            await self._mcp_servers.close()
 
     def set_engine(self, async_engine: AsyncEngine, name: str | None = None, path: str | Path | None = None) -> None:
         """Serve the (started) engine of `async_engine` under `name` (default: the engine's model name, and
