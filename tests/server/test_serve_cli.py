@@ -123,9 +123,9 @@ def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkey
         return real_render(tok, messages, tools, template_kwargs, **options)
 
     monkeypatch.setattr(chat, "render_chat", render)
-    from tfserve.server import responses
+    from tfserve.server import tool_loop
 
-    monkeypatch.setattr(responses, "render_chat", render)
+    monkeypatch.setattr(tool_loop, "render_chat", render)
     live = start_server(state_kwargs={"chat_template_kwargs": {"enable_thinking": False, "style": "terse"}})
     client = live.client()
     client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,

@@ -32,6 +32,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = await use_model(request, body, state)
     messages = parse_messages(body)
+    if any(isinstance(t, dict) and t.get("type") == "mcp" for t in field(body, "tools", list, [])):
+        from tfserve.server.chat_mcp import chat_with_mcp  # (it builds on this module)
+
+        # the server runs those tools' calls: a loop of turns
+        return await chat_with_mcp(request, state, body, model, messages)
     tools = parse_tools(body)
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
@@ -113,6 +118,8 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     if not tools or tool_choice == "none":
         return None
     for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") == "mcp":  # run by the server (chat_mcp checks them)
+            continue
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
         field(tool["function"], "name", str, required=True, param=f"tools[{i}].function.name")

@@ -67,12 +67,14 @@ class McpToolSpec:
         return not (never is not None and never.matches(tool))
 
 
-def split_tools(tools: list[Any], where: str = "tools") -> tuple[list[Any], list[McpToolSpec]]:
-    """A request's `tools` -> (the others, as they were; the MCP entries, checked)."""
+def split_tools(tools: list[Any], where: str = "tools", default_approval: str = "always"
+                ) -> tuple[list[Any], list[McpToolSpec]]:
+    """A request's `tools` -> (the others, as they were; the MCP entries, checked). OpenAI asks for approval
+    unless told otherwise (`default_approval`)."""
     others, specs = [], []
     for i, tool in enumerate(tools):
         if isinstance(tool, dict) and tool.get("type") == "mcp":
-            specs.append(_spec(tool, f"{where}[{i}]"))
+            specs.append(_spec(tool, f"{where}[{i}]", default_approval))
         else:
             others.append(tool)
     labels = [spec.server_label for spec in specs]
@@ -82,7 +84,7 @@ def split_tools(tools: list[Any], where: str = "tools") -> tuple[list[Any], list
     return others, specs
 
 
-def _spec(tool: dict[str, Any], where: str) -> McpToolSpec:
+def _spec(tool: dict[str, Any], where: str, default_approval: str) -> McpToolSpec:
     label = body_field(tool, "server_label", str, required=True, param=f"{where}.server_label")
     url = body_field(tool, "server_url", str, param=f"{where}.server_url")
     for unsupported in ("connector_id", "tunnel_id"):
@@ -96,7 +98,7 @@ def _spec(tool: dict[str, Any], where: str) -> McpToolSpec:
     if authorization:
         headers = {**headers, "Authorization": f"Bearer {authorization}"}
     allowed = body_field(tool, "allowed_tools", (list, dict), param=f"{where}.allowed_tools")
-    approval = body_field(tool, "require_approval", (str, dict), "always", param=f"{where}.require_approval")
+    approval = body_field(tool, "require_approval", (str, dict), default_approval, param=f"{where}.require_approval")
     if isinstance(approval, str) and approval not in ("always", "never"):
         raise bad_request(f"{where}.require_approval must be always, never or a filter object (got {approval!r})",
                           f"{where}.require_approval")

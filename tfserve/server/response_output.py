@@ -40,6 +40,7 @@ class ResponseOutput:
         self.num_reasoning_tokens = 0
         self.num_calls = 0  # MCP calls run (or refused past max_tool_calls) in this response
         self.done: Any = None  # the last turn's final engine output
+        self.failed = False  # an error ended the stream (its event went out)
         self._call_ids: dict[str, str] = {}  # MCP item id -> the id the model's call gets in the chat messages
         self.begin_turn(None, None)
 
@@ -264,8 +265,10 @@ class ResponseOutput:
         done = self.response(usage)
         await self._event(f"response.{done['status']}", response=done)
 
-    async def error(self, code: str, message: str, param: str | None) -> None:
-        await self._event("error", code=code, message=message, param=param)
+    async def error(self, exc: Any) -> None:
+        """An ApiError after the stream opened: OpenAI's `error` event."""
+        self.failed = True
+        await self._event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
 
     # -- the Response object --------------------------------------------------------------------------------
 

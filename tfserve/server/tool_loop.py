@@ -1,0 +1,135 @@
+"""The loop behind server-side tools: a model turn, its MCP calls run, their results fed back, the next turn,
+until the model answers, calls a client's function, waits for an approval, or spends `max_tool_calls`. One
+loop serves /v1/responses and chat completions' `mcp` tools; what a turn's items look like on the wire is the
+output's business (response_output, chat_mcp)."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any
+
+from tfserve.server import mcp_tools
+from tfserve.server.chat import render_chat, template_kwargs
+from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.generation import admit, run_choices
+from tfserve.server.protocol import field, make_params, param_names, sampling_kwargs
+from tfserve.server.reasoning import reasoning_for
+from tfserve.server.response_format import compile_grammar
+from tfserve.server.response_items import chat_tools
+from tfserve.server.sse import EventStream
+from tfserve.server.tool_calls import detect_format
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
+
+
+def max_tool_calls_of(body: dict[str, Any]) -> int:
+    value = field(body, "max_tool_calls", int, mcp_tools.DEFAULT_MAX_TOOL_CALLS)
+    if value < 0:
+        raise bad_request("max_tool_calls must be >= 0", "max_tool_calls")
+    return value
+
+
+class Turns:
+    """What every model turn of one request shares: the tools, the constraint, the sampling fields.
+
+    `functions` are the client's tools (flat, Responses-shaped), `constraint` the request's own structured-output
+    grammar and the field that asked for it (text.format, response_format)."""
+
+    def __init__(self, state: Any, body: dict, functions: list[dict], offer: mcp_tools.McpOffer, *,
+                 constraint: tuple[Any, str] | None, max_tokens_fields: tuple[str, ...], prompt_field: str) -> None:
+        self.state, self.body, self.functions, self.offer = state, body, functions, offer
+        self.constraint = constraint
+        self.tokenizer = state.engine.tokenizer
+        self.tool_format = detect_format(self.tokenizer)
+        self.tool_choice = field(body, "tool_choice", (str, dict), "auto")
+        self.kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
+        self.names = param_names(body, max_tokens_fields, prompt_field)
+        self.template_kwargs = template_kwargs(state, body)
+        self.offered: list[dict] = []
+
+    async def check(self) -> None:
+        """Every field's 400 before anything runs: the first turn's constraint, compiled."""
+        await self._kwargs(first=True, tools_left=len(self.offer.tools))
+
+    async def _kwargs(self, first: bool, tools_left: int) -> dict:
+        tool_choice = self.tool_choice if first else "auto"
+        # MCP tools count against max_tool_calls (OpenAI's rule for its built-in tools); a client's functions do not
+        tools = self.functions + (self.offer.function_tools() if tools_left > 0 else [])
+        self.offered = tools if tool_choice != "none" else []
+        kwargs = dict(self.kwargs)
+        constraint = self.constraint
+        if isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp":
+            names = mcp_tools.mcp_choice(tool_choice, self.offer)
+            forced = [tool for tool in self.offered if tool["name"] in names]
+        else:
+            forced = forced_tools(self.offered, tool_choice) if self.offered else None
+        if forced:
+            if constraint is not None:
+                raise bad_request(f"{constraint[1]} cannot be combined with tool_choice required or a named "
+                                  "function: the reply is a tool call", constraint[1])
+            parallel = field(self.body, "parallel_tool_calls", bool, True)
+            constraint = (tool_call_grammar(self.tool_format, forced, parallel, self.tokenizer), "tools")
+        if constraint is not None:
+            await compile_grammar(self.state.engine, *constraint)
+            kwargs["grammar"] = constraint[0]
+        if self.offered and needs_special_tokens(self.tool_format, self.tokenizer):
+            kwargs["skip_special_tokens"] = False
+        return kwargs
+
+    async def next(self, messages: list[dict], first: bool, tools_left: int, used_tokens: int
+                   ) -> tuple[list[int], Any]:
+        """The next turn's prompt and sampling parameters (the output token limit shared by all turns)."""
+        kwargs = await self._kwargs(first, tools_left)
+        if kwargs.get("max_tokens") is not None:
+            kwargs["max_tokens"] = max(1, kwargs["max_tokens"] - used_tokens)
+        prompt_ids = render_chat(self.tokenizer, messages, chat_tools(self.offered) or None, self.template_kwargs)
+        return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names)
+
+
+async def run_loop(state: Any, request: Any, output: Any, turns: Turns, messages: list[dict], max_tool_calls: int,
+                   stream: bool, listings: list[dict] = (), approved: list[dict] = ()) -> Any:
+    """Run turns into `output` (a ResponseOutput) until the loop ends; returns the request's Usage. A stream opens
+    once the first turn is admitted (its 400/429/503 stay HTTP errors); an error after that is an event."""
+    usage = None
+    try:
+        for number in range(max_tool_calls + 1):
+            # the first turn may be forced (tool_choice); later ones choose freely, with no MCP tools once the
+            # call budget is spent
+            prompt_ids, params = await turns.next(messages + output.messages, first=number == 0,
+                                                  tools_left=max_tool_calls - output.num_calls,
+                                                  used_tokens=usage.completion_tokens if usage else 0)
+            output.params = params
+            usage, engine_requests = admit(state, request, [prompt_ids], params, turns.names)
+            if number == 0:
+                if stream:
+                    await output.open(EventStream(request), usage)
+                await output.add_listings(list(listings))
+                await output.announce_calls(list(approved))
+            output.begin_turn(turns.tool_format if turns.offered else None, reasoning_for(turns.tokenizer, prompt_ids))
+            async with aclosing(run_choices(state, usage, engine_requests, output.stopped)) as outputs:
+                final = await output.run_turn(outputs)
+            await output.end_turn(final)
+            calls = output.turn_items("mcp_call")
+            for item in calls:
+                await output.run_call(item, lambda item: call(state, turns.offer, item,
+                                                              over_budget=output.num_calls > max_tool_calls))
+            if (not calls or final.finish_reason == "length" or output.turn_items("function_call")
+                    or output.turn_items("mcp_approval_request")):
+                break
+    except ApiError as exc:
+        if output.sse is None:
+            raise
+        await output.error(exc)
+    return usage
+
+
+async def call(state: Any, offer: mcp_tools.McpOffer, item: dict, over_budget: bool = False) -> dict:
+    """Run an `mcp_call` item's call: its output, error and status."""
+    if over_budget:  # OpenAI ignores calls past max_tool_calls; the model reads why
+        error = {"type": "mcp_protocol_error", "code": -32000, "message": "max_tool_calls reached: not run"}
+        return {"output": None, "error": error, "status": "failed"}
+    offered = offer.tools.get(item["name"])
+    if offered is None:  # an approved call whose tool this request no longer offers
+        error = {"type": "mcp_protocol_error", "code": -32601,
+                 "message": f"tool {item['name']!r} is not among this request's mcp tools"}
+        return {"output": None, "error": error, "status": "failed"}
+    return await mcp_tools.call(state, offered, item["name"], item["arguments"])
