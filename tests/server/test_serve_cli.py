@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+from mcp_servers import toy_stdio_config
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -55,6 +57,7 @@ def test_help_lists_the_flags_and_examples():
     (["--model", "/no/such/dir"], "no such file or directory"),
     (["--model", "/", "--block-size", "3"], None),
     (["--kv-cache-memory", "lots"], "not a size"),
+    (["--mcp-config", "/no/such.json"], "--mcp-config: /no/such.json: cannot read the MCP config"),
 ])
 def test_bad_flags_fail_in_one_line(args, message, tmp_path):
     if args[:2] == ["--model", "/"]:
@@ -228,9 +231,14 @@ def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
     tokenizer.save_pretrained(model_dir)
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    pid_file = tmp_path / "mcp.pid"  # the stdio MCP server writes its pid: started with the server, gone after
+    stdio = toy_stdio_config()
+    mcp_config = tmp_path / "mcp.json"
+    mcp_config.write_text(json.dumps({"mcpServers": {"toy": {**stdio, "args": [*stdio["args"], "--pid-file",
+                                                                               str(pid_file)]}}}))
     process = subprocess.Popen(
         [sys.executable, "-c", "from tfserve.cli import main; main()", "serve", "--model", str(model_dir),
-         "--port", str(port), "--kv-cache-memory", "8MiB", "--api-key", "k"],
+         "--port", str(port), "--kv-cache-memory", "8MiB", "--api-key", "k", "--mcp-config", str(mcp_config)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -247,6 +255,11 @@ def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
         reply = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4)
         assert reply.model == "tiny-chat" and reply.usage.completion_tokens <= 4
+        (mcp_pid,) = map(int, pid_file.read_text().split())  # started before any request named it
+        response = client.responses.create(model="tiny-chat", input="Pick.", max_output_tokens=30, tools=[
+            {"type": "mcp", "server_label": "toy", "allowed_tools": ["pick"], "require_approval": "never"}],
+            tool_choice={"type": "mcp", "server_label": "toy", "name": "pick"})
+        assert response.output[1].type == "mcp_call" and response.output[1].output.startswith("picked ")
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=30)
     finally:
@@ -255,6 +268,18 @@ def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
     assert process.returncode == 0, output
     assert "KV cache" in output and f"http://127.0.0.1:{port}/v1" in output
     assert "POST /v1/chat/completions 200" in output  # the access log
+    _wait_gone(mcp_pid)  # the stdio MCP server stopped with the server
+
+
+def _wait_gone(pid: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still runs")
 
 
 @pytest.mark.slow
