@@ -116,7 +116,7 @@ def test_banner_states_the_quantization(async_engine, monkeypatch):
 def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkeypatch):
     """Server defaults (--chat-template-kwargs / --reasoning) under the request's own chat_template_kwargs,
     for chat completions and responses; a non-object is a 400 naming the field."""
-    from tfserve.server import chat
+    from tfserve.server import chat, tool_loop
 
     seen = []
     real_render = chat.render_chat
@@ -126,8 +126,6 @@ def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkey
         return real_render(tok, messages, tools, template_kwargs, **options)
 
     monkeypatch.setattr(chat, "render_chat", render)
-    from tfserve.server import tool_loop
-
     monkeypatch.setattr(tool_loop, "render_chat", render)
     live = start_server(state_kwargs={"chat_template_kwargs": {"enable_thinking": False, "style": "terse"}})
     client = live.client()
@@ -141,7 +139,7 @@ def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkey
 
 
 def test_render_chat_passes_template_variables():
-    from tfserve.server.chat import render_chat
+    from tfserve.server.chat_prompt import render_chat
 
     class Recorder:
         chat_template = "{{ messages }}"

@@ -9,9 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
-from tfserve.engine import chat_template
-from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.body import loads
+from tfserve.server.chat_mcp import chat_with_mcp
+from tfserve.server.chat_prompt import parse_tools, render_chat, render_options, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs
@@ -33,8 +33,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = await use_model(request, body, state)
     messages = parse_messages(body)
     if any(isinstance(t, dict) and t.get("type") == "mcp" for t in field(body, "tools", list, [])):
-        from tfserve.server.chat_mcp import chat_with_mcp  # (it builds on this module)
-
         # the server runs those tools' calls: a loop of turns
         return await chat_with_mcp(request, state, body, model, messages)
     tools = parse_tools(body)
@@ -109,24 +107,6 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """`tools` for the chat template, or None when absent or `tool_choice` is "none"."""
-    tools = field(body, "tools", list)
-    tool_choice = field(body, "tool_choice", (str, dict))
-    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
-        raise bad_request("tool_choice must be none, auto, required or a function object", "tool_choice")
-    if not tools or tool_choice == "none":
-        return None
-    for i, tool in enumerate(tools):
-        if isinstance(tool, dict) and tool.get("type") == "mcp":  # run by the server (chat_mcp checks them)
-            continue
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
-        field(tool["function"], "name", str, required=True, param=f"tools[{i}].function.name")
-        field(tool["function"], "parameters", dict, param=f"tools[{i}].function.parameters")
-    return tools
-
-
 def parse_logprobs(body: dict[str, Any]) -> int | None:
     """`logprobs` + `top_logprobs` -> the engine's top count (None: no logprobs)."""
     logprobs = field(body, "logprobs", bool, False)
@@ -156,44 +136,6 @@ async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_f
         kwargs["grammar"] = constraint[0]
     if tools and needs_special_tokens(tool_format, tokenizer):  # e.g. Mistral's [TOOL_CALLS]
         kwargs["skip_special_tokens"] = False
-
-
-def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:
-    """Extra chat template variables: the server's defaults (--chat-template-kwargs, --reasoning) updated by the
-    request's `chat_template_kwargs` object (e.g. {"enable_thinking": false})."""
-    requested = field(body, "chat_template_kwargs", dict, {})
-    reserved = sorted(RENDER_ARGUMENTS.intersection(requested))
-    if reserved:  # e.g. padding + max_length would pad the prompt to any length
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: it holds template variables, "
-                          "not arguments of apply_chat_template", f"chat_template_kwargs.{reserved[0]}")
-    return {**state.chat_template_kwargs, **requested}
-
-
-def render_options(body: dict[str, Any]) -> dict[str, bool]:
-    """vLLM's `add_generation_prompt` and `continue_final_message` (transformers' arguments): the latter leaves
-    the last message open for the model to continue (an assistant prefill) and so turns the generation prompt
-    off unless the client turns it on too, which is a 400."""
-    continue_final_message = field(body, "continue_final_message", bool, False)
-    add_generation_prompt = field(body, "add_generation_prompt", bool, not continue_final_message)
-    if continue_final_message and add_generation_prompt:
-        raise bad_request("continue_final_message cannot be true with add_generation_prompt true: the final "
-                          "message is continued, no new one is started", "continue_final_message")
-    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
-
-
-def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
-                template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> list[int]:
-    """The prompt's token ids through the model's chat template (`tfserve.engine.chat_template`); a model
-    without one, or a template that rejects the messages, is the client's 400."""
-    if not has_chat_template(tokenizer):
-        raise bad_request("the served model has no chat template; use /v1/completions", "messages")
-    try:
-        return chat_template.render_chat(tokenizer, messages, tools, template_kwargs,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
 
 
 class _Reply(Reply):

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from tfserve.server import mcp_tools
+from tfserve.server.chat_prompt import parse_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import Reply
 from tfserve.server.protocol import field, stream_options
@@ -24,8 +25,6 @@ from tfserve.server.tool_loop import Turns, max_tool_calls_of, run_loop
 
 async def chat_with_mcp(request: web.Request, state: Any, body: dict[str, Any], model: str,
                         messages: list[dict]) -> web.StreamResponse:
-    from tfserve.server.chat import parse_tools
-
     function_tools, specs = mcp_tools.split_tools(parse_tools(body) or [], default_approval="never")
     if body.get("n") not in (None, 1):
         raise bad_request("n must be 1 with mcp tools", "n")

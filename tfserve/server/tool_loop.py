@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any
 
 from tfserve.server import mcp_tools
-from tfserve.server.chat import render_chat, template_kwargs
+from tfserve.server.chat_prompt import render_chat, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
 from tfserve.server.protocol import field, make_params, param_names, sampling_kwargs
