@@ -392,3 +392,37 @@ def test_chunked_bodies_are_read(server):
     status, headers, raw = raw_request(server, "POST", COMPLETIONS, chunks, {"Content-Type": "application/json"},
                                        chunked=True)
     assert status == 200, raw
+
+
+MCP_FIELDS = ["server_label", "server_url", "allowed_tools", "require_approval", "headers", "authorization",
+              "connector_id"]
+
+
+def test_fuzzed_mcp_tools_and_items_get_a_200_or_a_4xx(start_server, async_engine, engine, monkeypatch):
+    """Odd `mcp` tool fields, `max_tool_calls` and approval items, on a server with the toy MCP server configured
+    and every URL allowed (so odd URLs reach the connection code)."""
+    from test_responses_mcp import _state
+
+    monkeypatch.setattr(engine, "sampling_defaults", {"max_tokens": 2})
+    live = start_server(_state(async_engine, allow_url_patterns=("*",), timeout_s=2))
+    rng = random.Random(7)
+    statuses = []
+    for path in (CHAT, RESPONSES):
+        for name in MCP_FIELDS:
+            for value in rng.sample(ODD_VALUES, 4):
+                tool = {"type": "mcp", "server_label": "toy", "allowed_tools": ["pick"], name: value}
+                statuses.append(post(live, path, {**BASE[path], "tools": [tool]})[0])
+        for value in rng.sample(ODD_VALUES, 4):
+            statuses.append(post(live, path, {**BASE[path], "max_tool_calls": value,
+                                              "tools": [{"type": "mcp", "server_label": "toy"}]})[0])
+    for name in ["approval_request_id", "approve", "reason"]:
+        for value in rng.sample(ODD_VALUES, 4):
+            item = {"type": "mcp_approval_response", "approval_request_id": "mcpr_x", "approve": True, name: value}
+            statuses.append(post(live, RESPONSES, {**BASE[RESPONSES], "input": [item]})[0])
+    for kind in ["mcp_call", "mcp_list_tools", "mcp_approval_request"]:
+        for value in rng.sample(ODD_VALUES, 4):
+            item = {"type": kind, "id": value, "name": value, "arguments": value, "server_label": value, "output": value}
+            statuses.append(post(live, RESPONSES, {**BASE[RESPONSES], "input": [item]})[0])
+    assert statuses.count(200) > 5 and statuses.count(400) > 30  # the fuzz reaches both sides
+    assert post(live, RESPONSES, BASE[RESPONSES])[0] == 200
+    assert wait_until_idle(engine), "a fuzzed request leaked KV blocks"

@@ -67,8 +67,11 @@ def _answer_approvals(body: dict, previous: StoredResponse | None, offer: mcp_to
     the input itself): approved calls become `mcp_call` items to run first; declined ones, a note to the model."""
     items = body.get("input") if isinstance(body.get("input"), list) else []
     pending = dict(previous.pending_approvals) if previous else {}
-    pending.update({item.get("id"): item for item in items
-                    if isinstance(item, dict) and item.get("type") == "mcp_approval_request"})
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "mcp_approval_request":  # an earlier output sent back
+            for key in ("id", "server_label", "name", "arguments"):
+                field(item, key, str, required=True, param=f"input[{i}].{key}")
+            pending[item["id"]] = item
     approved = []
     for i, item in enumerate(items):
         if not isinstance(item, dict) or item.get("type") != "mcp_approval_response":
