@@ -10,7 +10,7 @@ import pytest
 
 from tfserve import Engine, SamplingParams
 from tfserve.server.errors import ApiError
-from tfserve.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
+from tfserve.engine.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
 from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
 from tiny import build_llama, build_tokenizer
 

@@ -21,7 +21,7 @@ from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.response_format import compile_grammar, requested_grammar
-from tfserve.server.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, merge
+from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, merge
 from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -17,7 +17,7 @@ from tfserve.server.mcp_tools import McpOffer, error_text
 from tfserve.server.reasoning import Reasoning
 from tfserve.server.response_items import echo_tools, text_format
 from tfserve.server.sse import EventStream
-from tfserve.server.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream
+from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream
 
 
 class ReasoningDelta(str):

@@ -11,7 +11,7 @@ from tfserve.engine.structured import JSON_OPTIONS
 from tfserve.sampling_params import Grammar
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
-from tfserve.server.tool_calls import ToolCallFormat
+from tfserve.engine.tool_calls import ToolCallFormat
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 

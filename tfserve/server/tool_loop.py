@@ -17,7 +17,7 @@ from tfserve.server.reasoning import reasoning_for
 from tfserve.server.response_format import compile_grammar
 from tfserve.server.response_items import chat_tools
 from tfserve.server.sse import EventStream
-from tfserve.server.tool_calls import detect_format
+from tfserve.engine.tool_calls import detect_format
 from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tfserve.server.tool_calls import ToolCall, ToolCallStream, merge, parse_tool_calls
+from tfserve.engine.tool_calls import ToolCall, ToolCallStream, merge, parse_tool_calls
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
