@@ -273,3 +273,21 @@ def test_allowed_tools_and_tool_choice_name_checks(toy_server):
     assert status == 200, response
     assert [tool["name"] for tool in response["output"][0]["tools"]] == ["pick"]
     assert response["output"][1]["name"] == "pick" and response["output"][1]["status"] == "completed"
+
+
+def test_the_openai_sdk_streams_calls_and_approvals(start_server, async_engine, tokenizer):
+    live = mcp_server(start_server, async_engine)
+    live.state.generate = Turns(tokenizer, [call_text("add", {"a": 1, "b": 2})], ["Three."])
+    client = live.client()
+    with client.responses.stream(model=MODEL_NAME, input="1 + 2?", tools=[TOY]) as events:
+        kinds = [event.type for event in events]
+        final = events.get_final_response()
+    assert "response.mcp_call.completed" in kinds and final.output_text == "Three."
+    assert [item.type for item in final.output] == ["mcp_list_tools", "mcp_call", "message"]
+    live.state.generate = Turns(tokenizer, [call_text("add", {"a": 1, "b": 2})], ["Three."])
+    asking = client.responses.create(model=MODEL_NAME, input="1 + 2?", stream=True,
+                                     tools=[{**TOY, "require_approval": "always"}])
+    events = list(asking)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[-1].type == "mcp_approval_request" and json.loads(done[-1].arguments) == {"a": 1, "b": 2}
+    assert events[-1].type == "response.completed" and events[-1].response.output[-1].id == done[-1].id

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
@@ -36,7 +36,10 @@ class ReplyStats:
 
     num_prompt_tokens: int | None = None
     num_completion_tokens: int | None = None
-    finish_reason: str | None = None  # "stop" | "length" | ...; None while streaming or when cut off
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" | ...; None while streaming or when cut off
+    # the reply's calls in OpenAI's shape, {"id", "type": "function", "function": {"name", "arguments"}},
+    # complete once the reply has ended
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Thinking(str):
@@ -45,7 +48,8 @@ class Thinking(str):
 
 
 class Reply(Protocol):
-    """One streaming reply: iterate for text deltas; `close()` stops it (the server aborts the request)."""
+    """One streaming reply: iterate for text deltas (its tool calls land in `stats.tool_calls`); `close()`
+    stops it (the server aborts the request)."""
 
     stats: ReplyStats
 
@@ -62,7 +66,9 @@ class ChatBackend(Protocol):
 
     def list_models(self) -> list[str]: ...
 
-    def stream(self, messages: list[dict[str, str]], settings: Settings) -> Reply: ...
+    def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None) -> Reply:
+        """Start a reply to `messages`; `tools` (OpenAI function tools) are offered only when given."""
+        ...
 
     def close(self) -> None: ...
 
@@ -123,10 +129,12 @@ class RemoteBackend:
     def unreachable_message(self) -> str:
         return f"cannot reach {self.url} — is `tfserve serve` running?"
 
-    def stream(self, messages: list[dict[str, str]], settings: Settings) -> Reply:
+    def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None) -> Reply:
         import openai
 
         kwargs = settings.sampling_kwargs()
+        if tools:
+            kwargs["tools"] = tools
         capped = settings.max_tokens is None
         if capped:
             kwargs["max_tokens"] = DEFAULT_MAX_TOKENS
@@ -144,7 +152,7 @@ class RemoteBackend:
             raise describe(exc) from None
         return _RemoteReply(stream)
 
-    def _create(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> Any:
+    def _create(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> Any:
         return self.client.chat.completions.create(model=self.model, messages=messages, stream=True,
                                                    stream_options={"include_usage": True}, **kwargs)
 
@@ -179,12 +187,26 @@ class _RemoteReply:
                         yield Thinking(thinking)
                     if delta.content:
                         yield delta.content
+                    for call in getattr(delta, "tool_calls", None) or ():
+                        self._add_call_delta(call)
         except openai.APIConnectionError:
             raise ConnectionLost("connection lost in the middle of the reply") from None
         except openai.APIError as exc:
             raise describe(exc) from None
         if self.stats.finish_reason is None:
             raise ConnectionLost("the reply ended without a finish reason (connection lost?)")
+
+    def _add_call_delta(self, delta: Any) -> None:
+        """A call arrives in pieces: its id and name first, then its arguments as they are written."""
+        calls = self.stats.tool_calls
+        index = delta.index if delta.index is not None else len(calls) - 1
+        while len(calls) <= index:
+            calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call, function = calls[index], delta.function
+        call["id"] = delta.id or call["id"]
+        if function is not None:
+            call["function"]["name"] += function.name or ""
+            call["function"]["arguments"] += function.arguments or ""
 
     def close(self) -> None:
         """Close the HTTP response: the server sees the client leave and aborts the generation."""

@@ -27,6 +27,12 @@ class Command:
 
 COMMANDS: dict[str, Command] = {}
 SETTING_NAMES = [f.name for f in fields(Settings)]
+SET_KEYS = [*SETTING_NAMES, "approve"]  # approve: how MCP tool calls are approved (ask | auto)
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 tool`, `2 tools`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def command(usage: str, help: str, aliases: tuple[str, ...] = ()) -> Callable[[Handler], Handler]:
@@ -81,18 +87,30 @@ def _system(session: ChatSession, arg: str) -> bool:
     return True
 
 
-@command("/set KEY VALUE", f"change a setting ({', '.join(SETTING_NAMES)}); VALUE none unsets it")
+@command("/set KEY VALUE", f"change a setting ({', '.join(SETTING_NAMES)}); VALUE none unsets it; "
+                          "/set approve auto|ask: run MCP tools without asking, or ask first")
 def _set(session: ChatSession, arg: str) -> bool:
     key, _, value = arg.partition(" ")
     if not key or not value.strip():
-        session.error(f"usage: /set KEY VALUE; keys: {', '.join(SETTING_NAMES)}")
+        session.error(f"usage: /set KEY VALUE; keys: {', '.join(SET_KEYS)}")
         return True
+    if key == "approve":
+        return _set_approve(session, value.strip().lower())
     try:
         session.settings = session.settings.set(key, value.strip())
     except ValueError as exc:
         session.error(str(exc))
         return True
     session.console.print(Text(f"{key} = {getattr(session.settings, key.replace('-', '_'))}", style="dim"))
+    return True
+
+
+def _set_approve(session: ChatSession, value: str) -> bool:
+    if value not in ("auto", "ask"):
+        session.error(f"approve is auto (run MCP tools without asking) or ask (got {value!r})")
+        return True
+    session.auto_approve = value == "auto"
+    session.console.print(Text(f"approve = {value}", style="dim"))
     return True
 
 
@@ -103,7 +121,35 @@ def _settings(session: ChatSession, arg: str) -> bool:
     table.add_row("system", Text(session.conversation.system) if session.conversation.system else "[dim](none)[/]")
     for key, value in asdict(session.settings).items():
         table.add_row(key, "[dim]default[/]" if value is None else str(value))
+    if session.tools is not None:
+        table.add_row("approve", "auto" if session.auto_approve else "ask")
     session.console.print(table)
+    return True
+
+
+@command("/tools", "the MCP servers (--mcp-config) and their tools; a server that is down is started again")
+def _tools(session: ChatSession, arg: str) -> bool:
+    toolbox = session.tools
+    if toolbox is None:
+        session.console.print("[dim]No MCP tools: start the chat with --mcp-config FILE.[/]")
+        return True
+    with session.console.status(Text("Listing tools…", style="dim")):
+        toolbox.refresh(retry=True)
+    table = Table.grid(padding=(0, 2))
+    status = toolbox.status()
+    for label, state in status.items():
+        why = toolbox.errors.get(label)
+        table.add_row(Text(label, style="bold"), Text(state, style="green" if state == "running" else "yellow"),
+                      Text(why or "", style="red"))
+        for tool in toolbox.tools.values():
+            if tool.label == label:
+                summary = (tool.tool.description or "").strip().split("\n")[0]
+                table.add_row(Text(f"  {tool.name}", style="cyan"), "", Text(summary, style="dim"))
+    session.console.print(table)
+    approve = ("auto (/set approve ask to ask first)" if session.auto_approve
+               else "ask (/set approve auto to stop asking)")
+    session.console.print(Text(f"{plural(len(toolbox.tools), 'tool')} from {plural(len(status), 'server')}; "
+                               f"approve: {approve}", style="dim"))
     return True
 
 

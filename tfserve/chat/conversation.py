@@ -61,15 +61,18 @@ class Conversation:
     """The turns so far. The system prompt is kept apart so /clear keeps it and /system changes it in place."""
 
     system: str | None = None
-    turns: list[dict[str, str]] = field(default_factory=list)  # {"role": "user" | "assistant", "content": ...}
+    # {"role": "user" | "assistant", "content": ...}; with MCP tools also an assistant's {"tool_calls": [...]}
+    # (content may be None) and one {"role": "tool", "tool_call_id", "content"} per call
+    turns: list[dict[str, Any]] = field(default_factory=list)
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """What the next request sends: the system prompt, then every turn."""
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [dict(turn) for turn in self.turns]
 
-    def add(self, role: str, content: str) -> None:
-        self.turns.append({"role": role, "content": content})
+    def add(self, role: str, content: str | None, **extra: Any) -> None:
+        """Append a message; `extra` holds `tool_calls` (assistant) or `tool_call_id` (tool)."""
+        self.turns.append({"role": role, "content": content, **extra})
 
     def pop_reply(self) -> str | None:
         """Drop the turns after the last user message (its answer) and return that message, for /retry."""
@@ -99,7 +102,8 @@ class Conversation:
             if message["role"] == "system":
                 conversation.system = message["content"]
             else:
-                conversation.add(message["role"], message["content"])
+                extra = {key: message[key] for key in ("tool_calls", "tool_call_id") if key in message}
+                conversation.add(message["role"], message.get("content"), **extra)
         settings = data.get("settings") if isinstance(data, dict) else None
         if isinstance(settings, dict):
             known = {f.name for f in fields(Settings)}
@@ -108,5 +112,8 @@ class Conversation:
 
 
 def _is_message(message: Any) -> bool:
-    return (isinstance(message, dict) and message.get("role") in ("system", "user", "assistant")
-            and isinstance(message.get("content"), str))
+    if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+        return False
+    if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
+        return message.get("content") is None or isinstance(message["content"], str)
+    return isinstance(message.get("content"), str)

@@ -1,8 +1,10 @@
 """`LocalBackend`: chat with a model loaded in this process, through the engine's `BatchingManager` (no
-server). The CLI loads the model; this module only renders the chat template and streams."""
+server). The CLI loads the model; this module only renders the chat template and streams. With tools, the
+calls in the model's text are parsed as the server parses them (`tfserve.engine.tool_calls`, plain text code)."""
 
 from __future__ import annotations
 
+import json
 import queue
 from collections.abc import Iterator
 from typing import Any
@@ -30,8 +32,9 @@ class LocalBackend:
     def list_models(self) -> list[str]:
         return [self.model]
 
-    def stream(self, messages: list[dict[str, str]], settings: Settings) -> _LocalReply:
-        prompt_ids = self._render(messages)
+    def stream(self, messages: list[dict[str, Any]], settings: Settings,
+               tools: list[dict] | None = None) -> _LocalReply:
+        prompt_ids = self._render([_template_message(m) for m in messages], tools or None)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:  # the model's generation_config fills what the settings leave out, as the server does
             params = self.engine.sampling_params(len(prompt_ids), **settings.sampling_kwargs())
@@ -40,11 +43,16 @@ class LocalBackend:
             request_id = self.manager.add_request(prompt_ids, params=params, stream=True, sink=outputs.put)
         except ValueError as exc:
             raise ChatError(str(exc)) from None
-        return _LocalReply(self.manager, request_id, outputs, len(prompt_ids))
+        parser = None
+        if tools:
+            from tfserve.engine.tool_calls import ToolCallStream, detect_format
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+            parser = ToolCallStream(detect_format(self.engine.tokenizer))
+        return _LocalReply(self.manager, request_id, outputs, len(prompt_ids), parser)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         try:
-            return render_chat(self.engine.tokenizer, messages)
+            return render_chat(self.engine.tokenizer, messages, tools)
         except ChatTemplateError as exc:
             raise ChatError(str(exc)) from None
 
@@ -52,20 +60,64 @@ class LocalBackend:
         self.manager.stop()
 
 
-class _LocalReply:
-    """The deltas of one request on the engine."""
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Chat templates read a call's `arguments` as a mapping (HF's convention); OpenAI's is a JSON string."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call["function"])
+        try:
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            pass  # left as the model wrote it
+        calls.append({**call, "function": function})
+    return {**message, "content": message.get("content") or "", "tool_calls": calls}
 
-    def __init__(self, manager: Any, request_id: str, outputs: queue.SimpleQueue, num_prompt_tokens: int) -> None:
+
+class _LocalReply:
+    """The deltas of one request on the engine; with a tool-call `parser`, calls are kept out of the text and
+    land in `stats.tool_calls` at the end."""
+
+    def __init__(self, manager: Any, request_id: str, outputs: queue.SimpleQueue, num_prompt_tokens: int,
+                 parser: Any = None) -> None:
         self._manager, self._request_id, self._outputs = manager, request_id, outputs
+        self._parser = parser
+        self._call_events: list = []
+        self._finished = False  # the engine is done with the request
         self.stats = ReplyStats(num_prompt_tokens=num_prompt_tokens)
 
     def __iter__(self) -> Iterator[str]:
+        if self._parser is None:
+            yield from self._deltas()
+            return
+        for delta in self._deltas():
+            yield from self._text_of(self._parser.feed(delta))
+            if self._parser.repeated:  # a small model repeating a call: that reply is over (close() aborts it)
+                break
+        yield from self._text_of(self._parser.finish())
+        from tfserve.engine.tool_calls import merge
+
+        _, calls = merge(self._call_events)
+        self.stats.tool_calls = [call.to_openai() for call in calls]
+        if calls and self.stats.finish_reason in ("stop", None):
+            self.stats.finish_reason = "tool_calls"
+
+    def _text_of(self, events: list) -> Iterator[str]:
+        for event in events:
+            if isinstance(event, str):
+                yield event
+            else:
+                self._call_events.append(event)
+
+    def _deltas(self) -> Iterator[str]:
         while self.stats.finish_reason is None:
             try:
                 output = self._outputs.get(timeout=POLL_S)
             except queue.Empty:
                 continue
             if output.finished:
+                self._finished = True
                 self.stats.finish_reason = output.finish_reason
                 self.stats.num_completion_tokens = len(output.generated_tokens)
                 if output.finish_reason == "error":
@@ -75,5 +127,5 @@ class _LocalReply:
 
     def close(self) -> None:
         """Abort the request if it is still running; its KV blocks are freed before the next step."""
-        if self.stats.finish_reason is None:
+        if not self._finished:
             self._manager.abort(self._request_id)

@@ -11,12 +11,12 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
 from prompt_toolkit.completion import Completer, NestedCompleter, PathCompleter, WordCompleter
 from prompt_toolkit.formatted_text import HTML
-from prompt_toolkit.history import FileHistory, History
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from rich.text import Text
 
 from tfserve.chat.client import ChatError
-from tfserve.chat.commands import COMMANDS, SETTING_NAMES, run_command
+from tfserve.chat.commands import COMMANDS, SET_KEYS, plural, run_command
 from tfserve.chat.session import ChatSession
 
 PROMPT = HTML("<ansigreen><b>›</b></ansigreen> ")
@@ -47,6 +47,8 @@ def run_repl(session: ChatSession, *, input: Any = None, output: Any = None, his
     """Chat until /exit or Ctrl-D. Ctrl-C at the prompt clears the line; while a reply streams it cancels
     the reply (see `ChatSession.ask`)."""
     prompt = make_prompt_session(session, input=input, output=output, history=history)
+    # tool approvals are asked on the same terminal (or test pipe), kept out of the message history
+    session.confirm = PromptSession(input=input, output=output, history=InMemoryHistory()).prompt
     print_banner(session)
     while True:
         try:
@@ -94,7 +96,8 @@ class SlashCompleter(Completer):
         # WORD=True: "/" is part of the word, so "/sa" completes to "/save"
         self.names = WordCompleter(list(COMMANDS), WORD=True)
         nested: dict[str, Any] = {name: None for name in COMMANDS}
-        nested["/set"] = {name: None for name in SETTING_NAMES}
+        nested["/set"] = {name: None for name in SET_KEYS}
+        nested["/set"]["approve"] = {"auto": None, "ask": None}
         nested["/model"] = {name: None for name in models}
         nested["/save"] = nested["/load"] = PathCompleter(expanduser=True)
         self.arguments = NestedCompleter.from_nested_dict(nested)
@@ -121,3 +124,8 @@ def print_banner(session: ChatSession) -> None:
                                 ("  " + session.backend.label, "dim")))
     console.print(Text("/help for commands · Esc-Enter for a new line · Ctrl-C cancels a reply · Ctrl-D exits",
                        style="dim"))
+    if session.tools is not None:
+        approve = "run without asking" if session.auto_approve else "ask before each call"
+        console.print(Text(f"MCP: {plural(len(session.tools.tools), 'tool')} from "
+                           f"{plural(len(session.tools.status()), 'server')} ({approve}) · /tools lists them",
+                           style="dim"))

@@ -1,18 +1,25 @@
 """One chat: send a turn, stream its reply to the screen, keep the conversation and the statistics.
-A failed turn is one red line and the chat goes on; Ctrl-C while a reply streams cancels just that reply."""
+A failed turn is one red line and the chat goes on; Ctrl-C while a reply streams cancels just that reply.
+With MCP tools, a reply that ends in tool calls has them run (agent.py) and the model is asked again."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.text import Text
 
-from tfserve.chat.client import ChatBackend, ChatError, ReplyStats
+from tfserve.chat.agent import MAX_TOOL_ROUNDS, run_tool_calls
+from tfserve.chat.client import ChatBackend, ChatError, Reply, ReplyStats
 from tfserve.chat.conversation import Conversation, Settings
 from tfserve.chat.render import LiveReply, PlainReply, TurnStats, footer
+
+if TYPE_CHECKING:
+    from tfserve.chat.mcp_tools import McpToolbox
 
 
 @dataclass(slots=True)
@@ -40,11 +47,13 @@ class SessionStats:
 
 class ChatSession:
     """A conversation with `backend`. Replies go to `console` (markdown when it is a terminal) or, with
-    `plain=True`, as bare text to stdout; errors go to `error_console`."""
+    `plain=True`, as bare text to stdout; errors go to `error_console`. With `tools` (MCP servers) every request
+    offers them; a call runs once `confirm` (the REPL's prompt) says yes, or at once with `auto_approve`."""
 
     def __init__(self, backend: ChatBackend, console: Console, *, conversation: Conversation | None = None,
                  settings: Settings | None = None, plain: bool = False, markdown: bool = True,
-                 error_console: Console | None = None) -> None:
+                 error_console: Console | None = None, tools: McpToolbox | None = None,
+                 auto_approve: bool = False) -> None:
         self.backend = backend
         self.console = console
         self.error_console = error_console or console
@@ -55,6 +64,9 @@ class ChatSession:
         self.stats = SessionStats()
         self.last_turn: TurnStats | None = None
         self.unanswered: str | None = None  # a message whose turn failed before any text, for /retry
+        self.tools = tools
+        self.auto_approve = auto_approve  # run tool calls without asking (--yes, /set approve auto)
+        self.confirm: Callable[[str], str] | None = None  # asks the user a question; None: nobody to ask (pipes)
 
     def ask(self, text: str) -> bool:
         """Send `text` as the user's turn and stream the answer. False when the turn failed."""
@@ -76,7 +88,25 @@ class ChatSession:
         self.error_console.print(Text.assemble(("Error: ", "bold red"), (message, "red")), soft_wrap=True)
 
     def _answer(self, text: str) -> bool:
+        """Stream the reply; while it ends in tool calls, run them and stream the next one."""
         self.unanswered = None
+        question: str | None = text
+        for _ in range(MAX_TOOL_ROUNDS):
+            calls, ok = self._reply(question)
+            if not ok or not calls:
+                return ok
+            question = None
+            results, go_on = run_tool_calls(self, calls)
+            self.conversation.turns.extend(results)
+            if not go_on:
+                return False
+        self.console.print(Text(f"Stopped after {MAX_TOOL_ROUNDS} rounds of tool calls; send a message (\"go on\") "
+                                "to let the model continue.", style="yellow"), soft_wrap=True)
+        return True
+
+    def _reply(self, question: str | None) -> tuple[list[dict[str, Any]], bool]:
+        """One request: stream its reply and keep it (a cut-off one as far as it got). Returns the tool calls it
+        ended with, and False when it failed or was cancelled. `question`: the user's message, on the first."""
         start = time.perf_counter()
         first = last = None
         num_deltas = 0  # one per token from tfserve and most servers: the count when no usage arrives
@@ -84,7 +114,7 @@ class ChatSession:
         view = PlainReply(sys.stdout) if self.plain else LiveReply(self.console, self.markdown)
         with view:
             try:
-                reply = self.backend.stream(self.conversation.messages(), self.settings)
+                reply = self._stream()
                 for delta in reply:
                     last = time.perf_counter()
                     first = first or last
@@ -97,16 +127,19 @@ class ChatSession:
             finally:
                 if reply is not None:
                     reply.close()  # after Ctrl-C or an error: the server aborts the request
-        if view.text:
-            self.conversation.add("assistant", view.text)  # a cut-off reply is kept as far as it got
-        else:
+        stats = reply.stats if reply is not None else ReplyStats()
+        # calls of a reply that did not end whole are dropped: a call is kept only with its result
+        calls = list(stats.tool_calls) if self.tools is not None and not cancelled and failure is None else []
+        if view.text or calls:
+            extra = {"tool_calls": calls} if calls else {}
+            self.conversation.add("assistant", view.text or None, **extra)
+        elif question is not None:
             self.conversation.turns.pop()  # nothing came back: the question waits for /retry
-            self.unanswered = text
+            self.unanswered = question
         if failure is not None:
             self.stats.num_errors += 1
             self.error(str(failure))
-            return False
-        stats = reply.stats if reply is not None else ReplyStats()
+            return [], False
         turn = TurnStats(stats.num_completion_tokens or num_deltas, None if first is None else first - start,
                          (last or time.perf_counter()) - start, cancelled)
         num_prompt_tokens = stats.num_prompt_tokens
@@ -114,4 +147,10 @@ class ChatSession:
         self.last_turn = turn
         if not self.plain:
             self.console.print(footer(turn), highlight=False)
-        return not cancelled
+        return calls, not cancelled
+
+    def _stream(self) -> Reply:
+        messages = self.conversation.messages()
+        if self.tools is None:
+            return self.backend.stream(messages, self.settings)
+        return self.backend.stream(messages, self.settings, self.tools.openai_tools())

@@ -3,7 +3,9 @@ in-process. torch, transformers and the openai SDK are imported inside the comma
 
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,6 +15,7 @@ from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt
                                  QuantizationOpt, TrustRemoteCodeOpt)
 
 GENERATION = "Generation"
+TOOLS = "MCP tools"
 
 
 def chat(
@@ -39,6 +42,16 @@ def chat(
                                              rich_help_panel=GENERATION)] = None,
     no_markdown: Annotated[bool, typer.Option("--no-markdown", help="Show replies as plain text, not markdown.",
                                               rich_help_panel=GENERATION)] = False,
+    mcp_config: Annotated[Path | None, typer.Option(
+        "--mcp-config", metavar="FILE", show_default=False, rich_help_panel=TOOLS,
+        help="MCP servers whose tools the model may call: a JSON file in Claude Desktop's mcpServers format. "
+             "Each call is shown and asked about first; /tools lists them.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", rich_help_panel=TOOLS,
+                                      help="Run tool calls without asking (/set approve auto|ask changes it). "
+                                           "With piped input, tools run only with --yes.")] = False,
+    mcp_timeout: Annotated[float, typer.Option(
+        min=0.001, metavar="SECONDS", rich_help_panel=TOOLS,
+        help="A tool call running longer fails (an error panel, and an error the model reads).")] = 60.0,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
     quantization: QuantizationOpt = Quantization.none,
@@ -47,8 +60,11 @@ def chat(
 ) -> None:
     """Chat with a model: replies stream as markdown, with tokens, tok/s and time to first token after each.
 
-    Type /help in the chat for its commands (/system, /set, /retry, /save, /load, /models, /stats...).
+    Type /help in the chat for its commands (/system, /set, /retry, /save, /stats, /tools...).
     With stdin from a pipe, each line is one message and the answers are printed as plain text.
+
+    With --mcp-config, the model may call the tools of MCP servers: each call is shown and runs once
+    you say y (a: always; --yes never asks); the model then answers with the results.
 
     [bold]Examples[/bold]
 
@@ -57,6 +73,7 @@ def chat(
       tfserve chat -m ./my-hf-model --temperature 0 --system 'Answer briefly.'
       tfserve chat https://api.example.com/v1 -m some-model --api-key KEY
       echo 'Name three colours.' | tfserve chat 8000 --max-tokens 50
+      tfserve chat 8000 --mcp-config ~/mcp.json  # tools from MCP servers (Claude Desktop's format)
     """
     from tfserve.chat.conversation import Conversation, Settings
     from tfserve.chat.session import ChatSession
@@ -67,6 +84,7 @@ def chat(
     except ValueError as exc:
         name, _, why = str(exc).partition(" ")
         raise typer.BadParameter(why, param_hint=f"--{name.replace('_', '-')}") from None
+    mcp_servers = _load_mcp_config(mcp_config) if mcp_config is not None else None
     if url is not None:
         from tfserve.chat.client import RemoteBackend
 
@@ -76,15 +94,24 @@ def chat(
                         "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
         backend = load_local(model or DEFAULT_MODEL, load_options)
     piped = not sys.stdin.isatty()
-    session = ChatSession(backend, err_console if piped else console, conversation=Conversation(system=system),
-                          settings=settings, plain=piped, markdown=not no_markdown)
+    toolbox, warnings = None, None
     try:
+        if mcp_servers is not None:
+            warnings = _WarningLines.install()
+            toolbox = _start_mcp(mcp_servers, mcp_timeout)
+        session = ChatSession(backend, err_console if piped else console, conversation=Conversation(system=system),
+                              settings=settings, plain=piped, markdown=not no_markdown, tools=toolbox,
+                              auto_approve=yes)
         if piped:
             raise typer.Exit(_run_piped(session))
         from tfserve.chat.repl import run_repl
 
         run_repl(session)
     finally:
+        if toolbox is not None:
+            toolbox.close()  # stdio servers stop with the chat, however it ends
+        if warnings is not None:
+            warnings.remove()
         backend.close()
 
 
@@ -95,6 +122,71 @@ def load_local(spec: str, load_options: dict):
 
     async_engine = load_engine(spec, load_options)
     return LocalBackend(async_engine.manager, async_engine.engine.model_name)
+
+
+def _load_mcp_config(path: Path) -> dict:
+    """The config's servers; a bad file is one line (ChatError) before anything starts."""
+    from tfserve.chat.client import ChatError
+    from tfserve.mcp.config import load_mcp_config
+
+    try:
+        return load_mcp_config(path.expanduser())
+    except ValueError as exc:
+        raise ChatError(f"--mcp-config: {exc}") from None
+
+
+def _start_mcp(configs: dict, timeout_s: float):
+    """Start the servers; one that fails is a warning line (its tools are missing, the others work)."""
+    from tfserve.chat.mcp_tools import McpToolbox
+
+    toolbox = McpToolbox(configs, timeout_s=timeout_s, errlog=_stderr_file())
+    try:
+        toolbox.start()
+    except BaseException:
+        toolbox.close()
+        raise
+    return toolbox
+
+
+class _WarningLines(logging.Handler):
+    """While the chat runs, MCP warnings (a server that failed to start, or was restarted) are yellow lines on
+    stderr, instead of bare log lines."""
+
+    LOGGERS = ("tfserve.mcp", "tfserve.chat")
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.propagates: dict[str, bool] = {}  # each logger's own setting, put back by remove()
+
+    @classmethod
+    def install(cls) -> _WarningLines:
+        handler = cls()
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            handler.propagates[name] = logger.propagate
+            logger.addHandler(handler)
+            logger.propagate = False
+        return handler
+
+    def remove(self) -> None:
+        for name, propagate in self.propagates.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self)
+            logger.propagate = propagate
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tfserve.cli.output import warn
+
+        warn(record.getMessage())
+
+
+def _stderr_file():
+    """Where stdio MCP servers' stderr goes: ours, or the process's own when ours has no file descriptor."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
 
 
 def _run_piped(session) -> int:
