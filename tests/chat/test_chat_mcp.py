@@ -164,6 +164,14 @@ def test_a_call_runs_after_y_and_its_result_goes_back_to_the_model(fake, console
     assert session.conversation.turns[-1]["content"] == "The sum is 3345."
 
 
+def test_set_tool_choice_required_forces_the_first_reply_of_a_message_only(fake, console, toolbox):
+    server = fake([ADD], "The sum is 3345.", "Hello.")
+    session = chat(server, console, toolbox, auto_approve=True)
+    out = run_keys(session, "/set tool_choice required\radd them\rhi\r/set tool_choice sometimes\r/exit\r")
+    assert [r.get("tool_choice") for r in server.requests] == ["required", None, "required"]
+    assert "tool_choice = required" in out and "tool_choice is one of auto, required, none" in out
+
+
 def test_n_declines_and_the_model_is_told(fake, console, toolbox):
     server = fake([ADD], "As you wish.")
     out = run_keys(chat(server, console, toolbox), "add them\rn\r/exit\r")
@@ -292,7 +300,7 @@ def test_ctrl_c_while_calls_stream_keeps_the_text_and_drops_the_calls(console, t
         def list_models(self):
             return ["scripted"]
 
-        def stream(self, messages, settings, tools=None):
+        def stream(self, messages, settings, tools=None, tool_choice="auto"):
             class Reply:
                 stats = ReplyStats(tool_calls=[{"id": "c", "type": "function",
                                                 "function": {"name": "add", "arguments": '{"a": 1'}}])

@@ -66,8 +66,10 @@ class ChatBackend(Protocol):
 
     def list_models(self) -> list[str]: ...
 
-    def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None) -> Reply:
-        """Start a reply to `messages`; `tools` (OpenAI function tools) are offered only when given."""
+    def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None,
+               tool_choice: str = "auto") -> Reply:
+        """Start a reply to `messages`; `tools` (OpenAI function tools) are offered only when given, with
+        `tool_choice` (auto, required, none)."""
         ...
 
     def close(self) -> None: ...
@@ -129,12 +131,15 @@ class RemoteBackend:
     def unreachable_message(self) -> str:
         return f"cannot reach {self.url} — is `tfserve serve` running?"
 
-    def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None) -> Reply:
+    def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None,
+               tool_choice: str = "auto") -> Reply:
         import openai
 
         kwargs = settings.sampling_kwargs()
         if tools:
             kwargs["tools"] = tools
+            if tool_choice != "auto":
+                kwargs["tool_choice"] = tool_choice
         capped = settings.max_tokens is None
         if capped:
             kwargs["max_tokens"] = DEFAULT_MAX_TOKENS

@@ -27,7 +27,9 @@ class Command:
 
 COMMANDS: dict[str, Command] = {}
 SETTING_NAMES = [f.name for f in fields(Settings)]
-SET_KEYS = [*SETTING_NAMES, "approve"]  # approve: how MCP tool calls are approved (ask | auto)
+# approve: how MCP tool calls are approved (ask | auto); tool_choice: what the first request of a message asks
+SET_KEYS = [*SETTING_NAMES, "approve", "tool_choice"]
+TOOL_CHOICES = ("auto", "required", "none")
 
 
 def plural(count: int, noun: str) -> str:
@@ -88,7 +90,8 @@ def _system(session: ChatSession, arg: str) -> bool:
 
 
 @command("/set KEY VALUE", f"change a setting ({', '.join(SETTING_NAMES)}); VALUE none unsets it; "
-                          "/set approve auto|ask: run MCP tools without asking, or ask first")
+                          "/set approve auto|ask: run MCP tools without asking, or ask first; "
+                          "/set tool_choice auto|required|none: whether a message's first reply must call a tool")
 def _set(session: ChatSession, arg: str) -> bool:
     key, _, value = arg.partition(" ")
     if not key or not value.strip():
@@ -96,6 +99,8 @@ def _set(session: ChatSession, arg: str) -> bool:
         return True
     if key == "approve":
         return _set_approve(session, value.strip().lower())
+    if key == "tool_choice":
+        return _set_tool_choice(session, value.strip().lower())
     try:
         session.settings = session.settings.set(key, value.strip())
     except ValueError as exc:
@@ -114,6 +119,16 @@ def _set_approve(session: ChatSession, value: str) -> bool:
     return True
 
 
+def _set_tool_choice(session: ChatSession, value: str) -> bool:
+    if value not in TOOL_CHOICES:
+        session.error(f"tool_choice is one of {', '.join(TOOL_CHOICES)} (got {value!r})")
+        return True
+    session.tool_choice = value
+    note = " (the first reply of each message calls a tool; small models need it)" if value == "required" else ""
+    session.console.print(Text(f"tool_choice = {value}{note}", style="dim"))
+    return True
+
+
 @command("/settings", "show the model, the system prompt and the sampling settings")
 def _settings(session: ChatSession, arg: str) -> bool:
     table = Table.grid(padding=(0, 2))
@@ -123,6 +138,7 @@ def _settings(session: ChatSession, arg: str) -> bool:
         table.add_row(key, "[dim]default[/]" if value is None else str(value))
     if session.tools is not None:
         table.add_row("approve", "auto" if session.auto_approve else "ask")
+        table.add_row("tool_choice", session.tool_choice)
     session.console.print(table)
     return True
 

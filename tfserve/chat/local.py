@@ -33,7 +33,9 @@ class LocalBackend:
         return [self.model]
 
     def stream(self, messages: list[dict[str, Any]], settings: Settings,
-               tools: list[dict] | None = None) -> _LocalReply:
+               tools: list[dict] | None = None, tool_choice: str = "auto") -> _LocalReply:
+        # in-process the model is offered the tools and chooses ("required" is enforced by a server's grammar)
+        tools = None if tool_choice == "none" else tools
         prompt_ids = self._render([_template_message(m) for m in messages], tools or None)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:  # the model's generation_config fills what the settings leave out, as the server does

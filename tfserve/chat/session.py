@@ -66,6 +66,7 @@ class ChatSession:
         self.unanswered: str | None = None  # a message whose turn failed before any text, for /retry
         self.tools = tools
         self.auto_approve = auto_approve  # run tool calls without asking (--yes, /set approve auto)
+        self.tool_choice = "auto"  # the first request of each message (/set tool_choice); later rounds: auto
         self.confirm: Callable[[str], str] | None = None  # asks the user a question; None: nobody to ask (pipes)
 
     def ask(self, text: str) -> bool:
@@ -114,7 +115,7 @@ class ChatSession:
         view = PlainReply(sys.stdout) if self.plain else LiveReply(self.console, self.markdown)
         with view:
             try:
-                reply = self._stream()
+                reply = self._stream(first=question is not None)
                 for delta in reply:
                     last = time.perf_counter()
                     first = first or last
@@ -149,8 +150,9 @@ class ChatSession:
             self.console.print(footer(turn), highlight=False)
         return calls, not cancelled
 
-    def _stream(self) -> Reply:
+    def _stream(self, first: bool) -> Reply:
         messages = self.conversation.messages()
         if self.tools is None:
             return self.backend.stream(messages, self.settings)
-        return self.backend.stream(messages, self.settings, self.tools.openai_tools())
+        tool_choice = self.tool_choice if first else "auto"  # forced again after a result, it would never answer
+        return self.backend.stream(messages, self.settings, self.tools.openai_tools(), tool_choice)
