@@ -11,6 +11,7 @@ from typing import Any, Iterable
 from tfserve.config import EngineConfig
 from tfserve.engine.detokenizer import IncrementalDetokenizer
 from tfserve.engine.kv_cache import BlockPool
+from tfserve.engine.multimodal import VisionLanguage
 from tfserve.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -26,13 +27,18 @@ class Engine:
     """Continuous batching over a transformers causal LM: paged KV cache, prefix caching, chunked prefill,
     preemption, vectorised sampling. Not thread-safe: use `BatchingManager` (or `AsyncEngine`) to share it."""
 
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, processor: Any = None,
+                 **overrides: Any) -> None:
         """`config` (default: EngineConfig()) with any of its fields overridden by keyword, e.g.
-        `Engine(model, tokenizer, max_num_seqs=8)`; a bad value raises ValueError naming the field."""
+        `Engine(model, tokenizer, max_num_seqs=8)`; a bad value raises ValueError naming the field. A
+        vision-language model comes with its `processor` (images in prompts: `render_multimodal`)."""
         self.config = config = _with_overrides(config, overrides)
         self.model = model
         self.tokenizer = tokenizer
+        self.processor = processor
         self.runner = ModelRunner(model, config)
+        self.vision = VisionLanguage(model, processor) if processor is not None else None
+        self.runner.vision = self.vision
         self.block_pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs,
                                    config.num_speculative_tokens if config.speculative else 0)
@@ -83,7 +89,7 @@ class Engine:
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
         report("Allocating the KV cache")
-        engine = cls(loaded.model, loaded.tokenizer, config)
+        engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor)
         engine.model_name, engine.model_path = loaded.name, str(loaded.path)
         engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
         formats = getattr(engine.runner.forward, "weight_formats", {})
@@ -102,13 +108,29 @@ class Engine:
             self.enqueue(request)
         return [r.request_id for r in requests]
 
+    @property
+    def input_modalities(self) -> list[str]:
+        return ["text", "image"] if self.vision is not None else ["text"]
+
+    def render_multimodal(self, messages: list[dict], images: list[Any], tools: list | None = None,
+                          template_kwargs: dict[str, Any] | None = None, **options: Any) -> tuple[list[int], Any]:
+        """A conversation with images (`{"type": "image"}` content parts, `images` in their order) -> the prompt
+        ids with each image's tokens expanded, and the `MultiModalInput` to pass to `make_requests(mm=...)`.
+        ValueError for a model without a vision side, or images that do not fit it."""
+        if self.vision is None:
+            raise ValueError(f"the model {self.model_name} does not take images")
+        return self.vision.render(messages, images, tools, template_kwargs, **options)
+
     def make_requests(self, prompt: list[int] | str, params: SamplingParams | Any | None = None,
-                      request_id: str | None = None) -> list[Request]:
+                      request_id: str | None = None, mm: Any = None) -> list[Request]:
         """Validate a prompt and build its requests without queueing them. Reads only immutable engine
-        state, so other threads may call it while the engine steps."""
+        state, so other threads may call it while the engine steps. `mm`: the prompt's images, from
+        `render_multimodal`."""
         params = _as_sampling_params(params)
         prompt_ids = self._encode(prompt)
         self._validate(prompt_ids, params)
+        if mm is not None and self.vision is None:
+            raise ValueError(f"the model {self.model_name} does not take images")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if params.n == 1:
             children = [(request_id, params)]
@@ -120,7 +142,7 @@ class Engine:
                 raise ValueError(f"request_id {child_id!r} is already in use")
         requests = []
         for child_id, child_params in children:
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, mm=mm)
             if child_params.grammar is not None:  # compiled once, here, off the step loop
                 request.matcher = self.structured.matcher(child_params.grammar)
             if self.tokenizer is not None:

@@ -2,8 +2,8 @@
 
 No torch here: this is bookkeeping over block ids. The tensors live in the runner.
 
-A full block is named by the hash of (its parent block's hash, its token ids), so equal prefixes give
-equal chains of hashes and share blocks. Blocks are ref-counted; a block nobody holds goes to the free
+A full block is named by the hash of (its parent block's hash, its token ids, the keys of the images whose
+tokens it holds), so equal prefixes give equal chains of hashes and share blocks. Blocks are ref-counted; a block nobody holds goes to the free
 list, where a cached one keeps its hash (and can be hit again) until it is evicted for reuse. Blocks with
 no hash are reused first, cached ones least-recently-freed first.
 """
@@ -64,7 +64,10 @@ class BlockPool:
         hashes = request.block_hashes
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_tokens // size):
-            parent = hash((parent, tuple(request.token_ids[i * size : (i + 1) * size])))
+            tokens = tuple(request.token_ids[i * size : (i + 1) * size])
+            # image tokens are all one id: the block is named by the images it holds too
+            images = request.mm.keys_in(i * size, (i + 1) * size) if request.mm is not None else ()
+            parent = hash((parent, tokens, images)) if images else hash((parent, tokens))
             hashes.append(parent)
 
     def find_cached_prefix(self, request: Request) -> list[int]:

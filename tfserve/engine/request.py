@@ -50,12 +50,14 @@ class Request:
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
         "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids", "matcher",
-        "prompt_logprobs",
+        "prompt_logprobs", "mm",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
+                 mm: Any = None) -> None:
         self.request_id = request_id
+        self.mm = mm  # engine.multimodal.MultiModalInput: the prompt's images, or None
         self._prompt_token_ids = list(prompt_token_ids)  # shared by every output, never copied per token
         self.token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []  # this step's proposals (speculative decoding), not yet tokens

@@ -8,6 +8,8 @@ business (engine/backends), picked once here from the EngineConfig.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
@@ -44,11 +46,16 @@ class ModelRunner:
         loaded_with = getattr(model.config, "_attn_implementation", None)
         self.flash_attention = loaded_with == attention.FLASH_ATTN_IMPLEMENTATION
         attention.register()
-        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+        sub_configs = getattr(model.config, "sub_configs", {}) or {}
+        if "vision_config" in sub_configs and "text_config" in sub_configs:  # the vision tower keeps its own
+            model.set_attn_implementation({"text_config": attention.ATTN_IMPLEMENTATION})
+        else:
+            model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
         self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, self.cpu_ops)
         self.forward = select_backend(model, config, self.cpu_ops)
+        self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
 
     @property
     def block_bytes(self) -> int:
@@ -86,6 +93,8 @@ class ModelRunner:
         verify_index: list[int] = []
         scored: list[tuple[Request, range]] = []  # prompt logprobs: each request's positions to score
         score_index: list[int] = []
+        image_rows: list[int] = []  # packed indices of image tokens, and the encoder rows that fill them
+        image_features: list[tuple[Any, list[int]]] = []
         size = self.block_size
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             start = request.num_computed_tokens
@@ -94,6 +103,12 @@ class ModelRunner:
             if to_score:  # packed index of position p: where this request's tokens begin, plus p - start
                 scored.append((request, to_score))
                 score_index.extend(len(input_ids) + p - start for p in to_score)
+            if request.mm is not None and start < request.num_prompt_tokens:  # a prefill chunk: its image rows
+                for image in request.mm.images:
+                    rows = image.rows_in(start, end)
+                    if rows:
+                        image_rows.extend(len(input_ids) + p - start for p, _ in rows)
+                        image_features.append((image, [row for _, row in rows]))
             if request.spec_token_ids:  # the last token, then the proposals: every position is checked
                 input_ids.extend(request.token_ids[start:] + request.spec_token_ids)
                 verify.append((request, len(verify_index), num_new))
@@ -126,7 +141,11 @@ class ModelRunner:
         positions = torch.tensor(positions, device=device)
         sample_index = torch.tensor(sample_index + verify_index + score_index, dtype=torch.long, device=device)
         try:
-            logits = self.forward(input_ids, positions, sample_index)
+            if image_rows:  # the token embeddings with the images' encoder rows in place
+                embeds = self.vision.embed(input_ids, image_rows, image_features)
+                logits = self.forward(input_ids, positions, sample_index, inputs_embeds=embeds)
+            else:
+                logits = self.forward(input_ids, positions, sample_index)
         finally:
             attention.set_metadata(None)
         num_samples, num_checks = len(samplers), len(verify_index)

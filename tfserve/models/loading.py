@@ -44,6 +44,7 @@ class LoadedModel:
     device: str  # "cpu", "cuda:0", ...
     dtype: Any  # torch.dtype of the weights (compute dtype when quantized)
     quantization: str = "none"
+    processor: Any = None  # a vision-language model's AutoProcessor (images in prompts); None for text models
 
 
 def resolve_model(spec: str) -> ResolvedModel:
@@ -105,7 +106,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         raise DeviceError(f"--quantization {quantization} cannot re-quantize a .gguf file; "
                           "load it with --quantization none, or convert it to an HF directory first")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     source, tok_kwargs = str(resolved.path), {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if resolved.kind == "gguf":
@@ -115,8 +116,14 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         progress(f"Loading {resolved.name}")
     try:
         with hf_progress_bars(enabled=progress is None):
-            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            processor = None
+            if resolved.kind != "gguf" and _is_vision_language(AutoConfig.from_pretrained(source, **tok_kwargs)):
+                processor = AutoProcessor.from_pretrained(source, **tok_kwargs)
+                tokenizer = processor.tokenizer
+                model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {first_line(exc)}") from None
     if quantization == "none":
@@ -125,7 +132,15 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     known = get_known(resolved.name) if resolved.kind == "store" else None
     if known is not None:  # a store model converted before its recommended sampling was written
         recommend_sampling(model.generation_config, known.sampling)
-    return LoadedModel(model, tokenizer, resolved.name, resolved.path, str(device), torch_dtype, quantization)
+    return LoadedModel(model, tokenizer, resolved.name, resolved.path, str(device), torch_dtype, quantization,
+                       processor)
+
+
+def _is_vision_language(config: Any) -> bool:
+    """An image-text-to-text model (a vision tower next to its language model), loaded with its processor."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return hasattr(config, "vision_config") and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def resolve_device(device: str = "auto") -> str:

@@ -14,7 +14,12 @@ class HFForward:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; logits_index: [num_samples] -> logits [num_samples, vocab]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; logits_index: [num_samples] -> logits [num_samples, vocab].
+        `inputs_embeds` [num_tokens, hidden] replace the token embeddings (a vision-language model's images)."""
+        if inputs_embeds is not None:
+            return self.model(inputs_embeds=inputs_embeds[None], position_ids=positions[None],
+                              logits_to_keep=logits_index, use_cache=False).logits[0]
         return self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=logits_index,
                           use_cache=False).logits[0]

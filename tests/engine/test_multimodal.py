@@ -1,0 +1,183 @@
+"""Images through the engine on a tiny random-weight LLaVA with a real processor: greedy tokens identical to the
+model's own `generate` on the same pixels — one image, several, next to text-only requests, with chunked prefill
+cutting through the image tokens, with preemption — and the prefix cache keyed by image content."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_vlm import build_llava, build_llava_processor, image_message, picture
+
+from tfserve.engine.engine import Engine
+from tfserve.engine.multimodal import EncoderCache, ImageInput, MultiModalInput
+from tfserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_llava_processor()
+
+
+@pytest.fixture(scope="module")
+def reference(processor):
+    """The same weights as every engine's model (seed 0), left to transformers' own generate."""
+    return build_llava(processor)
+
+
+def make_engine(processor, **config):
+    return Engine(build_llava(processor), processor.tokenizer, processor=processor,
+                  **{"num_blocks": 64, "block_size": 8, **config})
+
+
+def expected(reference, processor, messages, images, max_new_tokens=8) -> list[int]:
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = reference.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def run(engine, prompts) -> list:
+    """Queue every (messages, images) at once; step until all finish; final outputs in order."""
+    ids = []
+    for messages, images in prompts:
+        if images:
+            prompt_ids, mm = engine.render_multimodal(messages, images)
+        else:
+            prompt_ids, mm = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                  tokenize=True, return_dict=True)["input_ids"], None
+        for request in engine.make_requests(prompt_ids, GREEDY, mm=mm):
+            engine.enqueue(request)
+            ids.append(request.request_id)
+    results = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    return [results[i].generated_tokens for i in ids]
+
+
+PROMPTS = [
+    (image_message("What is this?"), [picture(1)]),
+    (image_message("Compare them.", 2), [picture(2), picture(3, (64, 32))]),
+    ([{"role": "user", "content": "No picture here."}], []),
+    (image_message("And this one?"), [picture(4, (20, 80))]),
+]
+
+
+def test_render_expands_each_image_into_its_tokens(processor):
+    engine = make_engine(processor)
+    prompt_ids, mm = engine.render_multimodal(*PROMPTS[1])
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert prompt_ids.count(image_id) == 32 and [image.num_tokens for image in mm.images] == [16, 16]
+    first, second = mm.images
+    assert all(prompt_ids[p] == image_id for s, e in first.spans + second.spans for p in range(s, e))
+    assert first.spans[0][1] <= second.spans[0][0] and first.key != second.key
+    assert engine.render_multimodal(*PROMPTS[0])[1].images[0].key == engine.render_multimodal(
+        image_message("Other words."), [picture(1)])[1].images[0].key  # the key is the image's, not the text's
+
+
+@pytest.mark.parametrize("config", [{}, {"max_batch_tokens": 6}], ids=["whole", "chunked-through-images"])
+def test_greedy_tokens_match_generate_in_a_mixed_batch(processor, reference, config):
+    engine = make_engine(processor, **config)
+    got = run(engine, PROMPTS)
+    for (messages, images), tokens in zip(PROMPTS, got):
+        assert tokens == expected(reference, processor, messages, images), messages
+    assert engine.vision.cache.num_encoded == 4  # each image once
+
+
+def test_preemption_recomputes_without_encoding_again(processor, reference):
+    engine = make_engine(processor, num_blocks=14, block_size=4, max_batch_tokens=16)
+    prompts = [(image_message(f"Picture {i}?"), [picture(10 + i)]) for i in range(4)]
+    got = run(engine, prompts)
+    assert engine.scheduler.num_preemptions > 0
+    for (messages, images), tokens in zip(prompts, got):
+        assert tokens == expected(reference, processor, messages, images)
+    assert engine.vision.cache.num_encoded == 4  # recomputes took their features from the encoder cache
+
+
+def test_the_prefix_cache_hits_on_the_same_image_and_misses_on_another(processor, reference):
+    engine = make_engine(processor)
+    messages = image_message("Describe the picture in detail.")
+    first = run(engine, [(messages, [picture(5)])])
+    hits = engine.block_pool.stats.num_hit_tokens
+    again = run(engine, [(messages, [picture(5)])])
+    assert again == first and engine.block_pool.stats.num_hit_tokens - hits >= 16  # the image's blocks reused
+    hits = engine.block_pool.stats.num_hit_tokens
+    other = run(engine, [(messages, [picture(6)])])
+    prompt_ids, mm = engine.render_multimodal(messages, [picture(6)])
+    first_image_block = mm.images[0].spans[0][0] // engine.block_pool.block_size
+    assert engine.block_pool.stats.num_hit_tokens - hits <= first_image_block * engine.block_pool.block_size
+    assert other == [expected(reference, processor, messages, [picture(6)])]
+
+
+def test_images_that_do_not_fit_are_value_errors(processor):
+    engine = make_engine(processor)
+    with pytest.raises(ValueError):  # more images than placeholders: the processor or our count says so
+        engine.render_multimodal(image_message("One placeholder."), [picture(1), picture(2)])
+
+
+def test_a_text_model_refuses_images(text_tokenizer):
+    from tiny import build_llama
+
+    engine = Engine(build_llama(text_tokenizer), text_tokenizer, num_blocks=16)
+    assert engine.input_modalities == ["text"]
+    mm = MultiModalInput((ImageInput(((0, 2),), "k", {}),))
+    with pytest.raises(ValueError, match="does not take images"):
+        engine.make_requests([1, 2, 3], GREEDY, mm=mm)
+    with pytest.raises(ValueError, match="does not take images"):
+        engine.render_multimodal(image_message("x"), [picture(1)])
+
+
+@pytest.fixture(scope="module")
+def text_tokenizer():
+    from tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+def test_block_hashes_name_the_images_a_block_holds():
+    from tfserve.engine.kv_cache import BlockPool
+    from tfserve.engine.request import Request
+
+    def hashes(key):
+        request = Request("r", list(range(12)), GREEDY, mm=MultiModalInput((ImageInput(((4, 8),), key, {}),)))
+        pool = BlockPool(8, 4)
+        pool._hash_full_blocks(request, 12)
+        return request.block_hashes
+
+    text = Request("t", list(range(12)), GREEDY)
+    BlockPool(8, 4)._hash_full_blocks(text, 12)
+    a, b = hashes("a"), hashes("b")
+    assert a[0] == b[0] == text.block_hashes[0]  # before the image: plain text blocks
+    assert a[1] != b[1] and a[2] != b[2] and a[1] != text.block_hashes[1]
+
+
+def test_encoder_cache_drops_the_least_recently_used():
+    row = torch.zeros(4, 8)  # 128 bytes
+    cache = EncoderCache(max_bytes=300)
+    cache.put("a", row)
+    cache.put("b", row.clone())
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("c", row.clone())
+    assert cache.get("b") is None and cache.get("a") is not None and len(cache) == 2
+
+
+def test_image_rows_follow_their_spans():
+    image = ImageInput(((2, 4), (6, 9)), "k", {})
+    assert image.num_tokens == 5
+    assert image.rows_in(0, 100) == [(2, 0), (3, 1), (6, 2), (7, 3), (8, 4)]
+    assert image.rows_in(3, 7) == [(3, 1), (6, 2)]
+    assert MultiModalInput((image,)).keys_in(4, 6) == () and MultiModalInput((image,)).keys_in(4, 7) == ("k",)
+
+
+def test_a_vision_language_directory_loads_with_its_processor(processor, reference, tmp_path):
+    build_llava(processor).save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(str(tmp_path), num_blocks=64, block_size=8, cpu_kernels=False)
+    assert engine.input_modalities == ["text", "image"] and engine.processor is not None
+    assert type(engine.model).__name__ == "LlavaForConditionalGeneration"
+    assert run(engine, PROMPTS[:1]) == [expected(reference, processor, *PROMPTS[0])]

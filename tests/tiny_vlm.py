@@ -1,0 +1,58 @@
+"""Tiny random-weight vision-language models built in-process with real processors (no downloads), and the
+images they look at."""
+
+from __future__ import annotations
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_llava_processor():
+    """A LLaVA processor over the tests' tiny BPE tokenizer (+ an <image> token) and a CLIP image processor:
+    32x32 pixels, 8x8 patches, so 16 image tokens per image."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    from tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, chat_template=CHAT_TEMPLATE,
+                          vision_feature_select_strategy="default", image_token="<image>",
+                          num_additional_image_tokens=1)
+
+
+def build_llava(processor, seed: int = 0):
+    """A LLaVA (CLIP vision tower, Llama language model) with random weights, the same for the same seed."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None  # references run their full length, as ignore_eos does
+    return model
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 48)):
+    """A random RGB image."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def image_message(text: str, num_images: int = 1) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image"} for _ in range(num_images)),
+                                         {"type": "text", "text": text}]}]

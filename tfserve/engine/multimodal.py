@@ -1,0 +1,195 @@
+"""Images in the engine. The processor expands each image placeholder of a prompt into the model's image tokens;
+the vision encoder runs once per image, when a prefill first reaches its tokens (its output kept in an
+`EncoderCache`, so a preemption's recompute or the same image in another request does not encode again); its
+rows are scattered into the step's packed token embeddings, wherever a chunk of the prefill cuts. The prefix
+cache names a block by its token ids plus the keys of the images whose tokens it holds (kv_cache.py), so the
+same image reuses its KV and a different one never does. Text-only requests never reach this module."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# processor outputs that are the prompt, not the picture
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt: the positions of its image tokens (in order: row i of the encoder output goes to
+    the i-th), its content key, and what the vision encoder takes for it alone."""
+
+    spans: tuple[tuple[int, int], ...]  # [start, end) runs of prompt positions holding its image tokens
+    key: str  # content hash of the image (and of how it was processed)
+    pixel_inputs: dict[str, Any]  # the processor's tensors for this image alone (pixel_values, sizes...)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def rows_in(self, start: int, end: int) -> list[tuple[int, int]]:
+        """(prompt position, encoder row) of each of its tokens within [start, end)."""
+        rows, row = [], 0
+        for span_start, span_end in self.spans:
+            for position in range(max(start, span_start), min(end, span_end)):
+                rows.append((position, row + position - span_start))
+            row += span_end - span_start
+        return rows
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """The images of one prompt, in order."""
+
+    images: tuple[ImageInput, ...]
+
+    def keys_in(self, start: int, end: int) -> tuple[str, ...]:
+        """The keys of the images with tokens in prompt positions [start, end) (a block's extra hash)."""
+        return tuple(image.key for image in self.images
+                     if any(s < end and start < e for s, e in image.spans))
+
+
+class EncoderCache:
+    """Vision encoder outputs by image key, least recently used dropped past `max_bytes`."""
+
+    def __init__(self, max_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.num_encoded = 0  # images run through the encoder (a hit is not counted)
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def get(self, key: str) -> torch.Tensor | None:
+        features = self._entries.get(key)
+        if features is not None:
+            self._entries.move_to_end(key)
+        return features
+
+    def put(self, key: str, features: torch.Tensor) -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = features
+        self.num_bytes += features.numel() * features.element_size()
+        while self.num_bytes > self.max_bytes and len(self._entries) > 1:
+            _, dropped = self._entries.popitem(last=False)
+            self.num_bytes -= dropped.numel() * dropped.element_size()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def image_token_id(model: Any, processor: Any) -> int:
+    """The id of the token the model's image features replace."""
+    for owner in (model.config, processor):
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int):
+                return value
+    token = getattr(processor, "image_token", None)
+    if token is not None:
+        return processor.tokenizer.convert_tokens_to_ids(token)
+    raise ValueError(f"cannot tell the image token of {type(model).__name__}")
+
+
+class VisionLanguage:
+    """The image side of a vision-language model: prompts with images through its processor, and its vision
+    encoder. Families differ in how their processors lay image tokens out; the model's own `get_image_features`
+    (transformers' per-image `pooler_output`) hides how they encode."""
+
+    def __init__(self, model: Any, processor: Any, encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> None:
+        self.model, self.processor = model, processor
+        self.image_token_id = image_token_id(model, processor)
+        self.cache = EncoderCache(encoder_cache_bytes)
+        accepted = inspect.signature(model.get_image_features).parameters
+        self._takes_all = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        self._accepted = frozenset(accepted)
+
+    def render(self, messages: list[dict], images: list[Any], tools: list | None = None,
+               template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> tuple[list[int], MultiModalInput]:
+        """Messages whose content holds `{"type": "image"}` parts, and the images in their order (PIL images,
+        or objects with `.image` and `.sha256`) -> the prompt ids, image tokens expanded, and its images.
+        ValueError says what does not fit (a count that does not match, a template that fails)."""
+        pictures = [getattr(image, "image", image) for image in images]
+        text = self.processor.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
+        inputs = self.processor(text=[text], images=pictures or None, return_tensors="pt")
+        prompt_ids = inputs["input_ids"][0].tolist()
+        per_image = [self._one_image(picture, getattr(image, "sha256", None))
+                     for picture, image in zip(pictures, images)]
+        positions = [i for i, token in enumerate(prompt_ids) if token == self.image_token_id]
+        if len(positions) != sum(count for count, _, _ in per_image):
+            raise ValueError(f"the processor gave {len(positions)} image tokens for {len(images)} image(s), "
+                             f"where the images alone take {sum(c for c, _, _ in per_image)}")
+        spans, first = [], 0
+        for count, key, pixel_inputs in per_image:
+            spans.append(ImageInput(_runs(positions[first:first + count]), key, pixel_inputs))
+            first += count
+        return prompt_ids, MultiModalInput(tuple(spans))
+
+    def _one_image(self, picture: Any, sha256: str | None) -> tuple[int, str, dict[str, Any]]:
+        """An image through the processor alone: its image-token count, key and encoder inputs."""
+        token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        placeholder = getattr(self.processor, "image_token", None) or token
+        alone = self.processor(text=[placeholder], images=[picture], return_tensors="pt")
+        count = alone["input_ids"][0].tolist().count(self.image_token_id)
+        pixel_inputs = {k: v for k, v in alone.items() if k not in TEXT_KEYS}
+        digest = hashlib.sha256()
+        digest.update((sha256 or _pixel_hash(picture)).encode())
+        for name in sorted(pixel_inputs):  # how it was processed (size, crops) is part of what the KV holds
+            value = pixel_inputs[name]
+            digest.update(name.encode() + str(tuple(getattr(value, "shape", ()))).encode())
+        return count, digest.hexdigest(), pixel_inputs
+
+    @torch.inference_mode()
+    def features(self, image: ImageInput, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The image's encoder output, [num_tokens, hidden]: from the cache, or encoded now and kept."""
+        features = self.cache.get(image.key)
+        if features is None:
+            kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in image.pixel_inputs.items()
+                      if self._takes_all or k in self._accepted}
+            if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
+                kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
+            out = self.model.get_image_features(**kwargs, return_dict=True)
+            pooled = out.pooler_output
+            parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+            features = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]).to(dtype)
+            if features.shape[0] != image.num_tokens:
+                raise ValueError(f"the vision encoder gave {features.shape[0]} rows for {image.num_tokens} image tokens")
+            self.cache.put(image.key, features)
+            self.cache.num_encoded += 1
+        return features
+
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor, rows: list[int], images: list[tuple[ImageInput, list[int]]]
+              ) -> torch.Tensor:
+        """The step's token embeddings [num_tokens, hidden] with the images' encoder rows at packed `rows`."""
+        embeds = self.model.get_input_embeddings()(input_ids)
+        features = torch.cat([self.features(image, embeds.device, embeds.dtype)[encoder_rows]
+                              for image, encoder_rows in images])
+        embeds[torch.tensor(rows, device=embeds.device)] = features
+        return embeds
+
+
+def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1][1] += 1
+        else:
+            runs.append([position, position + 1])
+    return tuple((start, end) for start, end in runs)
+
+
+def _pixel_hash(picture: Any) -> str:
+    """sha256 of an image's decoded pixels (mode and size included)."""
+    digest = hashlib.sha256(f"{picture.mode}{picture.size}".encode())
+    digest.update(picture.tobytes())
+    return digest.hexdigest()
