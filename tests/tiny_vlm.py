@@ -44,6 +44,43 @@ def build_llava(processor, seed: int = 0):
     return model
 
 
+def build_idefics3_processor():
+    """An Idefics3 (SmolVLM) processor: 32x32 tiles (an image larger than a tile is split into tiles plus a
+    global view), 4 image tokens per tile."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    from tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<image>", "<fake_token_around_image>", "<global-img>"]})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                       do_image_splitting=True)
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=CHAT_TEMPLATE)
+
+
+def build_idefics3(processor, seed: int = 0):
+    """An Idefics3 (SigLIP-style vision tower, pixel-shuffle connector, Llama language model), random weights."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
+
+    tokenizer = processor.tokenizer
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+FAMILIES = {"llava": (build_llava_processor, build_llava), "idefics3": (build_idefics3_processor, build_idefics3)}
+
+
 def picture(seed: int, size: tuple[int, int] = (40, 48)):
     """A random RGB image."""
     import numpy as np

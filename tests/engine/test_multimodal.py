@@ -4,9 +4,11 @@ cutting through the image tokens, with preemption — and the prefix cache keyed
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from tiny_vlm import build_llava, build_llava_processor, image_message, picture
+from tiny_vlm import FAMILIES, image_message, picture
 
 from tfserve.engine.engine import Engine
 from tfserve.engine.multimodal import EncoderCache, ImageInput, MultiModalInput
@@ -15,27 +17,26 @@ from tfserve.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def processor():
-    return build_llava_processor()
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm(request):
+    """One family's processor, its model builder, and the reference model (seed 0, the engines' weights too),
+    left to transformers' own generate."""
+    make_processor, build = FAMILIES[request.param]
+    processor = make_processor()
+    return SimpleNamespace(processor=processor, build=build, reference=build(processor))
 
 
-@pytest.fixture(scope="module")
-def reference(processor):
-    """The same weights as every engine's model (seed 0), left to transformers' own generate."""
-    return build_llava(processor)
+def make_engine(vlm, **config):
+    return Engine(vlm.build(vlm.processor), vlm.processor.tokenizer, processor=vlm.processor,
+                  **{"num_blocks": 128, "block_size": 8, **config})
 
 
-def make_engine(processor, **config):
-    return Engine(build_llava(processor), processor.tokenizer, processor=processor,
-                  **{"num_blocks": 64, "block_size": 8, **config})
-
-
-def expected(reference, processor, messages, images, max_new_tokens=8) -> list[int]:
+def expected(vlm, messages, images, max_new_tokens=8) -> list[int]:
+    processor = vlm.processor
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
     with torch.inference_mode():
-        out = reference.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = vlm.reference.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
@@ -68,54 +69,58 @@ PROMPTS = [
 ]
 
 
-def test_render_expands_each_image_into_its_tokens(processor):
-    engine = make_engine(processor)
+def test_render_expands_each_image_into_its_tokens(vlm):
+    engine = make_engine(vlm)
     prompt_ids, mm = engine.render_multimodal(*PROMPTS[1])
-    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
-    assert prompt_ids.count(image_id) == 32 and [image.num_tokens for image in mm.images] == [16, 16]
+    image_id = engine.vision.image_token_id
     first, second = mm.images
+    assert prompt_ids.count(image_id) == first.num_tokens + second.num_tokens and first.num_tokens > 0
     assert all(prompt_ids[p] == image_id for s, e in first.spans + second.spans for p in range(s, e))
-    assert first.spans[0][1] <= second.spans[0][0] and first.key != second.key
+    assert first.spans[-1][1] <= second.spans[0][0] and first.key != second.key
     assert engine.render_multimodal(*PROMPTS[0])[1].images[0].key == engine.render_multimodal(
         image_message("Other words."), [picture(1)])[1].images[0].key  # the key is the image's, not the text's
 
 
 @pytest.mark.parametrize("config", [{}, {"max_batch_tokens": 6}], ids=["whole", "chunked-through-images"])
-def test_greedy_tokens_match_generate_in_a_mixed_batch(processor, reference, config):
-    engine = make_engine(processor, **config)
+def test_greedy_tokens_match_generate_in_a_mixed_batch(vlm, config):
+    engine = make_engine(vlm, **config)
     got = run(engine, PROMPTS)
     for (messages, images), tokens in zip(PROMPTS, got):
-        assert tokens == expected(reference, processor, messages, images), messages
+        assert tokens == expected(vlm, messages, images), messages
     assert engine.vision.cache.num_encoded == 4  # each image once
 
 
-def test_preemption_recomputes_without_encoding_again(processor, reference):
-    engine = make_engine(processor, num_blocks=14, block_size=4, max_batch_tokens=16)
+def test_preemption_recomputes_without_encoding_again(vlm):
     prompts = [(image_message(f"Picture {i}?"), [picture(10 + i)]) for i in range(4)]
+    longest = max(len(make_engine(vlm).render_multimodal(*p)[0]) for p in prompts)
+    block_size = 4
+    num_blocks = -(-(longest + GREEDY.max_tokens) // block_size) + 2  # one request fits, four do not
+    engine = make_engine(vlm, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=16)
     got = run(engine, prompts)
     assert engine.scheduler.num_preemptions > 0
     for (messages, images), tokens in zip(prompts, got):
-        assert tokens == expected(reference, processor, messages, images)
+        assert tokens == expected(vlm, messages, images)
     assert engine.vision.cache.num_encoded == 4  # recomputes took their features from the encoder cache
 
 
-def test_the_prefix_cache_hits_on_the_same_image_and_misses_on_another(processor, reference):
-    engine = make_engine(processor)
+def test_the_prefix_cache_hits_on_the_same_image_and_misses_on_another(vlm):
+    engine = make_engine(vlm)
+    size = engine.block_pool.block_size
     messages = image_message("Describe the picture in detail.")
+    _, mm = engine.render_multimodal(messages, [picture(5)])
+    image_start, image_end = mm.images[0].spans[0][0], mm.images[0].spans[-1][1]
     first = run(engine, [(messages, [picture(5)])])
     hits = engine.block_pool.stats.num_hit_tokens
     again = run(engine, [(messages, [picture(5)])])
-    assert again == first and engine.block_pool.stats.num_hit_tokens - hits >= 16  # the image's blocks reused
+    assert again == first and engine.block_pool.stats.num_hit_tokens - hits >= image_end // size * size
     hits = engine.block_pool.stats.num_hit_tokens
     other = run(engine, [(messages, [picture(6)])])
-    prompt_ids, mm = engine.render_multimodal(messages, [picture(6)])
-    first_image_block = mm.images[0].spans[0][0] // engine.block_pool.block_size
-    assert engine.block_pool.stats.num_hit_tokens - hits <= first_image_block * engine.block_pool.block_size
-    assert other == [expected(reference, processor, messages, [picture(6)])]
+    assert engine.block_pool.stats.num_hit_tokens - hits <= image_start // size * size  # nothing past the image
+    assert other == [expected(vlm, messages, [picture(6)])]
 
 
-def test_images_that_do_not_fit_are_value_errors(processor):
-    engine = make_engine(processor)
+def test_images_that_do_not_fit_are_value_errors(vlm):
+    engine = make_engine(vlm)
     with pytest.raises(ValueError):  # more images than placeholders: the processor or our count says so
         engine.render_multimodal(image_message("One placeholder."), [picture(1), picture(2)])
 
@@ -174,10 +179,10 @@ def test_image_rows_follow_their_spans():
     assert MultiModalInput((image,)).keys_in(4, 6) == () and MultiModalInput((image,)).keys_in(4, 7) == ("k",)
 
 
-def test_a_vision_language_directory_loads_with_its_processor(processor, reference, tmp_path):
-    build_llava(processor).save_pretrained(tmp_path)
-    processor.save_pretrained(tmp_path)
+def test_a_vision_language_directory_loads_with_its_processor(vlm, tmp_path):
+    vlm.build(vlm.processor).save_pretrained(tmp_path)
+    vlm.processor.save_pretrained(tmp_path)
     engine = Engine.from_pretrained(str(tmp_path), num_blocks=64, block_size=8, cpu_kernels=False)
     assert engine.input_modalities == ["text", "image"] and engine.processor is not None
-    assert type(engine.model).__name__ == "LlavaForConditionalGeneration"
-    assert run(engine, PROMPTS[:1]) == [expected(reference, processor, *PROMPTS[0])]
+    assert type(engine.model) is type(vlm.reference)
+    assert run(engine, PROMPTS[:1]) == [expected(vlm, *PROMPTS[0])]

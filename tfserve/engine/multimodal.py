@@ -119,7 +119,8 @@ class VisionLanguage:
         text = self.processor.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
-        inputs = self.processor(text=[text], images=pictures or None, return_tensors="pt")
+        # nested: the images of each text (Idefics3's processor wants it so; LLaVA's takes it too)
+        inputs = self.processor(text=[text], images=[pictures] if pictures else None, return_tensors="pt")
         prompt_ids = inputs["input_ids"][0].tolist()
         per_image = [self._one_image(picture, getattr(image, "sha256", None))
                      for picture, image in zip(pictures, images)]
@@ -137,7 +138,7 @@ class VisionLanguage:
         """An image through the processor alone: its image-token count, key and encoder inputs."""
         token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
         placeholder = getattr(self.processor, "image_token", None) or token
-        alone = self.processor(text=[placeholder], images=[picture], return_tensors="pt")
+        alone = self.processor(text=[placeholder], images=[[picture]], return_tensors="pt")
         count = alone["input_ids"][0].tolist().count(self.image_token_id)
         pixel_inputs = {k: v for k, v in alone.items() if k not in TEXT_KEYS}
         digest = hashlib.sha256()
