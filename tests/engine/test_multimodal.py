@@ -186,3 +186,8 @@ def test_a_vision_language_directory_loads_with_its_processor(vlm, tmp_path):
     assert engine.input_modalities == ["text", "image"] and engine.processor is not None
     assert type(engine.model) is type(vlm.reference)
     assert run(engine, PROMPTS[:1]) == [expected(vlm, *PROMPTS[0])]
+    from tfserve.models.store import model_info
+
+    info = model_info(str(tmp_path))
+    assert "2 layers" in info.vision_tower and "32 wide" in info.vision_tower
+    assert info.image_tokens.startswith(("16 per image", "4 per tile"))

@@ -103,7 +103,8 @@ def list_(as_json: JsonOpt = False) -> None:
 def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory or cached hub id.", metavar="NAME",
                                               autocompletion=_complete_model, show_default=False)],
          as_json: JsonOpt = False) -> None:
-    """Show architecture, layers, heads, context length, vocabulary, dtype, chat template and GGUF blocks.
+    """Show architecture, layers, heads, context length, vocabulary, dtype, chat template, GGUF blocks, and a
+    vision-language model's vision tower and image tokens.
 
     NAME is a store name, the path of a Hugging Face model directory, or a hub id in the local HF cache.
 
@@ -135,12 +136,16 @@ def info(name: Annotated[str, typer.Argument(help="Store name, HF model director
         ("Vocabulary", details.vocab_size),
         ("Dtype", details.dtype),
         ("Chat template", "yes" if details.has_chat_template else "no"),
+        ("Vision tower", details.vision_tower),
+        ("Image tokens", details.image_tokens),
         ("Size on disk", decimal(details.size_bytes)),
         ("GGUF blocks", "model.gguf (on CPU the engine runs its blocks; --dtype float32 expands them)"
          if details.gguf_file else None),
         ("Path", details.path),
     ]
     for label, value in rows:
+        if value is None and label in ("Vision tower", "Image tokens"):  # a text model
+            continue
         table.add_row(f"[bold]{label}[/]", "-" if value is None else str(value))
     console.print(table)
 

@@ -57,6 +57,8 @@ class ModelInfo:
     has_chat_template: bool
     path: str
     gguf_file: str | None = None  # the original GGUF kept beside the HF files, whose blocks the engine runs
+    vision_tower: str | None = None  # a vision-language model's encoder: type, layers, width
+    image_tokens: str | None = None  # how many tokens one image takes in the prompt
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,7 +170,32 @@ def model_info(name_or_path: str) -> ModelInfo:
         has_chat_template=has_chat_template(path),
         path=str(path),
         gguf_file=str(path / STORE_FILE) if (path / STORE_FILE).is_file() else None,
+        **_vision_facts(config, path),
     )
+
+
+def _vision_facts(config: dict, path: Path) -> dict:
+    """The vision tower and image token count of a vision-language model's config (and its processor's)."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return {}
+    layers = vision.get("num_hidden_layers") or vision.get("depth")
+    width = vision.get("hidden_size") or vision.get("embed_dim")
+    tower = ", ".join(str(part) for part in (vision.get("model_type"), layers and f"{layers} layers",
+                                             width and f"{width} wide") if part)
+    processor = {**(_read_json(path / "preprocessor_config.json") or {}),
+                 **(_read_json(path / "processor_config.json") or {})}
+    size, patch = vision.get("image_size"), vision.get("patch_size")
+    tokens = None
+    if config.get("mm_tokens_per_image"):  # Gemma 3
+        tokens = f"{config['mm_tokens_per_image']} per image"
+    elif processor.get("image_seq_len"):  # Idefics3 / SmolVLM: per tile, and a large image is cut into tiles
+        tokens = f"{processor['image_seq_len']} per tile (a large image: several tiles and a global view)"
+    elif isinstance(size, int) and isinstance(patch, int) and config.get("model_type") == "llava":
+        tokens = f"{(size // patch) ** 2} per image"
+    elif vision.get("spatial_merge_size"):  # Qwen2-VL: by the image's size
+        tokens = "by image size (one per 2x2 merged patches)"
+    return {"vision_tower": tower or None, "image_tokens": tokens}
 
 
 def remove(name: str) -> Path:
