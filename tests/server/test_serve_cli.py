@@ -304,3 +304,39 @@ def test_default_model_knows_the_capital_of_france(default_model_dir):
     finally:
         live.close()
         async_engine.stop()
+
+
+def test_media_flags_reach_the_server(monkeypatch, tmp_path):
+    from tfserve.server import run
+    from tfserve.server.state import STATE
+
+    seen = {}
+
+    async def serve(app, host, port, **kwargs):
+        seen["media"] = app[STATE].media_options
+
+    monkeypatch.setattr(run, "serve", serve)
+    result = invoke("serve", "--allowed-media-domains", "Example.com", "--allowed-media-domains", "cdn.example.com",
+                    "--allowed-local-media-path", str(tmp_path), "--limit-mm-per-prompt", '{"image": 4}',
+                    "--max-image-size", "1MiB", "--max-image-pixels", "1000000", "--media-fetch-timeout", "2.5")
+    assert result.exit_code == 0, result.output
+    media = seen["media"]
+    assert media.allowed_domains == ("example.com", "cdn.example.com")
+    assert media.allowed_local_path == tmp_path.resolve()
+    assert (media.max_images, media.max_image_bytes, media.max_image_pixels, media.fetch_timeout_s) == (
+        4, 2**20, 1_000_000, 2.5)
+    invoke("serve", "--limit-mm-per-prompt", "7")
+    assert seen["media"].max_images == 7 and seen["media"].allowed_domains == ()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--limit-mm-per-prompt", '{"video": 1}'], "not a count of images"),
+    (["--limit-mm-per-prompt", "0"], "not a count of images"),
+    (["--max-image-size", "0.5"], "--max-image-size must be > 0"),
+    (["--allowed-local-media-path", "/no/such/dir"],
+     "--allowed-local-media-path must be a directory (got /no/such/dir)"),
+])
+def test_bad_media_flags_fail_in_one_line(args, message):
+    result = invoke("serve", *args)
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output

@@ -12,6 +12,8 @@ from rich.text import Text
 
 from tfserve.chat.client import ChatError
 from tfserve.chat.conversation import Conversation, Settings
+from tfserve.chat.images import Attachment, path_of, read_image
+from tfserve.images import size_text
 from tfserve.chat.session import ChatSession
 
 Handler = Callable[[ChatSession, str], bool]
@@ -78,6 +80,7 @@ def _exit(session: ChatSession, arg: str) -> bool:
 def _clear(session: ChatSession, arg: str) -> bool:
     session.conversation.turns.clear()
     session.unanswered = None
+    session.pending_images.clear()
     session.console.print("[dim]New conversation.[/]")
     return True
 
@@ -87,6 +90,39 @@ def _system(session: ChatSession, arg: str) -> bool:
     session.conversation.system = arg or None
     session.console.print(f"[dim]System prompt {'set' if arg else 'removed'}.[/]")
     return True
+
+
+@command("/image PATH", "attach an image to your next message (so does a file dropped into the prompt); "
+                       "/image alone lists the attached ones, /image clear drops them")
+def _image(session: ChatSession, arg: str) -> bool:
+    if arg.lower() == "clear":
+        num_dropped = len(session.pending_images)
+        session.pending_images.clear()
+        session.console.print(Text(f"Dropped {plural(num_dropped, 'image')}.", style="dim"))
+        return True
+    if not arg:
+        if not session.pending_images:
+            session.console.print(Text("No images attached: /image PATH, or drop a file into the prompt.",
+                                       style="dim"))
+        for attachment in session.pending_images:
+            session.console.print(Text(f"  {attachment.path}  ({size_text(attachment.num_bytes)})"))
+        return True
+    attach(session, path_of(arg))
+    return True
+
+
+def attach(session: ChatSession, path: Path) -> Attachment | None:
+    """Read `path` into the pending images and say so; one red line (and None) when it cannot be."""
+    try:
+        attachment = read_image(path)
+    except ChatError as exc:
+        session.error(str(exc))
+        return None
+    session.pending_images.append(attachment)
+    session.console.print(Text(f"Attached {path.name} ({size_text(attachment.num_bytes)}) to your next "
+                               f"message; {plural(len(session.pending_images), 'image')} waiting.", style="dim"),
+                          soft_wrap=True)
+    return attachment
 
 
 @command("/set KEY VALUE", f"change a setting ({', '.join(SETTING_NAMES)}); VALUE none unsets it; "

@@ -61,7 +61,8 @@ class Conversation:
     """The turns so far. The system prompt is kept apart so /clear keeps it and /system changes it in place."""
 
     system: str | None = None
-    # {"role": "user" | "assistant", "content": ...}; with MCP tools also an assistant's {"tool_calls": [...]}
+    # {"role": "user" | "assistant", "content": ...}; a user's content with images is a list of OpenAI content
+    # parts (image_url data URLs, then text); with MCP tools also an assistant's {"tool_calls": [...]}
     # (content may be None) and one {"role": "tool", "tool_call_id", "content"} per call
     turns: list[dict[str, Any]] = field(default_factory=list)
 
@@ -70,12 +71,13 @@ class Conversation:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [dict(turn) for turn in self.turns]
 
-    def add(self, role: str, content: str | None, **extra: Any) -> None:
+    def add(self, role: str, content: str | list[dict[str, Any]] | None, **extra: Any) -> None:
         """Append a message; `extra` holds `tool_calls` (assistant) or `tool_call_id` (tool)."""
         self.turns.append({"role": role, "content": content, **extra})
 
-    def pop_reply(self) -> str | None:
-        """Drop the turns after the last user message (its answer) and return that message, for /retry."""
+    def pop_reply(self) -> str | list[dict[str, Any]] | None:
+        """Drop the turns after the last user message (its answer) and return that message's content, for
+        /retry."""
         for i in range(len(self.turns) - 1, -1, -1):
             if self.turns[i]["role"] == "user":
                 text = self.turns[i]["content"]
@@ -116,4 +118,7 @@ def _is_message(message: Any) -> bool:
         return False
     if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
         return message.get("content") is None or isinstance(message["content"], str)
-    return isinstance(message.get("content"), str)
+    content = message.get("content")
+    if message["role"] == "user" and isinstance(content, list):  # with images: content parts
+        return all(isinstance(part, dict) and isinstance(part.get("type"), str) for part in content)
+    return isinstance(content, str)

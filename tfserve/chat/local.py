@@ -1,6 +1,8 @@
 """`LocalBackend`: chat with a model loaded in this process, through the engine's `BatchingManager` (no
 server). The CLI loads the model; this module only renders the chat template and streams. With tools, the
-calls in the model's text are parsed as the server parses them (`tfserve.engine.tool_calls`, plain text code)."""
+calls in the model's text are parsed as the server parses them (`tfserve.engine.tool_calls`, plain text code).
+Images (data URL parts, as /image sends them) are decoded here and rendered by the engine's processor, as the
+server does."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from tfserve.chat.client import ChatError, ReplyStats
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
 from tfserve.engine.chat_template import ChatTemplateError, has_chat_template, render_chat
 from tfserve.engine.request import RequestOutput
+from tfserve.images import ImageError, MediaImage, data_url_bytes, decode_image
 
 POLL_S = 0.1  # wait for outputs in slices so Ctrl-C is seen at once
 
@@ -36,13 +39,18 @@ class LocalBackend:
                tools: list[dict] | None = None, tool_choice: str = "auto") -> _LocalReply:
         # in-process the model is offered the tools and chooses ("required" is enforced by a server's grammar)
         tools = None if tool_choice == "none" else tools
-        prompt_ids = self._render([_template_message(m) for m in messages], tools or None)
+        messages, images = self._split_images(messages)
+        prompt_ids, mm = self._render([_template_message(m) for m in messages], tools or None, images)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:  # the model's generation_config fills what the settings leave out, as the server does
             params = self.engine.sampling_params(len(prompt_ids), **settings.sampling_kwargs())
             if settings.max_tokens is None and params.max_tokens > DEFAULT_MAX_TOKENS:
                 params = params.replace(max_tokens=DEFAULT_MAX_TOKENS)
-            request_id = self.manager.add_request(prompt_ids, params=params, stream=True, sink=outputs.put)
+            if mm is None:
+                request_id = self.manager.add_request(prompt_ids, params=params, stream=True, sink=outputs.put)
+            else:  # the engine builds the request with its vision inputs, as the server's admit does
+                requests = self.engine.make_requests(prompt_ids, params, mm=mm)
+                request_id = self.manager.add_requests(requests, stream=True, sink=outputs.put)[0]
         except ValueError as exc:
             raise ChatError(str(exc)) from None
         parser = None
@@ -52,11 +60,43 @@ class LocalBackend:
             parser = ToolCallStream(detect_format(self.engine.tokenizer))
         return _LocalReply(self.manager, request_id, outputs, len(prompt_ids), parser)
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                images: list[MediaImage]) -> tuple[list[int], Any]:
+        """(prompt ids, the engine's vision inputs or None) through the chat template, or the processor."""
         try:
-            return render_chat(self.engine.tokenizer, messages, tools)
-        except ChatTemplateError as exc:
+            if not images:
+                return render_chat(self.engine.tokenizer, messages, tools), None
+            return self.engine.render_multimodal(messages, images, tools=tools, template_kwargs=None,
+                                                 add_generation_prompt=True, continue_final_message=False)
+        except ValueError as exc:  # ChatTemplateError, or more images than the model takes
             raise ChatError(str(exc)) from None
+
+    def _split_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[MediaImage]]:
+        """Content parts -> HF-style parts (`{"type": "image"}` where an image was) and the decoded images in
+        order; text-only content as it was (joined when it came as parts)."""
+        result, images = [], []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = [self._part(part, f"messages[{i}].content[{j}]", images) for j, part in enumerate(content)]
+                joined = all(part["type"] == "text" for part in parts)
+                message = {**message, "content": "".join(p["text"] for p in parts) if joined else parts}
+            result.append(message)
+        return result, images
+
+    def _part(self, part: dict[str, Any], where: str, images: list[MediaImage]) -> dict[str, Any]:
+        if part.get("type") != "image_url":
+            return {"type": "text", "text": part.get("text") or ""}
+        if getattr(self.engine, "processor", None) is None:
+            raise ChatError(f"{self.model} does not take images: send text, or chat with a vision-language model")
+        url = (part.get("image_url") or {}).get("url", "")
+        try:
+            if not url.startswith("data:"):
+                raise ImageError("the in-process chat reads data: URLs only (as /image attaches them)")
+            images.append(decode_image(data_url_bytes(url), where))
+        except ImageError as exc:
+            raise ChatError(f"image {len(images) + 1}: {exc}") from None
+        return {"type": "image"}
 
     def close(self) -> None:
         self.manager.stop()

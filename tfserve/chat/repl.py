@@ -16,7 +16,8 @@ from prompt_toolkit.key_binding import KeyBindings
 from rich.text import Text
 
 from tfserve.chat.client import ChatError
-from tfserve.chat.commands import COMMANDS, SET_KEYS, plural, run_command
+from tfserve.chat.commands import COMMANDS, SET_KEYS, attach, plural, run_command
+from tfserve.chat.images import dropped_images, starts_with_image
 from tfserve.chat.session import ChatSession
 
 PROMPT = HTML("<ansigreen><b>›</b></ansigreen> ")
@@ -32,14 +33,20 @@ def history_path() -> Path:
 
 
 def handle_line(session: ChatSession, line: str) -> bool:
-    """One line of input: a slash command, or a message (`//` sends a message that starts with /).
-    False when the chat should end."""
+    """One line of input: a slash command, or a message (`//` sends a message that starts with /). Image files
+    the message names (a file dropped into the terminal) are attached to it; a message of nothing but image
+    paths attaches them to the next one. False when the chat should end."""
     text = line.strip()
     if not text:
         return True
-    if text.startswith("/") and not text.startswith("//"):
+    if text.startswith("/") and not text.startswith("//") and not starts_with_image(text):
         return run_command(session, text)
-    session.ask(text.removeprefix("/") if text.startswith("//") else text)
+    text, paths = dropped_images(text.removeprefix("/") if text.startswith("//") else text)
+    for path in paths:
+        if attach(session, path) is None:
+            return True  # the message was meant with its image: not sent without it
+    if text:
+        session.ask(text)
     return True
 
 
@@ -99,7 +106,7 @@ class SlashCompleter(Completer):
         nested["/set"] = {name: None for name in SET_KEYS}
         nested["/set"]["approve"] = {"auto": None, "ask": None}
         nested["/model"] = {name: None for name in models}
-        nested["/save"] = nested["/load"] = PathCompleter(expanduser=True)
+        nested["/save"] = nested["/load"] = nested["/image"] = PathCompleter(expanduser=True)
         self.arguments = NestedCompleter.from_nested_dict(nested)
 
     def get_completions(self, document, complete_event):

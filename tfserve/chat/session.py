@@ -16,6 +16,7 @@ from rich.text import Text
 from tfserve.chat.agent import MAX_TOOL_ROUNDS, run_tool_calls
 from tfserve.chat.client import ChatBackend, ChatError, Reply, ReplyStats
 from tfserve.chat.conversation import Conversation, Settings
+from tfserve.chat.images import Attachment, message_content
 from tfserve.chat.render import LiveReply, PlainReply, TurnStats, footer
 
 if TYPE_CHECKING:
@@ -63,35 +64,42 @@ class ChatSession:
         self.markdown = markdown
         self.stats = SessionStats()
         self.last_turn: TurnStats | None = None
-        self.unanswered: str | None = None  # a message whose turn failed before any text, for /retry
+        self.unanswered: str | list | None = None  # a message whose turn failed before any text, for /retry
         self.tools = tools
         self.auto_approve = auto_approve  # run tool calls without asking (--yes, /set approve auto)
         self.tool_choice = "auto"  # the first request of each message (/set tool_choice); later rounds: auto
         self.confirm: Callable[[str], str] | None = None  # asks the user a question; None: nobody to ask (pipes)
+        self.pending_images: list[Attachment] = []  # /image or dropped paths: sent with the next message
 
     def ask(self, text: str) -> bool:
-        """Send `text` as the user's turn and stream the answer. False when the turn failed."""
-        self.conversation.add("user", text)
-        return self._answer(text)
+        """Send `text` (with the pending images) as the user's turn and stream the answer. False when the turn
+        failed."""
+        content = message_content(text, self.pending_images)
+        self.pending_images = []
+        return self._send(content)
+
+    def _send(self, content: str | list[dict[str, Any]]) -> bool:
+        self.conversation.add("user", content)
+        return self._answer(content)
 
     def retry(self) -> bool:
         """Regenerate the answer to the last user message (or resend one that failed)."""
         if self.unanswered is not None:
-            return self.ask(self.unanswered)
-        text = self.conversation.pop_reply()
-        if text is None:
+            return self._send(self.unanswered)
+        content = self.conversation.pop_reply()
+        if content is None:
             self.error("nothing to retry yet: send a message first")
             return False
-        return self.ask(text)
+        return self._send(content)
 
     def error(self, message: str) -> None:
         """One red line; the chat goes on."""
         self.error_console.print(Text.assemble(("Error: ", "bold red"), (message, "red")), soft_wrap=True)
 
-    def _answer(self, text: str) -> bool:
+    def _answer(self, text: str | list[dict[str, Any]]) -> bool:
         """Stream the reply; while it ends in tool calls, run them and stream the next one."""
         self.unanswered = None
-        question: str | None = text
+        question: str | list[dict[str, Any]] | None = text
         for _ in range(MAX_TOOL_ROUNDS):
             calls, ok = self._reply(question)
             if not ok or not calls:
@@ -105,7 +113,7 @@ class ChatSession:
                                 "to let the model continue.", style="yellow"), soft_wrap=True)
         return True
 
-    def _reply(self, question: str | None) -> tuple[list[dict[str, Any]], bool]:
+    def _reply(self, question: str | list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], bool]:
         """One request: stream its reply and keep it (a cut-off one as far as it got). Returns the tool calls it
         ended with, and False when it failed or was cancelled. `question`: the user's message, on the first."""
         start = time.perf_counter()

@@ -60,8 +60,10 @@ def chat(
 ) -> None:
     """Chat with a model: replies stream as markdown, with tokens, tok/s and time to first token after each.
 
-    Type /help in the chat for its commands (/system, /set, /retry, /save, /stats, /tools...).
+    Type /help in the chat for its commands (/system, /set, /retry, /save, /stats, /tools, /image...).
     With stdin from a pipe, each line is one message and the answers are printed as plain text.
+    /image PATH, or a PNG/JPEG/WebP/GIF file dropped into the terminal, sends the image with your next
+    message (to a vision-language model).
 
     With --mcp-config, the model may call the tools of MCP servers: each call is shown and runs once
     you say y (a: always; --yes never asks); the model then answers with the results.
@@ -73,6 +75,7 @@ def chat(
       tfserve chat -m ./my-hf-model --temperature 0 --system 'Answer briefly.'
       tfserve chat https://api.example.com/v1 -m some-model --api-key KEY
       echo 'Name three colours.' | tfserve chat 8000 --max-tokens 50
+      echo 'Describe ./photo.jpg' | tfserve chat 8000    # the image goes with the message
       tfserve chat 8000 --mcp-config ~/mcp.json  # tools from MCP servers (Claude Desktop's format)
     """
     from tfserve.chat.conversation import Conversation, Settings

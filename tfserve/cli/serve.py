@@ -24,6 +24,7 @@ from tfserve.errors import TfserveError
 ENGINE = "Engine"
 SERVER = "Server"
 MCP = "MCP tools"
+MEDIA = "Media"
 
 
 class GenerationConfig(str, Enum):
@@ -158,6 +159,27 @@ def serve(
     mcp_timeout: Annotated[float, typer.Option(
         min=0.001, metavar="SECONDS", rich_help_panel=MCP,
         help="A tool call running longer fails (an mcp_call error the model reads), never a hung request.")] = 60.0,
+    allowed_media_domains: Annotated[list[str] | None, typer.Option(
+        metavar="HOST", show_default=False, rich_help_panel=MEDIA,
+        help="Only image URLs on this host are fetched (repeatable; vLLM's flag). Without it any host is, unless "
+             "it resolves to a private, loopback, link-local or reserved address.")] = None,
+    allowed_local_media_path: Annotated[str | None, typer.Option(
+        metavar="DIR", show_default=False, rich_help_panel=MEDIA,
+        help="Let requests name file:// image URLs under DIR (symlinks resolved; vLLM's flag). Without it "
+             "file:// URLs are refused.")] = None,
+    limit_mm_per_prompt: Annotated[str | None, typer.Option(
+        metavar="N|JSON", show_default=False, rich_help_panel=MEDIA,
+        help="Images one request may hold, over its whole conversation: a number or vLLM's JSON "
+             "('{\"image\": 4}'). Default 16.")] = None,
+    max_image_size: Annotated[str, typer.Option(
+        metavar="SIZE", rich_help_panel=MEDIA,
+        help="Largest image file (a data URL, a download, a file); a bigger one is a 400.")] = "20MiB",
+    max_image_pixels: Annotated[int, typer.Option(
+        min=1, metavar="PIXELS", rich_help_panel=MEDIA,
+        help="Largest image, width x height, checked before decoding.")] = 32_000_000,
+    media_fetch_timeout: Annotated[float, typer.Option(
+        min=0.001, metavar="SECONDS", rich_help_panel=MEDIA,
+        help="An image URL taking longer to fetch (redirects included) is a 400.")] = 10.0,
     log_level: Annotated[LogLevel, typer.Option(case_sensitive=False,
                                                 help="info logs one access line per request; also sets "
                                                      "transformers' level (except info).",
@@ -199,6 +221,7 @@ def serve(
       tfserve serve --max-num-seqs 128 --kv-cache-memory 4GiB --cors-allow-origins '*'
       tfserve serve Qwen/Qwen3-1.7B --reasoning off        # pinned, as transformers serve
       tfserve serve --mcp-config mcp.json                  # MCP tools for /v1/responses
+      tfserve serve HuggingFaceTB/SmolVLM-256M-Instruct --allowed-media-domains upload.wikimedia.org
       OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 tfserve serve --otel
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hello!"}]}'
@@ -243,7 +266,9 @@ def serve(
     state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand,
                         model_timeout_s=model_timeout if model_timeout > 0 else None,
                         chat_template_kwargs=compat.chat_template_kwargs(chat_template_kwargs, reasoning),
-                        mcp=_mcp_options(mcp_config, mcp_allow_url, mcp_timeout))
+                        mcp=_mcp_options(mcp_config, mcp_allow_url, mcp_timeout),
+                        media=_media_options(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt,
+                                             max_image_size, max_image_pixels, media_fetch_timeout))
     state.telemetry = from_options(state, otel)
     origins = [*(cors_allow_origins or ()), *(["*"] if enable_cors else [])]
     app = create_app(state, api_key=api_key or None, cors_allow_origins=origins,
@@ -311,6 +336,47 @@ def _mcp_options(config: str | None, allow_url: list[str] | None, timeout_s: flo
     except ValueError as exc:
         raise TfserveError(f"--mcp-config: {exc}") from None
     return McpOptions(configs=configs, allow_url_patterns=tuple(allow_url or ()), timeout_s=timeout_s)
+
+
+def _media_options(domains: list[str] | None, local_path: str | None, limit: str | None, max_size: str,
+                   max_pixels: int, timeout_s: float):
+    """The Media flags, checked now (a missing directory is one line before anything loads)."""
+    from pathlib import Path
+
+    from tfserve.server.media import DEFAULT_MAX_IMAGES, MediaOptions
+
+    num_bytes = int(parse_size(max_size, "--max-image-size"))
+    try:
+        return MediaOptions(allowed_domains=tuple(domains or ()),
+                            allowed_local_path=Path(local_path) if local_path else None,
+                            max_images=_image_limit(limit) if limit is not None else DEFAULT_MAX_IMAGES,
+                            max_image_bytes=num_bytes, max_image_pixels=max_pixels, fetch_timeout_s=timeout_s)
+    except ValueError as exc:  # "allowed_local_path must be a directory (got ...)": said with the flag's name
+        message = str(exc)
+        for name, flag in _MEDIA_FLAGS.items():
+            message = message.replace(name, flag)
+        raise TfserveError(message) from None
+
+
+_MEDIA_FLAGS = {"allowed_local_path": "--allowed-local-media-path", "max_images": "--limit-mm-per-prompt",
+                "max_image_bytes": "--max-image-size", "max_image_pixels": "--max-image-pixels",
+                "fetch_timeout_s": "--media-fetch-timeout"}
+
+
+def _image_limit(text: str) -> int:
+    """--limit-mm-per-prompt: `4`, or vLLM's `{"image": 4}` (this server takes no other modality)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if isinstance(value, dict) and set(value) == {"image"}:
+        value = value["image"]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise typer.BadParameter(f"{text!r} is not a count of images >= 1 (e.g. 4 or '{{\"image\": 4}}')",
+                                 param_hint="--limit-mm-per-prompt")
+    return value
 
 
 def _note(message: str) -> None:

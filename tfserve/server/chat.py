@@ -11,12 +11,13 @@ from aiohttp import web
 
 from tfserve.server.body import loads
 from tfserve.server.chat_mcp import chat_with_mcp
-from tfserve.server.chat_prompt import parse_tools, render_chat, render_options, template_kwargs
+from tfserve.server.chat_prompt import parse_tools, render_chat, render_multimodal, render_options, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs
+from tfserve.server.media import ImageRef, content_of, gather_images
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, stream_options,
-                                     text_of, use_model)
+                                     use_model)
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -31,10 +32,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = await use_model(request, body, state)
-    messages = parse_messages(body)
+    messages, image_refs = parse_messages(body)
     if any(isinstance(t, dict) and t.get("type") == "mcp" for t in field(body, "tools", list, [])):
         # the server runs those tools' calls: a loop of turns
-        return await chat_with_mcp(request, state, body, model, messages)
+        return await chat_with_mcp(request, state, body, model, messages, image_refs)
     tools = parse_tools(body)
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
@@ -47,11 +48,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     num_prompt_top = requested_prompt_logprobs(body, stream)
     if num_prompt_top is not None:
         kwargs["prompt_logprobs"] = num_prompt_top
-    prompt_ids = render_chat(state.engine.tokenizer, messages, tools, template_kwargs(state, body),
-                             **render_options(body))
+    variables, options = template_kwargs(state, body), render_options(body)
+    images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
+    if images:
+        prompt_ids, mm = await render_multimodal(state, messages, images, tools, variables, **options)
+    else:
+        prompt_ids, mm = render_chat(state.engine.tokenizer, messages, tools, variables, **options), None
     names = param_names(body, max_tokens_fields, "messages")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
-    usage, engine_requests = admit(state, request, [prompt_ids], params, names)
+    usage, engine_requests = admit(state, request, [prompt_ids], params, names, mm=mm)
     reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format)
     reply.reasoning = reasoning_for(state.engine.tokenizer, prompt_ids)
     reply.num_prompt_top = num_prompt_top
@@ -61,12 +66,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await reply.complete(outputs, usage, params.n)
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`messages` -> plain dicts for the chat template (content parts joined, developer -> system)."""
+def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """`messages` -> plain dicts for the chat template (text parts joined, developer -> system; a content with
+    image parts stays a list of HF-style parts) and the image parts' refs in order of appearance."""
     messages = field(body, "messages", list, required=True)
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
-    result = []
+    result, images = [], []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -79,7 +85,8 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if content is None and not tool_calls:
             raise bad_request(f"{where}.content is required", f"{where}.content")
         rendered: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                    "content": "" if content is None else text_of(content, f"{where}.content")}
+                                    "content": "" if content is None else content_of(content, f"{where}.content",
+                                                                                      images)}
         if tool_calls:
             rendered["tool_calls"] = [_template_tool_call(call, f"{where}.tool_calls[{j}]")
                                       for j, call in enumerate(tool_calls)]
@@ -89,7 +96,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if name is not None:
             rendered["name"] = name
         result.append(rendered)
-    return result
+    return result, images
 
 
 def _template_tool_call(call: Any, where: str) -> dict[str, Any]:

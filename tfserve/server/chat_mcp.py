@@ -17,6 +17,7 @@ from tfserve.server import mcp_tools
 from tfserve.server.chat_prompt import parse_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import Reply
+from tfserve.server.media import ImageRef, gather_images
 from tfserve.server.protocol import field, stream_options
 from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_output import ResponseOutput
@@ -24,7 +25,7 @@ from tfserve.server.tool_loop import Turns, max_tool_calls_of, run_loop
 
 
 async def chat_with_mcp(request: web.Request, state: Any, body: dict[str, Any], model: str,
-                        messages: list[dict]) -> web.StreamResponse:
+                        messages: list[dict], image_refs: list[ImageRef] | None = None) -> web.StreamResponse:
     function_tools, specs = mcp_tools.split_tools(parse_tools(body) or [], default_approval="never")
     if body.get("n") not in (None, 1):
         raise bad_request("n must be 1 with mcp tools", "n")
@@ -43,6 +44,7 @@ async def chat_with_mcp(request: web.Request, state: Any, body: dict[str, Any], 
     turns.kwargs.pop("n", None)
     await turns.check()
     stream, include_usage = stream_options(body)
+    turns.images = await gather_images(state, image_refs or [])
     output = ChatOutput(model, body, offer, include_usage)
     usage = await run_loop(state, request, output, turns, messages, max_tool_calls_of(body), stream)
     if output.sse is not None:

@@ -1,13 +1,16 @@
 """What a chat request's prompt is made of, shared by chat completions, responses and the server-side tool loop:
-the client's function `tools`, the template variables, and the prompt ids through the model's chat template."""
+the client's function `tools`, the template variables, and the prompt ids through the model's chat template
+(with images: through the engine's processor)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from tfserve.engine import chat_template
 from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.errors import bad_request
+from tfserve.server.media import no_images, takes_images
 from tfserve.server.protocol import field
 
 
@@ -65,3 +68,23 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
                                           continue_final_message=continue_final_message)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
+
+
+async def render_multimodal(state: Any, messages: list[dict], images: list, tools: list | None,
+                            template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> tuple[list[int], Any]:
+    """`render_chat` for a conversation with images (`messages` hold `{"type": "image"}` parts, `images` the
+    MediaImages in the same order): the engine's `render_multimodal` makes the prompt ids and what its vision
+    side needs (`mm`, for `admit`), in a worker thread (a processor resizes and normalises pixels). A model
+    without a processor, a template or processor that rejects the request: a 400."""
+    engine = state.engine
+    if not takes_images(engine):
+        raise no_images(state.model_name, images[0].where)
+    try:
+        return await asyncio.to_thread(engine.render_multimodal, messages, images, tools=tools,
+                                       template_kwargs=template_kwargs, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    except ValueError as exc:  # e.g. more images than the model takes: about the images, not a field
+        raise bad_request(str(exc), images[0].where) from None

@@ -51,19 +51,23 @@ def usage_of(request: web.Request) -> Usage:
 
 
 def admit(state: ServerState, request: web.Request, prompts: list[list[int]], params: Any,
-          names: dict[str, str] | None = None) -> tuple[Usage, list[Any]]:
+          names: dict[str, str] | None = None, mm: Any = None) -> tuple[Usage, list[Any]]:
     """Check everything that can fail before a response starts and build the engine requests, once:
     availability (503), each prompt against the context and the KV cache (400, naming the fields as `names`
     says the client sent them), and the queue limit (429). Counts the prompt tokens.
 
     Returns the request's Usage and its engine requests in choice order: `params.n` samples of each prompt
-    (sample `j` seeded `seed + j`), so choice `i * n + j` is sample `j` of prompt `i`."""
+    (sample `j` seeded `seed + j`), so choice `i * n + j` is sample `j` of prompt `i`. `mm`: what the engine's
+    `render_multimodal` made of a chat prompt's images, handed on to `make_requests` (None: a text prompt)."""
     state.check_available()
     names = names or {}
     requests = []
     for prompt_ids in prompts:
         try:
-            requests.extend(state.engine.make_requests(prompt_ids, params))
+            if mm is None:
+                requests.extend(state.engine.make_requests(prompt_ids, params))
+            else:
+                requests.extend(state.engine.make_requests(prompt_ids, params, mm=mm))
         except ValueError as exc:
             raise from_value_error(exc, names.get("prompt", "messages"), names) from None
     if state.max_queued and state.num_waiting + len(requests) > state.max_queued:

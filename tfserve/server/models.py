@@ -10,7 +10,10 @@ from tfserve.server.state import STATE
 
 
 def _model_object(state, name: str) -> dict:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "tfserve"}
+    model = {"id": name, "object": "model", "created": state.created, "owned_by": "tfserve"}
+    if state.engine is not None and name == state.model_name:  # another model's inputs are known once loaded
+        model["input_modalities"] = list(getattr(state.engine, "input_modalities", ["text"]))
+    return model
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -168,20 +168,20 @@ def text_of(content: Any, param: str) -> str:
         return content
     if not isinstance(content, list):
         raise bad_request(f"{param} must be a string or an array of content parts", param)
-    texts = []
-    for i, part in enumerate(content):
-        where = f"{param}[{i}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise bad_request(f"{where} must be an object", where)
-        kind = part.get("type")
-        if kind not in ("text", "input_text", "output_text"):
-            raise bad_request(f"{where}.type {kind!r} is not supported; this server takes text parts only",
-                              f"{where}.type")
-        texts.append(field(part, "text", str, required=True, param=f"{where}.text"))
-    return "".join(texts)
+    return "".join(part_text(part, f"{param}[{i}]") for i, part in enumerate(content))
+
+
+def part_text(part: Any, where: str) -> str:
+    """One text content part (or a bare string) -> its text; any other part is a 400 naming its type."""
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise bad_request(f"{where} must be an object", where)
+    kind = part.get("type")
+    if kind not in ("text", "input_text", "output_text"):
+        raise bad_request(f"{where}.type {kind!r} is not supported here; this server takes text parts (and image "
+                          "parts in message content)", f"{where}.type")
+    return field(part, "text", str, required=True, param=f"{where}.text")
 
 
 # Names that clients send when they mean "whatever this server serves": huggingface_hub's InferenceClient

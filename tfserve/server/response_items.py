@@ -1,6 +1,6 @@
-"""The Responses API's own shapes: `input` items (messages, `function_call`, `function_call_output`) -> chat
-messages for the template, its flat function `tools`, `text.format`, and the bounded store behind
-`previous_response_id`."""
+"""The Responses API's own shapes: `input` items (messages, their `input_image` parts, `function_call`,
+`function_call_output`) -> chat messages for the template, its flat function `tools`, `text.format`, and the
+bounded store behind `previous_response_id`."""
 
 from __future__ import annotations
 
@@ -11,20 +11,23 @@ from dataclasses import field as dataclass_field
 from typing import Any
 
 from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.media import ImageRef, content_of
 from tfserve.server.protocol import field, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def parse_input(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`input` (a string or a list of items) -> chat messages. A `function_call` item becomes an assistant
-    message's tool call (consecutive calls share one message); a `function_call_output`, a tool message."""
+def parse_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """`input` (a string or a list of items) -> chat messages, and the refs of their `input_image` parts in
+    order. A `function_call` item becomes an assistant message's tool call (consecutive calls share one
+    message); a `function_call_output`, a tool message."""
     items = field(body, "input", (str, list), required=True)
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], []
     if not items:
         raise bad_request("input must not be empty", "input")
     messages: list[dict[str, Any]] = []
+    images: list[ImageRef] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -36,7 +39,7 @@ def parse_input(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
             content = field(item, "content", (str, list), required=True, param=f"{where}.content")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": text_of(content, f"{where}.content")})
+                             "content": content_of(content, f"{where}.content", images)})
         elif kind == "function_call":
             call = _template_call(item, where)
             last = messages[-1] if messages else None
@@ -53,7 +56,7 @@ def parse_input(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind not in MCP_CONTROL_ITEMS:
             raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call, "
                               "function_call_output or mcp items", f"{where}.type")
-    return messages
+    return messages, images
 
 
 # read by the MCP approval flow (mcp_tools), not rendered: a listing, an approval request and its answer
@@ -145,6 +148,8 @@ class StoredResponse:
     # MCP calls waiting for an mcp_approval_response: approval request id -> its item (server_label, name, arguments)
     pending_approvals: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
     listed: frozenset[str] = frozenset()  # MCP server labels whose tools an mcp_list_tools item already gave
+    # the conversation's images as sent (URLs, not pixels), fetched and decoded again by the next turn
+    images: list[ImageRef] = dataclass_field(default_factory=list)
 
 
 class ResponseStore:

@@ -9,10 +9,13 @@ next turn, until it answers, calls a client's function, waits for an approval, o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from aiohttp import web
 
 from tfserve.server import mcp_tools
 from tfserve.server.errors import bad_request
+from tfserve.server.media import gather_images
 from tfserve.server.protocol import field, read_json, use_model
 from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_items import StoredResponse, as_response_format, parse_input, parse_tools, text_format
@@ -31,9 +34,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     field(body, "metadata", dict, {})
     previous_id = field(body, "previous_response_id", str)
     previous = state.responses.get(previous_id) if previous_id else None
+    new_messages, new_images = parse_input(body)
     # instructions are not carried over from a previous response (as OpenAI): they lead this turn only
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + (
-        previous.messages if previous else []) + parse_input(body)
+        previous.messages if previous else []) + new_messages
+    image_refs = (previous.images if previous else []) + new_images
     functions, specs = mcp_tools.split_tools(parse_tools(body))
     max_tool_calls = max_tool_calls_of(body)
     offer = await mcp_tools.resolve(state, specs, {tool["name"] for tool in functions})
@@ -44,6 +49,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     await turns.check()
     output = ResponseOutput(model, body, None, offer)
     approved = _answer_approvals(body, previous, offer, output)
+    turns.images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
     for item in approved:  # before the first turn, which reads their results
         await output.run_call(item, lambda item: call(state, offer, item))
     listed = previous.listed if previous else frozenset()
@@ -52,9 +58,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if output.failed:  # the error event went out
         return await output.sse.close()
     if field(body, "store", bool, True):
+        # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(
             messages + output.messages, model, output.pending_approvals,
-            listed | {item["server_label"] for item in offer.listings}))
+            listed | {item["server_label"] for item in offer.listings},
+            [replace(ref, where="previous_response_id") for ref in image_refs]))
     if output.sse is not None:
         await output.close(usage)
         return await output.sse.close()

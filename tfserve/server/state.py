@@ -13,6 +13,7 @@ from aiohttp import web
 from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
 from tfserve.server.mcp_tools import McpOptions
+from tfserve.server.media import MediaOptions
 from tfserve.server.metrics import ServerMetrics
 from tfserve.server.residency import Loader, ModelResidency
 from tfserve.server.response_items import ResponseStore
@@ -28,7 +29,7 @@ class ServerState:
 
     def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None,
                  model_timeout_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 mcp: McpOptions | None = None) -> None:
+                 mcp: McpOptions | None = None, media: MediaOptions | None = None) -> None:
         self.engine: Any = None  # tfserve Engine, once loaded
         self.async_engine: Any = None
         self.model_name: str | None = None
@@ -49,6 +50,7 @@ class ServerState:
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
         self.mcp_options = mcp or McpOptions()
         self._mcp_servers: Any = None  # tfserve.mcp.client.McpServers, made on first use (the SDK loads then)
+        self.media_options = media or MediaOptions()  # image URLs, files and limits
 
     @property
     def mcp_servers(self) -> Any:

@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any
 
 from tfserve.server import mcp_tools
-from tfserve.server.chat_prompt import render_chat, template_kwargs
+from tfserve.server.chat_prompt import render_chat, render_multimodal, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
 from tfserve.server.protocol import field, make_params, param_names, sampling_kwargs
@@ -45,6 +45,7 @@ class Turns:
         self.names = param_names(body, max_tokens_fields, prompt_field)
         self.template_kwargs = template_kwargs(state, body)
         self.offered: list[dict] = []
+        self.images: list = []  # the conversation's MediaImages (media.gather_images, once check() passed)
 
     async def check(self) -> None:
         """Every field's 400 before anything runs: the first turn's constraint, compiled."""
@@ -76,13 +77,18 @@ class Turns:
         return kwargs
 
     async def next(self, messages: list[dict], first: bool, tools_left: int, used_tokens: int
-                   ) -> tuple[list[int], Any]:
-        """The next turn's prompt and sampling parameters (the output token limit shared by all turns)."""
+                   ) -> tuple[list[int], Any, Any]:
+        """The next turn's prompt, sampling parameters (the output token limit shared by all turns) and what the
+        engine made of the images (None without images), for `admit`."""
         kwargs = await self._kwargs(first, tools_left)
         if kwargs.get("max_tokens") is not None:
             kwargs["max_tokens"] = max(1, kwargs["max_tokens"] - used_tokens)
-        prompt_ids = render_chat(self.tokenizer, messages, chat_tools(self.offered) or None, self.template_kwargs)
-        return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names)
+        tools = chat_tools(self.offered) or None
+        if self.images:
+            prompt_ids, mm = await render_multimodal(self.state, messages, self.images, tools, self.template_kwargs)
+        else:
+            prompt_ids, mm = render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
+        return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names), mm
 
 
 async def run_loop(state: Any, request: Any, output: Any, turns: Turns, messages: list[dict], max_tool_calls: int,
@@ -94,11 +100,11 @@ async def run_loop(state: Any, request: Any, output: Any, turns: Turns, messages
         for number in range(max_tool_calls + 1):
             # the first turn may be forced (tool_choice); later ones choose freely, with no MCP tools once the
             # call budget is spent
-            prompt_ids, params = await turns.next(messages + output.messages, first=number == 0,
-                                                  tools_left=max_tool_calls - output.num_calls,
-                                                  used_tokens=usage.completion_tokens if usage else 0)
+            prompt_ids, params, mm = await turns.next(messages + output.messages, first=number == 0,
+                                                      tools_left=max_tool_calls - output.num_calls,
+                                                      used_tokens=usage.completion_tokens if usage else 0)
             output.params = params
-            usage, engine_requests = admit(state, request, [prompt_ids], params, turns.names)
+            usage, engine_requests = admit(state, request, [prompt_ids], params, turns.names, mm=mm)
             if number == 0:
                 if stream:
                     await output.open(EventStream(request), usage)
