@@ -78,7 +78,68 @@ def build_idefics3(processor, seed: int = 0):
     return model
 
 
-FAMILIES = {"llava": (build_llava_processor, build_llava), "idefics3": (build_idefics3_processor, build_idefics3)}
+QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def build_qwen2_vl_processor():
+    """A Qwen2-VL processor without its video side (which needs torchvision): 8x8 patches merged 2x2, so an
+    image's token count follows its size."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from tfserve.models.loading import images_only_processor_class
+    from tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
+    images = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2,
+                                      temporal_patch_size=2)
+    processor_class = images_only_processor_class("Qwen2VLProcessor")
+    return processor_class(image_processor=images, tokenizer=tokenizer, video_processor=None,
+                           chat_template=QWEN_TEMPLATE)
+
+
+def build_qwen2_vl(processor, seed: int = 0):
+    """A Qwen2-VL (its vision transformer, M-RoPE language model), random weights."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>")]}
+    config = Qwen2VLConfig(
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 1024, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}},
+        **ids)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+FAMILIES = {"llava": (build_llava_processor, build_llava), "idefics3": (build_idefics3_processor, build_idefics3),
+            "qwen2_vl": (build_qwen2_vl_processor, build_qwen2_vl)}
+
+
+def save_vlm(model, processor, path) -> None:
+    """A model directory as the hub has them: weights, config, processor (an images-only processor, which
+    cannot save itself, as its image processor, tokenizer and a processor_config.json naming its class)."""
+    import json
+
+    model.save_pretrained(path)
+    try:
+        processor.save_pretrained(path)
+    except AttributeError:
+        processor.image_processor.save_pretrained(path)
+        processor.tokenizer.chat_template = processor.chat_template
+        processor.tokenizer.save_pretrained(path)
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": type(processor).__name__}))
 
 
 def picture(seed: int, size: tuple[int, int] = (40, 48)):

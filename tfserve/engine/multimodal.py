@@ -45,9 +45,12 @@ class ImageInput:
 
 @dataclass(frozen=True, slots=True)
 class MultiModalInput:
-    """The images of one prompt, in order."""
+    """The images of one prompt, in order, and for a model with multimodal rotary positions (Qwen2-VL's M-RoPE)
+    the prompt's 3-D positions and the offset of the positions after it."""
 
     images: tuple[ImageInput, ...]
+    mrope_positions: Any = None  # [3, num_prompt_tokens] long tensor (temporal, height, width), or None
+    mrope_delta: int = 0  # position of token p past the prompt: p + mrope_delta on all three axes
 
     def keys_in(self, start: int, end: int) -> tuple[str, ...]:
         """The keys of the images with tokens in prompt positions [start, end) (a block's extra hash)."""
@@ -108,6 +111,9 @@ class VisionLanguage:
         accepted = inspect.signature(model.get_image_features).parameters
         self._takes_all = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
         self._accepted = frozenset(accepted)
+        # M-RoPE (Qwen2-VL, Qwen2.5-VL): image tokens get 3-D positions from the model's own get_rope_index
+        self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+        self.uses_mrope = self._rope_index is not None
 
     def render(self, messages: list[dict], images: list[Any], tools: list | None = None,
                template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
@@ -132,7 +138,27 @@ class VisionLanguage:
         for count, key, pixel_inputs in per_image:
             spans.append(ImageInput(_runs(positions[first:first + count]), key, pixel_inputs))
             first += count
-        return prompt_ids, MultiModalInput(tuple(spans))
+        if not self.uses_mrope:
+            return prompt_ids, MultiModalInput(tuple(spans))
+        accepted = inspect.signature(self._rope_index).parameters
+        with torch.inference_mode():
+            rope, delta = self._rope_index(**{k: v for k, v in inputs.items() if k in accepted})
+        return prompt_ids, MultiModalInput(tuple(spans), rope[:, 0].cpu(), int(delta.reshape(-1)[0]))
+
+    @staticmethod
+    def mrope_positions(segments: list[tuple[Any, int, int]]) -> torch.Tensor:
+        """The step's 3-D positions [3, num_tokens] for (request, start, end) segments in packed order: a
+        prompt's own from its MultiModalInput, then `p + mrope_delta`; a text request's `p` on every axis."""
+        parts = []
+        for request, start, end in segments:
+            mm = request.mm
+            if mm is None or mm.mrope_positions is None:
+                parts.append(torch.arange(start, end).expand(3, -1))
+                continue
+            length = mm.mrope_positions.shape[1]
+            tail = torch.arange(max(start, length), max(end, length)) + mm.mrope_delta  # empty in a prefill chunk
+            parts.append(torch.cat([mm.mrope_positions[:, start:min(end, length)], tail.expand(3, -1)], dim=1))
+        return torch.cat(parts, dim=1)
 
     def _one_image(self, picture: Any, sha256: str | None) -> tuple[int, str, dict[str, Any]]:
         """An image through the processor alone: its image-token count, key and encoder inputs."""

@@ -95,6 +95,7 @@ class ModelRunner:
         score_index: list[int] = []
         image_rows: list[int] = []  # packed indices of image tokens, and the encoder rows that fill them
         image_features: list[tuple[Any, list[int]]] = []
+        segments: list[tuple[Request, int, int]] = []  # each request's positions [start, end), in packed order
         size = self.block_size
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             start = request.num_computed_tokens
@@ -103,6 +104,7 @@ class ModelRunner:
             if to_score:  # packed index of position p: where this request's tokens begin, plus p - start
                 scored.append((request, to_score))
                 score_index.extend(len(input_ids) + p - start for p in to_score)
+            segments.append((request, start, end))
             if request.mm is not None and start < request.num_prompt_tokens:  # a prefill chunk: its image rows
                 for image in request.mm.images:
                     rows = image.rows_in(start, end)
@@ -141,11 +143,12 @@ class ModelRunner:
         positions = torch.tensor(positions, device=device)
         sample_index = torch.tensor(sample_index + verify_index + score_index, dtype=torch.long, device=device)
         try:
+            extra = {}
             if image_rows:  # the token embeddings with the images' encoder rows in place
-                embeds = self.vision.embed(input_ids, image_rows, image_features)
-                logits = self.forward(input_ids, positions, sample_index, inputs_embeds=embeds)
-            else:
-                logits = self.forward(input_ids, positions, sample_index)
+                extra["inputs_embeds"] = self.vision.embed(input_ids, image_rows, image_features)
+            if self.vision is not None and self.vision.uses_mrope:  # 3-D rotary positions, every step
+                extra["mrope_positions"] = self.vision.mrope_positions(segments).to(device)
+            logits = self.forward(input_ids, positions, sample_index, **extra)
         finally:
             attention.set_metadata(None)
         num_samples, num_checks = len(samplers), len(verify_index)

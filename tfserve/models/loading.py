@@ -23,6 +23,8 @@ ModelKind = Literal["store", "hf_dir", "gguf", "hf_cache"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "bnb-4bit", "bnb-8bit")
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ResolvedModel:
@@ -118,7 +120,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         with hf_progress_bars(enabled=progress is None):
             processor = None
             if resolved.kind != "gguf" and _is_vision_language(AutoConfig.from_pretrained(source, **tok_kwargs)):
-                processor = AutoProcessor.from_pretrained(source, **tok_kwargs)
+                processor = _processor(source, tok_kwargs)
                 tokenizer = processor.tokenizer
                 model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
             else:
@@ -134,6 +136,52 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         recommend_sampling(model.generation_config, known.sampling)
     return LoadedModel(model, tokenizer, resolved.name, resolved.path, str(device), torch_dtype, quantization,
                        processor)
+
+
+def _processor(source: str, kwargs: dict[str, Any]) -> Any:
+    """The model's AutoProcessor; where its video side cannot load (Qwen2-VL's video processor needs
+    torchvision), the same processor class without it: images and text are all the engine takes."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoProcessor.from_pretrained(source, **kwargs)
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        config = {**(_read_json(Path(source) / "preprocessor_config.json")),
+                  **(_read_json(Path(source) / "processor_config.json"))}
+        name = config.get("processor_class")
+        if not name:
+            raise ModelLoadError(f"cannot load the processor of {source}: {first_line(exc)}") from None
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        processor = images_only_processor_class(name)(
+            image_processor=AutoImageProcessor.from_pretrained(source, **kwargs), tokenizer=tokenizer,
+            video_processor=None, chat_template=tokenizer.chat_template)
+        logger.info("%s: loaded %s without its video side (%s)", source, name, first_line(exc))
+        return processor
+
+
+def images_only_processor_class(name: str) -> type:
+    """A transformers processor class (by name) that accepts `video_processor=None`."""
+    import transformers
+
+    base = getattr(transformers, name)
+
+    class ImagesOnly(base):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = name
+    return ImagesOnly
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _is_vision_language(config: Any) -> bool:

@@ -180,7 +180,7 @@ def _vision_facts(config: dict, path: Path) -> dict:
     if not isinstance(vision, dict):
         return {}
     layers = vision.get("num_hidden_layers") or vision.get("depth")
-    width = vision.get("hidden_size") or vision.get("embed_dim")
+    width = vision.get("embed_dim") or vision.get("hidden_size")  # Qwen2-VL: hidden_size is its output
     tower = ", ".join(str(part) for part in (vision.get("model_type"), layers and f"{layers} layers",
                                              width and f"{width} wide") if part)
     processor = {**(_read_json(path / "preprocessor_config.json") or {}),
