@@ -123,8 +123,51 @@ def build_qwen2_vl(processor, seed: int = 0):
     return model
 
 
+def build_gemma3_processor():
+    """A Gemma 3 processor: one 32x32 view per image, pooled to 4 soft tokens between <start_of_image> and
+    <end_of_image>."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    from tiny import build_tokenizer
+
+    base = build_tokenizer()
+    base.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<start_of_image>", "<image_soft_token>", "<end_of_image>"]})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>",
+                                        unk_token="<unk>", extra_special_tokens={
+                                            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                            "image_token": "<image_soft_token>"})
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
+                           chat_template=tokenizer.chat_template)
+
+
+def build_gemma3(processor, seed: int = 0):
+    """A Gemma 3 (SigLIP tower, pooled projector; a text model with sliding and full layers), random weights
+    drawn wide enough (initializer_range 0.3) that its image tokens' two-way attention shows in the logits."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = Gemma3Config(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 32, "patch_size": 8},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "max_position_embeddings": 1024, "sliding_window": 8, "initializer_range": 0.3,
+                     "layer_types": ["sliding_attention", "full_attention"], "eos_token_id": tokenizer.eos_token_id},
+        mm_tokens_per_image=4, image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"), initializer_range=0.3)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
 FAMILIES = {"llava": (build_llava_processor, build_llava), "idefics3": (build_idefics3_processor, build_idefics3),
-            "qwen2_vl": (build_qwen2_vl_processor, build_qwen2_vl)}
+            "qwen2_vl": (build_qwen2_vl_processor, build_qwen2_vl), "gemma3": (build_gemma3_processor, build_gemma3)}
 
 
 def save_vlm(model, processor, path) -> None:

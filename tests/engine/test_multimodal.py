@@ -90,6 +90,29 @@ def test_greedy_tokens_match_generate_in_a_mixed_batch(vlm, config):
     assert engine.vision.cache.num_encoded == 4  # each image once
 
 
+def test_every_prompt_position_matches_the_reference_logits(vlm):
+    """The prefill itself, position by position (prompt logprobs), not only the argmax after it: each family's
+    image attention, Gemma 3's two-way image tokens included, gives the reference's log-probabilities, also
+    when chunks cut the prompt."""
+    engine = make_engine(vlm, max_batch_tokens=6)
+    messages, images = PROMPTS[1]
+    prompt_ids, mm = engine.render_multimodal(messages, images)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=3, prompt_logprobs=3)
+    (request,) = engine.make_requests(prompt_ids, params, mm=mm)
+    engine.enqueue(request)
+    outputs = [o for _ in range(200) if engine.has_unfinished for o in engine.step() if o.finished]
+    text = vlm.processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = vlm.processor(text=[text], images=[images], return_tensors="pt")
+    with torch.inference_mode():
+        want = vlm.reference(**inputs).logits[0].log_softmax(-1)  # [num_prompt_tokens, vocab]
+    entries = outputs[0].prompt_logprobs[1:] + [outputs[0].logprobs[0]]  # position p predicts token p + 1
+    assert len(entries) == len(prompt_ids)
+    for position, entry in enumerate(entries):
+        values, ids = want[position].topk(3)
+        assert [token for token, _ in entry["top"]] == ids.tolist(), position
+        assert [value for _, value in entry["top"]] == pytest.approx(values.tolist(), abs=1e-4), position
+
+
 def test_preemption_recomputes_without_encoding_again(vlm):
     prompts = [(image_message(f"Picture {i}?"), [picture(10 + i)]) for i in range(4)]
     longest = max(len(make_engine(vlm).render_multimodal(*p)[0]) for p in prompts)
@@ -189,4 +212,14 @@ def test_a_vision_language_directory_loads_with_its_processor(vlm, tmp_path):
 
     info = model_info(str(tmp_path))
     assert "2 layers" in info.vision_tower and "32 wide" in info.vision_tower
-    assert info.image_tokens.startswith(("16 per image", "4 per tile", "by image size"))
+    assert info.image_tokens.startswith(("16 per image", "4 per tile", "by image size", "4 per image"))
+
+
+def test_a_bidirectional_image_is_never_cut_by_a_chunk():
+    image = ImageInput(((10, 14),), "k", {})
+    both_ways = MultiModalInput((image,), bidirectional=True)
+    assert both_ways.chunk_size(0, 12) == 10  # would end inside: stop before the image
+    assert both_ways.chunk_size(10, 2) == 4 and both_ways.chunk_size(12, 1) == 2  # from inside it: to its end
+    assert both_ways.chunk_size(0, 20) == 20 and both_ways.chunk_size(0, 10) == 10
+    assert MultiModalInput((image,)).chunk_size(0, 12) == 12  # one-way images are cut anywhere
+    assert both_ways.runs_in(0, 11) == [(10, 14)] and both_ways.runs_in(14, 20) == []

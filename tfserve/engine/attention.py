@@ -37,6 +37,8 @@ class AttentionGroup:
     pad_index: torch.Tensor | None  # [num_seqs, max_q] -> packed token (within the group); None for decodes
     unpad_index: torch.Tensor | None  # [group tokens] -> row of the flattened [num_seqs * max_q]
     masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)  # by (window, repeat)
+    # per sequence, runs [start, end) of image tokens that attend to each other both ways (Gemma 3), or None
+    image_runs: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +60,9 @@ class AttentionGroup:
             mask = key_pos <= q_pos
             if sliding_window is not None:
                 mask &= key_pos > q_pos - sliding_window
+            for row, runs in enumerate(self.image_runs or ()):
+                for start, end in runs:  # an image's tokens see each other, whatever their order
+                    mask[row] |= ((q_pos[row] >= start) & (q_pos[row] < end)) & ((key_pos >= start) & (key_pos < end))
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
             if repeat > 1:
                 mask = mask.repeat(1, 1, repeat, 1)

@@ -39,6 +39,9 @@ class Engine:
         self.runner = ModelRunner(model, config)
         self.vision = VisionLanguage(model, processor) if processor is not None else None
         self.runner.vision = self.vision
+        if self.vision is not None and self.vision.bidirectional and self.runner.flash_attention:
+            raise ValueError("attn_implementation flash_attention_2 cannot attend an image's tokens both ways "
+                             f"({type(model).__name__}); leave it unset for tfserve's paged attention")
         self.block_pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs,
                                    config.num_speculative_tokens if config.speculative else 0)

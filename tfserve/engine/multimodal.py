@@ -18,6 +18,7 @@ import torch
 # processor outputs that are the prompt, not the picture
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
+BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})  # model types whose image tokens attend to each other both ways
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,25 @@ class MultiModalInput:
     images: tuple[ImageInput, ...]
     mrope_positions: Any = None  # [3, num_prompt_tokens] long tensor (temporal, height, width), or None
     mrope_delta: int = 0  # position of token p past the prompt: p + mrope_delta on all three axes
+    # Gemma 3: the tokens of an image attend to each other both ways, so a prefill chunk holds the rest of an
+    # image whole (never ends inside one) and the attention mask opens each run of image tokens to itself
+    bidirectional: bool = False
+
+    def chunk_size(self, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` a prefill chunk takes: with bidirectional images, cut before
+        an image the chunk would end inside, or (starting inside or at it) run to its end."""
+        if not self.bidirectional:
+            return num_new
+        end = start + num_new
+        for image in self.images:
+            first, last = image.spans[0][0], image.spans[-1][1]
+            if first < end < last:
+                end = first if first > start else last
+        return end - start
+
+    def runs_in(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The runs of image tokens overlapping [start, end), for the bidirectional mask."""
+        return [span for image in self.images for span in image.spans if span[0] < end and start < span[1]]
 
     def keys_in(self, start: int, end: int) -> tuple[str, ...]:
         """The keys of the images with tokens in prompt positions [start, end) (a block's extra hash)."""
@@ -111,6 +131,7 @@ class VisionLanguage:
         accepted = inspect.signature(model.get_image_features).parameters
         self._takes_all = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
         self._accepted = frozenset(accepted)
+        self.bidirectional = model.config.model_type in BIDIRECTIONAL_IMAGES
         # M-RoPE (Qwen2-VL, Qwen2.5-VL): image tokens get 3-D positions from the model's own get_rope_index
         self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
         self.uses_mrope = self._rope_index is not None
@@ -139,7 +160,7 @@ class VisionLanguage:
             spans.append(ImageInput(_runs(positions[first:first + count]), key, pixel_inputs))
             first += count
         if not self.uses_mrope:
-            return prompt_ids, MultiModalInput(tuple(spans))
+            return prompt_ids, MultiModalInput(tuple(spans), bidirectional=self.bidirectional)
         accepted = inspect.signature(self._rope_index).parameters
         with torch.inference_mode():
             rope, delta = self._rope_index(**{k: v for k, v in inputs.items() if k in accepted})
@@ -198,7 +219,9 @@ class VisionLanguage:
     def embed(self, input_ids: torch.Tensor, rows: list[int], images: list[tuple[ImageInput, list[int]]]
               ) -> torch.Tensor:
         """The step's token embeddings [num_tokens, hidden] with the images' encoder rows at packed `rows`."""
-        embeds = self.model.get_input_embeddings()(input_ids)
+        table = self.model.get_input_embeddings()
+        # an image token id may lie past the embedding table (its rows are replaced anyway)
+        embeds = table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
         features = torch.cat([self.features(image, embeds.device, embeds.dtype)[encoder_rows]
                               for image, encoder_rows in images])
         embeds[torch.tensor(rows, device=embeds.device)] = features

@@ -194,7 +194,12 @@ class ModelRunner:
             pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
             unpad_index.extend(range(row * max_q, row * max_q + n))
             offset += n
+        image_runs = None
+        if self.vision is not None and self.vision.bidirectional:
+            image_runs = [r.mm.runs_in(r.num_computed_tokens, r.num_computed_tokens + n) if r.mm is not None else []
+                          for r, n in zip(requests, num_new)]
         return AttentionGroup(
+            image_runs=image_runs if image_runs and any(image_runs) else None,
             start=token_start, end=token_start + offset,
             block_tables=torch.tensor(tables, dtype=torch.long, device=device),
             query_positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -65,7 +65,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens,
+                                  min(request.num_tokens - request.num_computed_tokens, budget))
             request.spec_token_ids = self._proposals(request, budget) if num_new == 1 else []
             num_new += len(request.spec_token_ids)
             while not self.block_pool.allocate(request, num_new):
@@ -83,7 +84,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.block_pool.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
-            num_new = min(request.num_tokens - len(cached) * self.block_pool.block_size, budget)
+            start = len(cached) * self.block_pool.block_size
+            num_new = self._chunk(request, start, min(request.num_tokens - start, budget))
             if not self.block_pool.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
@@ -110,6 +112,14 @@ class Scheduler:
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             request.num_computed_tokens += num_new - (num_rejected or {}).get(request.request_id, 0)
             request.spec_token_ids = []
+
+    @staticmethod
+    def _chunk(request: Request, start: int, num_new: int) -> int:
+        """A prefill chunk's size: a model whose image tokens attend both ways takes the rest of an image whole
+        (the budget may run over by part of one image)."""
+        if request.mm is None or start >= request.num_prompt_tokens:
+            return num_new
+        return request.mm.chunk_size(start, num_new)
 
     def _proposals(self, request: Request, budget: int) -> list[int]:
         """N-gram proposals for a greedy decode (none past its max_tokens or the step's budget)."""
