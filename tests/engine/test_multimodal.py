@@ -88,6 +88,8 @@ def test_greedy_tokens_match_generate_in_a_mixed_batch(vlm, config):
     for (messages, images), tokens in zip(PROMPTS, got):
         assert tokens == expected(vlm, messages, images), messages
     assert engine.vision.cache.num_encoded == 4  # each image once
+    if not config:  # the four images' prefills share one step: their encodes are batched
+        assert engine.vision.cache.num_encoder_calls < 4
 
 
 def test_every_prompt_position_matches_the_reference_logits(vlm):

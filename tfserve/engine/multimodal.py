@@ -85,6 +85,7 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_encoded = 0  # images run through the encoder (a hit is not counted)
+        self.num_encoder_calls = 0  # encoder runs: fewer than images when a step's images are batched
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def get(self, key: str) -> torch.Tensor | None:
@@ -195,25 +196,56 @@ class VisionLanguage:
             digest.update(name.encode() + str(tuple(getattr(value, "shape", ()))).encode())
         return count, digest.hexdigest(), pixel_inputs
 
-    @torch.inference_mode()
     def features(self, image: ImageInput, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The image's encoder output, [num_tokens, hidden]: from the cache, or encoded now and kept."""
         features = self.cache.get(image.key)
         if features is None:
-            kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in image.pixel_inputs.items()
-                      if self._takes_all or k in self._accepted}
-            if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
-                kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
-            out = self.model.get_image_features(**kwargs, return_dict=True)
-            pooled = out.pooler_output
-            parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
-            features = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]).to(dtype)
-            if features.shape[0] != image.num_tokens:
-                raise ValueError(f"the vision encoder gave {features.shape[0]} rows for {image.num_tokens} image tokens")
-            self.cache.put(image.key, features)
-            self.cache.num_encoded += 1
+            self.encode([image], device, dtype)
+            features = self.cache.get(image.key)
         return features
 
+    @torch.inference_mode()
+    def encode(self, images: list[ImageInput], device: torch.device, dtype: torch.dtype) -> None:
+        """Encode the images not cached yet, in as few encoder calls as their shapes allow: images whose inputs
+        differ only in their first dimension are concatenated into one batch (a step's images, across requests)."""
+        groups: dict[tuple, list[ImageInput]] = {}
+        for image in {image.key: image for image in images if self.cache.get(image.key) is None}.values():
+            inputs = self._inputs(image)
+            shape = tuple(sorted((k, tuple(v.shape[1:]) if torch.is_tensor(v) else repr(v)) for k, v in inputs.items()))
+            groups.setdefault(shape, []).append(image)
+        for group in groups.values():
+            per_image = self._run_encoder(group, device, dtype) if len(group) > 1 else None
+            if per_image is None:  # one image, or a batch the model's output does not split back
+                per_image = [self._run_encoder([image], device, dtype)[0] for image in group]
+            for image, features in zip(group, per_image):
+                if features.shape[0] != image.num_tokens:
+                    raise ValueError(f"the vision encoder gave {features.shape[0]} rows for {image.num_tokens} "
+                                     "image tokens")
+                self.cache.put(image.key, features.to(dtype))
+                self.cache.num_encoded += 1
+
+    def _inputs(self, image: ImageInput) -> dict[str, Any]:
+        return {k: v for k, v in image.pixel_inputs.items() if self._takes_all or k in self._accepted}
+
+    def _run_encoder(self, group: list[ImageInput], device: torch.device, dtype: torch.dtype
+                     ) -> list[torch.Tensor] | None:
+        """One `get_image_features` call over `group` -> each image's rows [num_tokens, hidden], or None when the
+        output cannot be told apart image by image."""
+        inputs = [self._inputs(image) for image in group]
+        kwargs = {k: torch.cat([each[k] for each in inputs]).to(device) if torch.is_tensor(v) else v
+                  for k, v in inputs[0].items()}
+        if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
+        pooled = self.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        self.cache.num_encoder_calls += 1
+        if isinstance(pooled, (list, tuple)) and len(pooled) == len(group):
+            return [part.reshape(-1, part.shape[-1]) for part in pooled]
+        rows = torch.cat([part.reshape(-1, part.shape[-1]) for part in pooled]) if isinstance(
+            pooled, (list, tuple)) else pooled.reshape(-1, pooled.shape[-1])
+        sizes = [image.num_tokens for image in group]
+        if rows.shape[0] != sum(sizes):
+            return None if len(group) > 1 else [rows]
+        return list(rows.split(sizes))
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, rows: list[int], images: list[tuple[ImageInput, list[int]]]
@@ -222,6 +254,7 @@ class VisionLanguage:
         table = self.model.get_input_embeddings()
         # an image token id may lie past the embedding table (its rows are replaced anyway)
         embeds = table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
+        self.encode([image for image, _ in images], embeds.device, embeds.dtype)  # the step's new images, batched
         features = torch.cat([self.features(image, embeds.device, embeds.dtype)[encoder_rows]
                               for image, encoder_rows in images])
         embeds[torch.tensor(rows, device=embeds.device)] = features
