@@ -20,6 +20,7 @@ KEYS = {"completed", "failed", "duration_s", "request_throughput", "output_throu
 
 
 SEEN_MODELS = web.AppKey("seen_models", list)  # the model names a fake server was sent
+SEEN_BODIES = web.AppKey("seen_bodies", list)  # every chat body a fake server was sent
 
 def _chunk(content=None, finish=None, usage=None):
     choices = [] if usage else [{"index": 0, "delta": {"content": content} if content else {},
@@ -32,11 +33,12 @@ def _chunk(content=None, finish=None, usage=None):
 
 def _fake_app(fail_every: int = 0) -> web.Application:
     count = {"n": 0}
-    seen_models = []
+    seen_models, seen_bodies = [], []
 
     async def chat(request):
         body = await request.json()
         seen_models.append(body["model"])
+        seen_bodies.append(body)
         count["n"] += 1
         if fail_every and count["n"] % fail_every == 0:
             return web.json_response({"error": {"message": "boom", "type": "server_error", "param": None,
@@ -63,6 +65,7 @@ def _fake_app(fail_every: int = 0) -> web.Application:
     app_.router.add_get("/health", health)
     app_.router.add_get("/v1/models", models)
     app_[SEEN_MODELS] = seen_models
+    app_[SEEN_BODIES] = seen_bodies
     return app_
 
 
@@ -101,6 +104,34 @@ def test_records_from_a_streaming_server(fake_server):
     assert [r.output_tokens for r in records] == [3] * 4  # from usage
     assert all(r.prompt_tokens == 7 and len(r.token_times_s) == 3 for r in records)
     assert all(0 < r.ttft_s <= r.e2e_s for r in records)
+
+
+def test_cli_image_goes_with_the_requests_it_is_spread_over(fake_server, tmp_path):
+    from PIL import Image
+
+    base_url = fake_server()
+    Image.new("RGB", (4, 4), "red").save(tmp_path / "red.png")
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "-n", "8", "-c", "2", "--image",
+                                      str(tmp_path / "red.png"), "--image-fraction", "0.5"])
+    assert result.exit_code == 0, result.output
+    contents = [body["messages"][0]["content"] for body in fake_server.apps[0][SEEN_BODIES]]
+    with_image = [c for c in contents if isinstance(c, list)]
+    assert len(with_image) == 4 and len(contents) == 8
+    part = with_image[0][0]
+    assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
+    assert [OnlineConfig(base_url="x", model="m", image_url="u", image_fraction=0.25).with_image(i)
+            for i in range(8)] == [False, False, False, True] * 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--image", "{png}", "--endpoint", "completions"], "--image needs --endpoint chat"),
+    (["--image", "{txt}"], "not a PNG, JPEG, WebP or GIF"),
+])
+def test_cli_image_mistakes_are_one_line(tmp_path, args, message):
+    (tmp_path / "a.txt").write_text("x")
+    args = [a.format(png=tmp_path / "a.png", txt=tmp_path / "a.txt") for a in args]
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", "127.0.0.1:9", *args])
+    assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
 
 
 def test_failures_are_counted_not_raised(fake_server):

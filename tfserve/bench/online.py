@@ -27,6 +27,14 @@ class OnlineConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0
     seed: int = 0
+    image_url: str | None = None  # an image (a data URL) sent with chat requests, before the prompt's text
+    image_fraction: float = 1.0  # the share of requests that carry it, spread evenly over the run
+
+    def with_image(self, index: int) -> bool:
+        """Whether request `index` carries the image: `image_fraction` of them, evenly spaced."""
+        if self.image_url is None:
+            return False
+        return int((index + 1) * self.image_fraction) > int(index * self.image_fraction)
 
 
 async def run_online(config: OnlineConfig, prompts: list[str],
@@ -42,17 +50,17 @@ async def run_online(config: OnlineConfig, prompts: list[str],
         extra_body["ignore_eos"] = True
     rng = random.Random(config.seed)
 
-    async def one(prompt: str) -> RequestRecord:
+    async def one(index: int, prompt: str) -> RequestRecord:
         async with limit:
-            record = await _stream_one(client, config, prompt, extra_body)
+            record = await _stream_one(client, config, prompt, extra_body, config.with_image(index))
         if on_done is not None:
             on_done(record)
         return record
 
     start = time.perf_counter()
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(one(prompt)))
+    for index, prompt in enumerate(prompts):
+        tasks.append(asyncio.create_task(one(index, prompt)))
         if config.request_rate:
             await asyncio.sleep(rng.expovariate(config.request_rate))
     records = await asyncio.gather(*tasks)
@@ -61,7 +69,8 @@ async def run_online(config: OnlineConfig, prompts: list[str],
     return list(records), duration
 
 
-async def _stream_one(client, config: OnlineConfig, prompt: str, extra_body: dict) -> RequestRecord:
+async def _stream_one(client, config: OnlineConfig, prompt: str, extra_body: dict,
+                      with_image: bool = False) -> RequestRecord:
     record = RequestRecord(ok=False)
     start = time.perf_counter()
     num_chunks = 0
@@ -69,7 +78,10 @@ async def _stream_one(client, config: OnlineConfig, prompt: str, extra_body: dic
         common = dict(model=config.model, max_tokens=config.max_tokens, temperature=0.0, stream=True,
                       stream_options={"include_usage": True}, extra_body=extra_body or None)
         if config.endpoint == "chat":
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+            content: str | list = prompt
+            if with_image:
+                content = [{"type": "image_url", "image_url": {"url": config.image_url}}, {"type": "text", "text": prompt}]
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": content}], **common)
         else:
             stream = await client.completions.create(prompt=prompt, **common)
         async for chunk in stream:

@@ -117,6 +117,12 @@ def serve(
     endpoint: Annotated[str, typer.Option("--endpoint", help="chat or completions.")] = "chat",
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Send ignore_eos (tfserve, vLLM) for fixed lengths.")] = False,
     extra_body: Annotated[str | None, typer.Option("--extra-body", help="JSON merged into every request body.")] = None,
+    image: Annotated[Path | None, typer.Option(
+        "--image", help="Send this image (a data URL image_url part) with chat requests: a vision model's run.",
+        show_default=False)] = None,
+    image_fraction: Annotated[float, typer.Option(
+        "--image-fraction", min=0.0, max=1.0, help="With --image: the share of requests that carry it (the rest "
+                                                   "are text only), spread evenly.")] = 1.0,
     api_key: Annotated[str, typer.Option("--api-key", envvar="TFSERVE_API_KEY", help="Bearer token.")] = "EMPTY",
     launch: Annotated[str | None, typer.Option("--launch", help="Start this server command first; stop it after.")] = None,
     launch_timeout: Annotated[float, typer.Option("--launch-timeout", help="Seconds to wait for it.")] = 600.0,
@@ -134,6 +140,7 @@ def serve(
       tfserve bench serve --url localhost:8000 -c 32 --max-tokens 128 --ignore-eos
       tfserve bench serve --launch "tfserve serve --port 8011" --url localhost:8011 --sweep concurrency=1,8,32
       tfserve bench serve --url localhost:8000 --request-rate 4 --dataset prompts.jsonl -o run.json
+      tfserve bench serve --url localhost:8000 --image cat.png --image-fraction 0.5   # a vision model
       tfserve bench serve --launch "llama-server -m model.gguf -np 32 -c 32768 -t 2 --port 8080" --url localhost:8080
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -148,6 +155,7 @@ def serve(
         raise TfserveError(f"--endpoint must be chat or completions, not {endpoint!r}")
     base_url = _base_url(url)
     extra = _parse_json(extra_body, "--extra-body")
+    image_url = _image_data_url(image, endpoint) if image is not None else None
     sweep_key, sweep_values = _parse_sweep(sweep) if sweep else ("concurrency", [concurrency])
     largest = max(num_prompts, *(max(4, prompts_per_concurrency * c) for c in sweep_values
                                  if prompts_per_concurrency and sweep_key == "concurrency"), 0)
@@ -165,7 +173,8 @@ def serve(
         for value in sweep_values:
             config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
                                   request_rate=request_rate, endpoint=endpoint, api_key=api_key,
-                                  ignore_eos=ignore_eos, extra_body=extra)
+                                  ignore_eos=ignore_eos, extra_body=extra, image_url=image_url,
+                                  image_fraction=image_fraction)
             setattr(config, sweep_key, value)
             count = num_prompts
             if prompts_per_concurrency and sweep_key == "concurrency":
@@ -193,6 +202,23 @@ def serve(
         output_json.write_text(json.dumps(payload, indent=2))
     if plot is not None:
         plot_sweep([(model, sweep_values, runs)], plot, sweep_key)
+
+
+def _image_data_url(path: Path, endpoint: str) -> str:
+    """--image as a data URL, or one line saying why not."""
+    import base64
+    import mimetypes
+
+    if endpoint != "chat":
+        raise TfserveError("--image needs --endpoint chat (images travel as chat content parts)")
+    mime = mimetypes.guess_type(path.name)[0]
+    if mime not in ("image/png", "image/jpeg", "image/webp", "image/gif"):
+        raise TfserveError(f"--image {path}: not a PNG, JPEG, WebP or GIF file (by its name)")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TfserveError(f"--image {path}: {exc.strerror or exc}") from None
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 @app.command("compare")
