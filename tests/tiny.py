@@ -212,11 +212,17 @@ def wait_until_idle(engine, timeout: float = 5.0) -> bool:
 
 
 def run_engine(engine, items: list) -> list:
-    """Add every (prompt, params) and step until all finish; final outputs in order (children of n > 1 flat).
-    Every KV block is free again at the end."""
+    """Add every (prompt, params) — or (prompt, params, mm) for a prompt with images — and step until all finish;
+    final outputs in order (children of n > 1 flat). Every KV block is free again at the end."""
     ids = []
-    for prompt, params in items:
-        ids.extend(engine.add_request(prompt, params))
+    for prompt, params, *mm in items:
+        if mm:
+            requests = engine.make_requests(prompt, params, mm=mm[0])
+            for request in requests:
+                engine.enqueue(request)
+            ids.extend(request.request_id for request in requests)
+        else:
+            ids.extend(engine.add_request(prompt, params))
     results = {}
     while engine.has_unfinished:
         for output in engine.step():

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny import run_engine
 from tiny_vlm import FAMILIES, image_message, picture, save_vlm
 
 from tfserve.engine.engine import Engine
@@ -41,24 +42,16 @@ def expected(vlm, messages, images, max_new_tokens=8) -> list[int]:
 
 
 def run(engine, prompts) -> list:
-    """Queue every (messages, images) at once; step until all finish; final outputs in order."""
-    ids = []
+    """Queue every (messages, images) at once; step until all finish; the generated tokens in order."""
+    items = []
     for messages, images in prompts:
         if images:
             prompt_ids, mm = engine.render_multimodal(messages, images)
         else:
-            prompt_ids, mm = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                  tokenize=True, return_dict=True)["input_ids"], None
-        for request in engine.make_requests(prompt_ids, GREEDY, mm=mm):
-            engine.enqueue(request)
-            ids.append(request.request_id)
-    results = {}
-    while engine.has_unfinished:
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    return [results[i].generated_tokens for i in ids]
+            prompt_ids, mm = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                  return_dict=True)["input_ids"], None
+        items.append((prompt_ids, GREEDY, mm))
+    return [output.generated_tokens for output in run_engine(engine, items)]
 
 
 PROMPTS = [
