@@ -81,9 +81,9 @@ def build_idefics3(processor, seed: int = 0):
 QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
 
 
-def build_qwen2_vl_processor():
-    """A Qwen2-VL processor without its video side (which needs torchvision): 8x8 patches merged 2x2, so an
-    image's token count follows its size."""
+def build_qwen2_vl_processor(class_name: str = "Qwen2VLProcessor"):
+    """A Qwen2-VL (or Qwen2.5-VL) processor without its video side (which needs torchvision): 8x8 patches merged
+    2x2, so an image's token count follows its size."""
     from transformers import Qwen2VLImageProcessorPil
 
     from tfserve.models.loading import images_only_processor_class
@@ -94,7 +94,7 @@ def build_qwen2_vl_processor():
         "<|im_start|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
     images = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2,
                                       temporal_patch_size=2)
-    processor_class = images_only_processor_class("Qwen2VLProcessor")
+    processor_class = images_only_processor_class(class_name)
     return processor_class(image_processor=images, tokenizer=tokenizer, video_processor=None,
                            chat_template=QWEN_TEMPLATE)
 
@@ -118,6 +118,25 @@ def build_qwen2_vl(processor, seed: int = 0):
         **ids)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def build_qwen2_5_vl(processor, seed: int = 0):
+    """A Qwen2.5-VL (windowed vision attention, M-RoPE language model), random weights."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    qwen2 = build_qwen2_vl(processor, seed).config
+    config = Qwen2_5_VLConfig(
+        vision_config={"depth": 2, "hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
+                       "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                       "window_size": 32, "fullatt_block_indexes": [1]},
+        text_config=qwen2.text_config.to_dict(), image_token_id=qwen2.image_token_id,
+        video_token_id=qwen2.video_token_id, vision_start_token_id=qwen2.vision_start_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.bos_token_id = None
     return model
@@ -167,7 +186,9 @@ def build_gemma3(processor, seed: int = 0):
 
 
 FAMILIES = {"llava": (build_llava_processor, build_llava), "idefics3": (build_idefics3_processor, build_idefics3),
-            "qwen2_vl": (build_qwen2_vl_processor, build_qwen2_vl), "gemma3": (build_gemma3_processor, build_gemma3)}
+            "qwen2_vl": (build_qwen2_vl_processor, build_qwen2_vl),
+            "qwen2_5_vl": (lambda: build_qwen2_vl_processor("Qwen2_5_VLProcessor"), build_qwen2_5_vl),
+            "gemma3": (build_gemma3_processor, build_gemma3)}
 
 
 def save_vlm(model, processor, path) -> None:
