@@ -21,6 +21,9 @@ class EngineConfig:
     kv_cache_memory: float | int | None = None  # bytes (> 1) or a fraction of free memory (<= 1)
     max_batch_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 64  # running sequences at most
+    # a prefill takes at most this many tokens of a step (vLLM's long_prefill_token_threshold): long prompts, an
+    # image's tokens, then run over several steps, and the decodes beside them keep their pace; None: the budget
+    long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # longest prompt + output; None: the model's context length
     generation_config: str = "auto"  # "auto": the model's generation_config gives absent sampling fields; "none"
@@ -46,6 +49,8 @@ class EngineConfig:
                f"must be bytes > 1 or a fraction in (0, 1] (got {self.kv_cache_memory})")
         _check(self.max_batch_tokens >= 1, "max_batch_tokens", f"must be >= 1 (got {self.max_batch_tokens})")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1 (got {self.max_num_seqs})")
+        _check(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
+               "long_prefill_token_threshold", f"must be >= 1 (got {self.long_prefill_token_threshold})")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2 (got {self.max_model_len})")
         _check(self.generation_config in ("auto", "none"), "generation_config",

@@ -116,6 +116,17 @@ def test_budget_shared_between_decodes_and_a_chunked_prefill():
         assert plan.num_batched_tokens <= 8
 
 
+def test_long_prefill_token_threshold_caps_a_prefill_per_step():
+    scheduler = Scheduler(BlockPool(64, 4), 64, 8, long_prefill_token_threshold=5)
+    a = make_request("a", 3, max_tokens=10)
+    scheduler.add(a)
+    assert run_step(scheduler).num_new_tokens == [3]  # shorter than the threshold: whole
+    b = make_request("b", 12, max_tokens=2)
+    scheduler.add(b)
+    assert [run_step(scheduler).num_new_tokens for _ in range(3)] == [[1, 5], [1, 5], [1, 2]]
+    assert b.num_output_tokens == 1  # the prefill ended, over three steps beside a's decodes
+
+
 def test_max_num_seqs():
     scheduler = make_scheduler(max_num_seqs=2)
     requests = [make_request(str(i), 4, max_tokens=2) for i in range(3)]

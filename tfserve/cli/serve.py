@@ -95,6 +95,10 @@ def serve(
                                                               "decodes).", rich_help_panel=ENGINE)] = 512,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together, at most.",
                                               rich_help_panel=ENGINE)] = 64,
+    long_prefill_token_threshold: Annotated[int | None, typer.Option(
+        min=1, metavar="TOKENS", show_default=False, rich_help_panel=ENGINE,
+        help="A prefill takes at most TOKENS of a step (vLLM's flag): long prompts and images run over several "
+             "steps and the decodes beside them keep their pace (default: the step's budget).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(
         help="KV cache size: bytes (2GiB, 512MiB) or a fraction of free memory (0.5). "
              "Default: 1 GiB on CPU, 70% of free GPU memory.", rich_help_panel=ENGINE)] = None,
@@ -249,7 +253,8 @@ def serve(
         resolve_model(spec)  # a wrong name fails now, before the port is bound
     engine_kwargs = {
         "max_batch_tokens": _same(ctx, "max_batch_tokens", max_batch_tokens, cb_max_batch_tokens),
-        "max_num_seqs": max_num_seqs, "block_size": _same(ctx, "block_size", block_size, cb_block_size),
+        "max_num_seqs": max_num_seqs, "long_prefill_token_threshold": long_prefill_token_threshold,
+        "block_size": _same(ctx, "block_size", block_size, cb_block_size),
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,

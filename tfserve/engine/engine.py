@@ -44,7 +44,8 @@ class Engine:
                              f"({type(model).__name__}); leave it unset for tfserve's paged attention")
         self.block_pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs,
-                                   config.num_speculative_tokens if config.speculative else 0)
+                                   config.num_speculative_tokens if config.speculative else 0,
+                                   config.long_prefill_token_threshold)
         self.num_draft_tokens = 0  # speculative decoding: proposals checked, and accepted
         self.num_accepted_tokens = 0
         text_config = model.config.get_text_config()

@@ -39,8 +39,9 @@ class Scheduler:
     """FCFS continuous batching over a token budget, with chunked prefill and preemption by recompute."""
 
     def __init__(self, block_pool: BlockPool, max_batch_tokens: int, max_num_seqs: int,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, long_prefill_token_threshold: int | None = None) -> None:
         self.block_pool = block_pool
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # a prefill's tokens per step at most
         self.num_speculative_tokens = num_speculative_tokens  # n-gram proposals per greedy decode; 0: off
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
@@ -113,10 +114,13 @@ class Scheduler:
             request.num_computed_tokens += num_new - (num_rejected or {}).get(request.request_id, 0)
             request.spec_token_ids = []
 
-    @staticmethod
-    def _chunk(request: Request, start: int, num_new: int) -> int:
-        """A prefill chunk's size: a model whose image tokens attend both ways takes the rest of an image whole
-        (the budget may run over by part of one image)."""
+    def _chunk(self, request: Request, start: int, num_new: int) -> int:
+        """A prefill chunk's size: at most `long_prefill_token_threshold`; a model whose image tokens attend both
+        ways takes the rest of an image whole (the budget may run over by part of one image)."""
+        if start >= request.num_tokens - 1:  # a decode
+            return num_new
+        if self.long_prefill_token_threshold:
+            num_new = min(num_new, self.long_prefill_token_threshold)
         if request.mm is None or start >= request.num_prompt_tokens:
             return num_new
         return request.mm.chunk_size(start, num_new)
