@@ -1,0 +1,79 @@
+"""Audio decoding through PyAV: every container people send becomes mono float32 at 16 kHz, the right length and
+level; anything else is one readable AudioError."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from tfserve.audio.decode import AudioError, decode_audio
+
+
+def encode(container: str, codec: str, *, rate: int = 44100, seconds: float = 1.5, layout: str = "stereo",
+           frequency: float = 440.0) -> bytes:
+    """A tone of `seconds` encoded with PyAV's own encoders (no files, no network)."""
+    import av
+
+    tone = (0.5 * np.sin(2 * np.pi * frequency * np.arange(int(rate * seconds)) / rate)).astype(np.float32)
+    channels = 2 if layout == "stereo" else 1
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container) as output:
+        stream = output.add_stream(codec, rate=rate, layout=layout)
+        wanted = stream.codec_context.codec.audio_formats[0].name
+        frame_size = stream.codec_context.frame_size or 1024
+        resampler = av.AudioResampler(format=wanted, layout=layout, rate=rate)
+        for start in range(0, tone.shape[0], frame_size):
+            frame = av.AudioFrame.from_ndarray(np.stack([tone[start:start + frame_size]] * channels), format="fltp",
+                                               layout=layout)
+            frame.sample_rate = rate
+            for resampled in resampler.resample(frame):
+                for packet in stream.encode(resampled):
+                    output.mux(packet)
+        for packet in stream.encode(None):
+            output.mux(packet)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("container, codec, rate", [
+    ("wav", "pcm_s16le", 44100), ("flac", "flac", 22050), ("mp3", "libmp3lame", 44100), ("ogg", "libopus", 48000),
+    ("webm", "libopus", 48000), ("ipod", "aac", 44100),  # ipod: an .m4a
+])
+def test_each_container_decodes_to_16khz_mono(container, codec, rate):
+    samples = decode_audio(encode(container, codec, rate=rate))
+    assert samples.dtype == np.float32 and samples.ndim == 1
+    assert abs(samples.shape[0] - 24000) <= 800  # 1.5 s (AAC adds its priming samples)
+    assert 0.3 < float(np.abs(samples).max()) <= 1.0
+    spectrum = np.abs(np.fft.rfft(samples[4000:20000]))
+    assert abs(np.argmax(spectrum) - 440) < 5  # 16000 samples at 16 kHz: 1 Hz a bin; the tone survives
+
+
+def test_mono_input_and_another_rate():
+    samples = decode_audio(encode("wav", "pcm_s16le", rate=8000, layout="mono"), sample_rate=8000)
+    assert samples.shape == (12000,) and abs(float(np.abs(samples).max()) - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "empty"),
+    (b"this is not audio at all", "not an audio file"),
+    (b"RIFF\x00\x00\x00\x00WAVEfmt ", "not an audio file"),
+])
+def test_not_audio_is_one_line(data, message):
+    with pytest.raises(AudioError, match=message):
+        decode_audio(data)
+
+
+def test_truncated_audio_is_an_error_or_shorter():
+    whole = encode("flac", "flac", seconds=2.0)
+    try:
+        samples = decode_audio(whole[: len(whole) // 3])
+    except AudioError:
+        return
+    assert samples.shape[0] < 32000 // 2  # what was there, never more
+
+
+def test_longer_than_the_limit():
+    with pytest.raises(AudioError, match="longer than 1 s"):
+        decode_audio(encode("wav", "pcm_s16le", seconds=1.5), max_seconds=1)
+    assert decode_audio(encode("wav", "pcm_s16le", seconds=1.5), max_seconds=2).shape[0] == 24000

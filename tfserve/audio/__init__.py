@@ -1,0 +1,1 @@
+"""Speech in: audio decoding and resampling (PyAV), for transcription."""
