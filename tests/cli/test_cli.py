@@ -138,7 +138,7 @@ def test_pull_checksum_mismatch_is_one_line(fake_index, fake_convert):
 def test_model_name_completion(make_fake_model):
     make_fake_model(store.model_path("tiny"))
     result = invoke(env={"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve models info ", "COMP_CWORD": "3"})
-    assert set(result.output.split()) == {NAME, "tiny"}
+    assert set(result.output.split()) == {*catalog.known_names(), "tiny"}
     result = invoke(env={"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve models info ti",
                          "COMP_CWORD": "3"})
     assert result.output.split() == ["tiny"]

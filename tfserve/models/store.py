@@ -154,15 +154,16 @@ def model_info(name_or_path: str) -> ModelInfo:
     def get(*keys: str):
         return next((src[k] for k in keys for src in (text, config) if src.get(k) is not None), None)
 
-    num_heads = get("num_attention_heads", "n_head")
+    num_heads = get("num_attention_heads", "n_head", "encoder_attention_heads")  # Whisper: the encoder's
     return ModelInfo(
         name=path.name,
         architecture=_architecture(config),
         model_type=config.get("model_type"),
-        num_hidden_layers=get("num_hidden_layers", "n_layer"),
+        num_hidden_layers=get("num_hidden_layers", "n_layer", "encoder_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=get("num_key_value_heads") or num_heads,
-        max_position_embeddings=get("max_position_embeddings", "n_positions", "max_sequence_length"),
+        max_position_embeddings=get("max_position_embeddings", "n_positions", "max_sequence_length",
+                                    "max_target_positions"),
         vocab_size=get("vocab_size"),
         dtype=get("dtype", "torch_dtype"),
         num_parameters=count_parameters(path),
