@@ -146,8 +146,8 @@ def _processor(source: str, kwargs: dict[str, Any]) -> Any:
     try:
         return AutoProcessor.from_pretrained(source, **kwargs)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:
-        config = {**(_read_json(Path(source) / "preprocessor_config.json")),
-                  **(_read_json(Path(source) / "processor_config.json"))}
+        config = {**(store._read_json(Path(source) / "preprocessor_config.json") or {}),
+                  **(store._read_json(Path(source) / "processor_config.json") or {})}
         name = config.get("processor_class")
         if not name:
             raise ModelLoadError(f"cannot load the processor of {source}: {first_line(exc)}") from None
@@ -173,15 +173,6 @@ def images_only_processor_class(name: str) -> type:
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = name
     return ImagesOnly
-
-
-def _read_json(path: Path) -> dict:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _is_vision_language(config: Any) -> bool:
