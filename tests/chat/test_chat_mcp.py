@@ -176,7 +176,8 @@ def test_n_declines_and_the_model_is_told(fake, console, toolbox):
     server = fake([ADD], "As you wish.")
     out = run_keys(chat(server, console, toolbox), "add them\rn\r/exit\r")
     assert tool_messages(server.requests[1]) == [DECLINED]
-    assert "Declined." in out and "3345" not in out and "As you wish." in out
+    body = out.split("\n", 1)[1]  # past the banner, whose URL's random port may hold the digits
+    assert "Declined." in out and "3345" not in body and "As you wish." in out
 
 
 def test_always_runs_this_call_and_every_later_one_without_asking(fake, console, toolbox):
