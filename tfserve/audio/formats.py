@@ -1,0 +1,87 @@
+"""A finished transcription in each of OpenAI's response formats: json, text, srt, vtt, verbose_json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfserve.audio.job import Segment, TranscriptionResult
+
+RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+CONTENT_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain",
+                 "srt": "application/x-subrip", "vtt": "text/vtt"}
+
+
+def language_name(code: str) -> str:
+    """"en" -> "english", as OpenAI's verbose_json names languages."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return LANGUAGES.get(code, code)
+
+
+def to_json(result: TranscriptionResult, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"text": result.text}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def to_verbose_json(result: TranscriptionResult, task: str, words: list[dict[str, Any]] | None = None,
+                    include_segments: bool = True, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"task": task, "language": language_name(result.language),
+                            "duration": round(result.duration_s, 2), "text": result.text}
+    if include_segments:
+        body["segments"] = [segment_json(s) for s in result.segments]
+    if words is not None:
+        body["words"] = words
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def segment_json(segment: Segment) -> dict[str, Any]:
+    return {"id": segment.id, "seek": segment.seek, "start": segment.start, "end": segment.end, "text": segment.text,
+            "tokens": segment.tokens, "temperature": round(segment.temperature, 2),
+            "avg_logprob": round(segment.avg_logprob, 4), "compression_ratio": round(segment.compression_ratio, 4),
+            "no_speech_prob": round(segment.no_speech_prob, 4)}
+
+
+def to_text(result: TranscriptionResult) -> str:
+    return result.text + "\n"
+
+
+def to_srt(segments: list[Segment]) -> str:
+    """SubRip: numbered cues, `HH:MM:SS,mmm --> HH:MM:SS,mmm`."""
+    cues = [f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
+            for i, s in enumerate(segments, start=1)]
+    return "\n".join(cues)
+
+
+def to_vtt(segments: list[Segment]) -> str:
+    """WebVTT: a header, then `HH:MM:SS.mmm --> HH:MM:SS.mmm` cues."""
+    cues = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in segments]
+    return "WEBVTT\n\n" + "\n".join(cues)
+
+
+def render(result: TranscriptionResult, response_format: str, task: str = "transcribe",
+           words: list[dict[str, Any]] | None = None, include_segments: bool = True,
+           usage: dict[str, Any] | None = None) -> str | dict[str, Any]:
+    """The body of `result` in `response_format`: a dict for the JSON formats, text for the others."""
+    if response_format == "json":
+        return to_json(result, usage)
+    if response_format == "verbose_json":
+        return to_verbose_json(result, task, words, include_segments, usage)
+    if response_format == "text":
+        return to_text(result)
+    if response_format == "srt":
+        return to_srt(result.segments)
+    if response_format == "vtt":
+        return to_vtt(result.segments)
+    raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}")
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"

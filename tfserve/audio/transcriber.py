@@ -1,0 +1,324 @@
+"""The Whisper batcher: transcriptions share encoder passes and decoder steps, continuously.
+
+A job moves through its audio one 30-second window at a time (where the next window starts depends on the
+timestamps the last one ended with, as openai-whisper's long-form decoding does). Every step admits windows
+into free slots (their encoder passes run as one batch), then runs one decoder step for every window in flight;
+a window that ends hands its segments to its job's sink and frees its slot for the job's next window or another
+job's. One step reads: `admit() -> decode() -> finish()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tfserve.audio.job import (COMPRESSION_RATIO_THRESHOLD, LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, TEMPERATURE_STEP,
+                               Segment, Sink, TranscriptionJob, TranscriptionOptions, TranscriptionResult,
+                               compression_ratio)
+from tfserve.audio.timestamps import TimestampRules, split_window
+from tfserve.audio.whisper_forward import WhisperSlots
+from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
+
+logger = logging.getLogger("tfserve.audio")
+
+
+@dataclass(eq=False)
+class Window:
+    """One window of a job being decoded in a slot."""
+
+    job: TranscriptionJob
+    seek: int  # its first mel frame
+    num_frames: int  # of audio in it, <= 3000
+    prompt: list[int]  # fed before sampling: previous text, <|startoftranscript|>, language and task
+    temperature: float
+    pending: list[int] = field(default_factory=list)  # fed at the next step
+    position: int = 0  # decoder positions filled
+    sampled: list[int] = field(default_factory=list)
+    sum_logprob: float = 0.0
+    no_speech_prob: float = 0.0
+    sot_index: int = -1  # index of <|startoftranscript|> in `pending` (its logits give the no-speech probability)
+    detect_language: bool = False  # the step after <|startoftranscript|> picks the language first
+    attempts: list[Attempt] = field(default_factory=list)  # decodes that failed the thresholds
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One decode of a window, judged by its average log-probability and compression ratio."""
+
+    tokens: list[int]  # sampled, without the end of text
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+def _best(attempts: list[Attempt]) -> Attempt:
+    """The likeliest attempt that does not repeat itself, else the likeliest (as faster-whisper chooses)."""
+    fluent = [a for a in attempts if a.compression_ratio <= COMPRESSION_RATIO_THRESHOLD]
+    return max(fluent or attempts, key=lambda a: a.avg_logprob)
+
+
+@dataclass(slots=True)
+class TranscriberStats:
+    """Counters for /metrics."""
+
+    num_jobs: int = 0
+    num_windows: int = 0  # encoder passes, one per window (fallbacks reuse theirs)
+    num_steps: int = 0  # decoder steps
+    num_tokens: int = 0  # sampled
+    audio_seconds: float = 0.0  # of finished jobs
+
+
+class Transcriber:
+    """Batches the transcriptions of one Whisper model on a thread of its own (`start`/`submit`/`stop`)."""
+
+    def __init__(self, whisper: WhisperModel, max_num_windows: int = 8) -> None:
+        self.whisper = whisper
+        self.tokens = whisper.tokens
+        self.slots = WhisperSlots(whisper.model, max_num_windows)
+        self.rules = TimestampRules(self.tokens, whisper.model.config.vocab_size)
+        self.max_sample_len = self.tokens.max_len // 2  # tokens sampled in one window, at most
+        self.windows: list[Window] = []  # in flight; windows[i] is in slot i
+        self.waiting: deque[TranscriptionJob] = deque()  # jobs whose next window is not in flight
+        self.stats = TranscriberStats()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._generator = torch.Generator().manual_seed(0)
+
+    # -- the thread ---------------------------------------------------------------------------------------
+
+    def start(self) -> Transcriber:
+        self._thread = threading.Thread(target=self._loop, name=f"tfserve-whisper-{self.whisper.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for job in [w.job for w in self.windows] + list(self.waiting):
+            job.sink("error", RuntimeError("the transcriber stopped"))
+        self.windows, self.waiting = [], deque()
+
+    def make_job(self, audio, options: TranscriptionOptions, sink: Sink) -> TranscriptionJob:
+        """A job for `audio` (float32 mono 16 kHz): its features are computed here, on the caller's thread."""
+        prompt = self.whisper.encode_text(" " + options.prompt.strip()) if options.prompt else []
+        return TranscriptionJob(features=self.whisper.features(audio), num_frames=len(audio) // HOP_LENGTH,
+                                options=options, sink=sink, prompt_tokens=prompt)
+
+    def submit(self, job: TranscriptionJob) -> None:
+        """Queue `job`; its sink hears of it from the transcriber's thread."""
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the transcriber has stopped")
+            self.stats.num_jobs += 1
+            self.waiting.append(job)
+            self._cond.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.windows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self.windows and not self.waiting:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # the model failed: these jobs end with the error, the next ones go on
+                logger.exception("transcription step failed")
+                for job in {w.job for w in self.windows}:
+                    job.sink("error", exc)
+                self.windows = []
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit windows into free slots, run one decoder step, finish the windows that ended."""
+        self._drop_aborted()
+        self.admit()
+        if self.windows:
+            ended = self.decode()
+            self.finish(ended)
+
+    def _drop_aborted(self) -> None:
+        with self._cond:
+            self.waiting = deque(job for job in self.waiting if not job.aborted.is_set())
+        for window in [w for w in self.windows if w.job.aborted.is_set()]:
+            self._free(window)
+
+    def admit(self) -> None:
+        """Start the next window of waiting jobs while slots are free; their encoder passes run as one batch."""
+        new: list[Window] = []
+        while len(self.windows) < self.slots.num_slots:
+            with self._cond:
+                if not self.waiting:
+                    break
+                job = self.waiting.popleft()
+            window = self._window(job)
+            self.windows.append(window)
+            new.append(window)
+        if not new:
+            return
+        first = len(self.windows) - len(new)
+        features = torch.stack([w.job.features[:, w.seek:w.seek + WINDOW_FRAMES] for w in new])
+        self.slots.encode(list(range(first, len(self.windows))), features)
+        self.stats.num_windows += len(new)
+
+    def _window(self, job: TranscriptionJob, temperature: float | None = None) -> Window:
+        tokens, options = self.tokens, job.options
+        if temperature is None:
+            temperature = options.temperature
+        previous = job.prompt_tokens + job.all_tokens[job.prompt_reset_since:] \
+            if options.condition_on_previous_text else job.prompt_tokens[:]
+        previous = previous[-(self.max_sample_len - 1):]
+        prompt = [tokens.sot_prev] + previous if previous else []
+        sot_index = len(prompt)
+        language = job.language or options.language
+        detect = tokens.multilingual and language is None
+        prompt += [tokens.sot] if detect else tokens.sot_sequence(language, options.task)
+        job.num_windows += 1
+        return Window(job, job.seek, min(WINDOW_FRAMES, job.num_frames - job.seek), prompt, temperature,
+                      pending=list(prompt), sot_index=sot_index, detect_language=detect)
+
+    def decode(self) -> list[Window]:
+        """One decoder step for every window in flight; returns those that ended."""
+        windows = self.windows
+        logits, sot_logits = self.slots.decode([w.pending for w in windows], [w.position for w in windows],
+                                               [w.sot_index for w in windows])
+        self.stats.num_steps += 1
+        for b, window in enumerate(windows):
+            window.position += len(window.pending)
+            if window.sot_index >= 0:
+                window.no_speech_prob = sot_logits[b].softmax(-1)[self.tokens.no_speech].item()
+                window.sot_index = -1
+        sampling: list[int] = []
+        for b, window in enumerate(windows):
+            if window.detect_language:
+                self._pick_language(window, logits[b])
+            else:
+                sampling.append(b)
+        ended = []
+        if not sampling:
+            return ended
+        rows = logits[sampling]
+        self.rules.apply(rows, [windows[b].sampled for b in sampling])
+        logprobs = torch.log_softmax(rows, dim=-1)
+        chosen = self._sample(rows, [windows[b].temperature for b in sampling])
+        for i, b in enumerate(sampling):
+            window, token = windows[b], int(chosen[i])
+            window.sampled.append(token)
+            window.sum_logprob += float(logprobs[i, token])
+            window.pending = [token]
+            self.stats.num_tokens += 1
+            if (token == self.tokens.eot or len(window.sampled) >= self.max_sample_len
+                    or window.position + 1 >= self.tokens.max_len):
+                ended.append(window)
+        return ended
+
+    def _pick_language(self, window: Window, logits: torch.Tensor) -> None:
+        codes = list(self.tokens.languages)
+        ids = torch.tensor([self.tokens.languages[c] for c in codes])
+        language = codes[int(logits[ids].argmax())]
+        window.job.language = language
+        window.detect_language = False
+        window.pending = self.tokens.sot_sequence(language, window.job.options.task)[1:]
+        window.prompt += window.pending
+
+    def _sample(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+        chosen = logits.argmax(dim=-1)
+        hot = [i for i, t in enumerate(temperatures) if t > 0]
+        if hot:
+            scale = torch.tensor([temperatures[i] for i in hot])[:, None]
+            probs = torch.softmax(logits[hot] / scale, dim=-1)
+            chosen[hot] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+        return chosen
+
+    def finish(self, ended: list[Window]) -> None:
+        """Judge each ended window: decode it again hotter, skip it as silence, or take its segments."""
+        for window in ended:
+            job = window.job
+            attempt = self._attempt(window)
+            silent = attempt.no_speech_prob > NO_SPEECH_THRESHOLD and attempt.avg_logprob < LOGPROB_THRESHOLD
+            failed = attempt.compression_ratio > COMPRESSION_RATIO_THRESHOLD or attempt.avg_logprob < LOGPROB_THRESHOLD
+            if failed and not silent and job.options.temperature == 0:
+                window.attempts.append(attempt)
+                if window.temperature < 1.0 - 1e-6:  # the same window again, keeping its encoder output
+                    self._restart(window, window.temperature + TEMPERATURE_STEP)
+                    continue
+                attempt = _best(window.attempts)  # every temperature failed: the likeliest decode
+            if silent or not any(t < self.tokens.eot for t in attempt.tokens):
+                job.seek += window.num_frames
+                new = []
+            else:
+                new = self._segments(window, attempt)
+            if new:
+                job.sink("segments", new)
+            self._free(window)
+            if job.done:
+                self._complete(job)
+            else:
+                with self._cond:
+                    self.waiting.appendleft(job)  # a job under way goes before new ones
+
+    def _attempt(self, window: Window) -> Attempt:
+        tokens = window.sampled[:-1] if window.sampled[-1] == self.tokens.eot else window.sampled
+        text = self.whisper.decode_text(tokens)
+        return Attempt(tokens, window.temperature, window.sum_logprob / (len(window.sampled) + 1),
+                       compression_ratio(text), window.no_speech_prob)
+
+    def _segments(self, window: Window, attempt: Attempt) -> list[Segment]:
+        job = window.job
+        raw, advance = split_window(attempt.tokens, window.num_frames, self.tokens.timestamp_begin)
+        offset = window.seek / FRAMES_PER_SECOND
+        new = []
+        for piece in raw:
+            text = self.whisper.decode_text(piece.tokens)
+            if not text.strip():
+                continue
+            new.append(Segment(id=len(job.segments), seek=window.seek, start=round(offset + piece.start, 2),
+                               end=round(min(offset + piece.end, job.duration_s), 2), text=text, tokens=piece.tokens,
+                               temperature=attempt.temperature, avg_logprob=attempt.avg_logprob,
+                               compression_ratio=attempt.compression_ratio, no_speech_prob=attempt.no_speech_prob))
+            job.segments.append(new[-1])
+            job.all_tokens += piece.tokens
+        if attempt.temperature > 0.5:  # a hot decode is not worth conditioning on
+            job.prompt_reset_since = len(job.all_tokens)
+        job.seek += max(advance, 1)
+        return new
+
+    def _restart(self, window: Window, temperature: float) -> None:
+        fresh = self._window(window.job, temperature)
+        window.prompt, window.pending, window.temperature = fresh.prompt, list(fresh.prompt), temperature
+        window.position, window.sampled, window.sum_logprob = 0, [], 0.0
+        window.sot_index, window.detect_language = fresh.sot_index, fresh.detect_language
+
+    def _free(self, window: Window) -> None:
+        """Free `window`'s slot, moving the last window into it so the slots stay dense."""
+        index = self.windows.index(window)
+        last = len(self.windows) - 1
+        if index != last:
+            self.slots.move(last, index)
+            self.windows[index] = self.windows[last]
+        self.windows.pop()
+
+    def _complete(self, job: TranscriptionJob) -> None:
+        text = "".join(s.text for s in job.segments).strip()
+        self.stats.audio_seconds += job.duration_s
+        job.sink("done", TranscriptionResult(text=text, segments=job.segments,
+                                             language=job.language or job.options.language or "en",
+                                             duration_s=job.duration_s, num_windows=job.num_windows))

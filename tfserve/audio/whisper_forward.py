@@ -1,0 +1,111 @@
+"""Batched Whisper forward over a fixed set of slots, for the transcriber.
+
+Each slot holds one 30-second window being decoded: the cross-attention keys and values of its encoder output
+(computed once, at `encode`) and the self-attention keys and values of the tokens decoded so far. Active
+windows are kept dense in slots 0..n-1 (`move` fills a freed slot with the last one), so a step reads every
+cache as a view, with no gather. The decoder is written over the weights of transformers'
+`WhisperForConditionalGeneration` (its encoder is called as is): HF's own generate runs one batch to its end,
+while here windows join and leave the batch at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class WhisperSlots:
+    """The encoder and a slot-batched decoder of one Whisper model, with the caches of `num_slots` windows."""
+
+    def __init__(self, model, num_slots: int) -> None:
+        config = model.config
+        self.model = model
+        self.decoder = model.model.decoder
+        self.num_slots = num_slots
+        self.num_heads = config.decoder_attention_heads
+        self.head_dim = config.d_model // self.num_heads
+        self.max_len = config.max_target_positions  # decoder positions: prompt + sampled tokens, 448
+        self.num_frames = config.max_source_positions  # encoder positions of one window, 1500
+        num_layers = len(self.decoder.layers)
+        dtype = model.dtype
+        # [layer, slot, head, position, head_dim]
+        self.self_k = torch.zeros(num_layers, num_slots, self.num_heads, self.max_len, self.head_dim, dtype=dtype)
+        self.self_v = torch.zeros_like(self.self_k)
+        self.cross_k = torch.zeros(num_layers, num_slots, self.num_heads, self.num_frames, self.head_dim, dtype=dtype)
+        self.cross_v = torch.zeros_like(self.cross_k)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.self_k, self.self_v, self.cross_k, self.cross_v))
+
+    @torch.inference_mode()
+    def encode(self, slots: list[int], features: torch.Tensor) -> None:
+        """Run the encoder on `features` [num_windows, num_mel_bins, 3000] and keep each window's cross-attention
+        keys and values in its slot."""
+        hidden = self.model.model.encoder(features.to(self.model.dtype)).last_hidden_state  # [B, 1500, d_model]
+        index = torch.tensor(slots)
+        batch = hidden.shape[0]
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.encoder_attn
+            self.cross_k[i, index] = self._heads(attn.k_proj(hidden), batch)
+            self.cross_v[i, index] = self._heads(attn.v_proj(hidden), batch)
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s caches into slot `dst` (keeping the active slots dense)."""
+        for cache in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[list[int]], starts: list[int],
+               extra_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder step for slots 0..len(tokens)-1: slot b appends `tokens[b]` (one or more) at positions
+        `starts[b]`... Returns the float32 logits after each slot's last new token [B, vocab], and, with
+        `extra_positions`, the logits at that index of each slot's new tokens (-1: none) [B, vocab]."""
+        batch, num_new = len(tokens), max(len(t) for t in tokens)
+        ids = torch.zeros(batch, num_new, dtype=torch.long)
+        for b, row in enumerate(tokens):
+            ids[b, :len(row)] = torch.tensor(row)
+        lengths = torch.tensor([len(t) for t in tokens])
+        # padding tokens past a row's own write future positions, overwritten before anything attends to them
+        positions = (torch.tensor(starts)[:, None] + torch.arange(num_new)).clamp_(max=self.max_len - 1)  # [B, T]
+        num_keys = int((torch.tensor(starts) + lengths).max())
+        mask = (torch.arange(num_keys)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, K]
+        slots = torch.arange(batch)[:, None]
+
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[positions]  # [B, T, d_model]
+        for i, layer in enumerate(decoder.layers):
+            attn = layer.self_attn
+            x = layer.self_attn_layer_norm(hidden)
+            q = self._heads(attn.q_proj(x), batch)  # [B, H, T, head_dim]
+            self.self_k[i][slots, :, positions] = self._heads(attn.k_proj(x), batch).transpose(1, 2)
+            self.self_v[i][slots, :, positions] = self._heads(attn.v_proj(x), batch).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, self.self_k[i, :batch, :, :num_keys],
+                                                 self.self_v[i, :batch, :, :num_keys], attn_mask=mask,
+                                                 scale=attn.scaling)
+            hidden = hidden + attn.out_proj(self._merge(out, batch))
+
+            attn = layer.encoder_attn
+            q = self._heads(attn.q_proj(layer.encoder_attn_layer_norm(hidden)), batch)
+            out = F.scaled_dot_product_attention(q, self.cross_k[i, :batch], self.cross_v[i, :batch],
+                                                 scale=attn.scaling)
+            hidden = hidden + attn.out_proj(self._merge(out, batch))
+
+            x = layer.final_layer_norm(hidden)
+            hidden = hidden + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        hidden = decoder.layer_norm(hidden)
+
+        rows = torch.arange(batch)
+        logits = self.model.proj_out(hidden[rows, lengths - 1]).float()
+        extra = None
+        if extra_positions is not None:
+            at = torch.tensor(extra_positions)
+            extra = self.model.proj_out(hidden[rows, at.clamp(min=0)]).float()
+        return logits, extra
+
+    def _heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        return x.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
+
+    @staticmethod
+    def _merge(x: torch.Tensor, batch: int) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(batch, x.shape[2], -1)

@@ -1,0 +1,122 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations: multipart as OpenAI defines them, answered by the
+Whisper transcriber of the model the request names (loaded on demand beside the chat model).
+
+Response formats json | text | srt | vtt | verbose_json; `stream=true` sends OpenAI's `transcript.text.delta`
+events as segments are decoded, then `transcript.text.done`. A client that disconnects aborts its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from tfserve.audio import formats
+from tfserve.audio.decode import AudioError, decode_audio
+from tfserve.audio.job import TranscriptionOptions
+from tfserve.server.audio_form import AudioForm, read_form
+from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.sse import EventStream
+from tfserve.server.state import STATE
+
+
+async def transcriptions(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, "transcribe")
+
+
+async def translations(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, "translate")
+
+
+async def _answer(request: web.Request, task: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.check_available()
+    form = await read_form(request, task)
+    speech = state.speech
+    transcriber = await speech.get(form.model, state.model_aliases)
+    language = _check_language(form, transcriber.tokens, task, speech.resolve(form.model))
+    try:
+        audio = await asyncio.to_thread(decode_audio, form.file, max_seconds=speech.options.max_audio_s)
+    except AudioError as exc:
+        raise bad_request(f"file: {exc}", "file", code="invalid_audio") from None
+
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    options = TranscriptionOptions(task=task, language=language, prompt=form.prompt, temperature=form.temperature)
+    job = await asyncio.to_thread(transcriber.make_job, audio, options,
+                                  lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload)))
+    transcriber.submit(job)
+    finished = False
+    try:
+        if form.stream:
+            response = await _stream(request, events)
+        else:
+            result = await _result(events)
+            response = _respond(form, task, result)
+        finished = True
+        return response
+    finally:
+        if not finished:
+            job.abort()  # the client left, or the answer failed: free its slot before the next step
+
+
+async def _result(events: asyncio.Queue) -> Any:
+    while True:
+        kind, payload = await events.get()
+        if kind == "done":
+            return payload
+        if kind == "error":
+            raise ApiError(500, f"transcription failed: {type(payload).__name__}: {payload}", code="internal_error")
+
+
+def _respond(form: AudioForm, task: str, result) -> web.Response:
+    usage = {"type": "duration", "seconds": round(result.duration_s, 2)}
+    body = formats.render(result, form.response_format, task, words=None,
+                          include_segments="segment" in form.granularities or not form.granularities, usage=usage)
+    if isinstance(body, dict):
+        return web.json_response(body)
+    return web.Response(text=body, content_type=formats.CONTENT_TYPES[form.response_format])
+
+
+async def _stream(request: web.Request, events: asyncio.Queue) -> web.StreamResponse:
+    stream = EventStream(request)
+    await stream.open()
+    while True:
+        kind, payload = await events.get()
+        if kind == "segments":
+            delta = "".join(s.text for s in payload)
+            await stream.send({"type": "transcript.text.delta", "delta": delta})
+        elif kind == "done":
+            usage = {"type": "duration", "seconds": round(payload.duration_s, 2)}
+            await stream.send({"type": "transcript.text.done", "text": payload.text, "usage": usage})
+            return await stream.close()
+        else:
+            await stream.send_error(ApiError(500, f"transcription failed: {payload}", code="internal_error"))
+            return await stream.close()
+
+
+def _check_language(form: AudioForm, tokens, task: str, model: str) -> str | None:
+    """The request's language as an ISO code the model knows; 400 naming the field otherwise."""
+    if task == "translate" and not tokens.multilingual:
+        raise bad_request(f"{model!r} is an English-only model and cannot translate; use a multilingual Whisper "
+                          f"model such as 'whisper-base'", "model", code="model_not_supported")
+    if form.language is None:
+        return None
+    code = _language_code(form.language)
+    if code is None:
+        raise bad_request(f"language: {form.language!r} is not a language Whisper knows; send an ISO 639-1 code "
+                          f"such as 'en' or 'fr'", "language", code="invalid_language")
+    if code not in tokens.languages:
+        raise bad_request(f"language: {model!r} is an English-only model; it cannot take {form.language!r} "
+                          f"(use a multilingual Whisper model, or 'en')", "language", code="invalid_language")
+    return code
+
+
+def _language_code(text: str) -> str | None:
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    text = text.strip().lower()
+    if text in LANGUAGES:
+        return text
+    return TO_LANGUAGE_CODE.get(text)

@@ -1,0 +1,112 @@
+"""The multipart form of an audio request, read and checked: every field OpenAI defines for
+/v1/audio/transcriptions and /v1/audio/translations, a 400 naming the field that is wrong, 413 for a file over
+the body limit. Fields OpenAI added that tfserve does not use (`chunking_strategy`, `include[]`) are accepted."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from tfserve.audio.formats import RESPONSE_FORMATS
+from tfserve.server.errors import ApiError, bad_request
+
+GRANULARITIES = ("segment", "word")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
+
+
+@dataclass(slots=True)
+class AudioForm:
+    """An audio request's fields."""
+
+    file: bytes = b""
+    filename: str | None = None
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    response_format: str = "json"
+    granularities: list[str] = field(default_factory=list)  # timestamp_granularities[]
+    stream: bool = False
+
+
+async def read_form(request: web.Request, task: str) -> AudioForm:
+    """The form of `request`; 400 for a body that is not multipart/form-data or a bad field."""
+    if not request.content_type.startswith("multipart/"):
+        raise bad_request("send the audio as multipart/form-data with a `file` field (and `model`, "
+                          "`response_format`, ... as form fields)", "file")
+    try:
+        reader = await request.multipart()
+        form, has_file = AudioForm(), False
+        while (part := await reader.next()) is not None:
+            name = part.name or ""
+            if name == "file":
+                form.file, form.filename = await _read_file(part, request.client_max_size), part.filename
+                has_file = True
+                continue
+            value = await part.text()
+            _set(form, name, value, task)
+    except ApiError:
+        raise
+    except (ValueError, UnicodeDecodeError, AssertionError) as exc:  # aiohttp's multipart reader on a bad body
+        raise bad_request(f"the multipart body could not be read: {exc}", "file") from None
+    if not has_file:
+        raise bad_request("the `file` field is missing: send the audio file as a multipart file field", "file")
+    if form.stream and form.response_format not in ("json", "text"):
+        raise bad_request(f"stream: streaming sends text deltas; it needs response_format json or text, not "
+                          f"{form.response_format!r}", "stream")
+    if "word" in form.granularities and form.response_format != "verbose_json":
+        raise bad_request("timestamp_granularities[]: word timestamps need response_format verbose_json",
+                          "timestamp_granularities[]")
+    return form
+
+
+async def _read_file(part, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    while chunk := await part.read_chunk(1 << 16):
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the file is larger than the server's body limit of {max_bytes} bytes "
+                                f"(see --max-body-size)", param="file", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _set(form: AudioForm, name: str, value: str, task: str) -> None:
+    if name == "model":
+        form.model = value.strip() or None
+    elif name == "language":
+        if task == "translate":
+            raise bad_request("language: translations are always into English; the spoken language is detected "
+                              "(leave `language` out)", "language")
+        form.language = value.strip() or None
+    elif name == "prompt":
+        form.prompt = value or None
+    elif name == "temperature":
+        form.temperature = _temperature(value)
+    elif name == "response_format":
+        if value not in RESPONSE_FORMATS:
+            raise bad_request(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {value!r}",
+                              "response_format")
+        form.response_format = value
+    elif name in ("timestamp_granularities[]", "timestamp_granularities"):
+        if value not in GRANULARITIES:
+            raise bad_request(f"timestamp_granularities[] must be among {', '.join(GRANULARITIES)}, got {value!r}",
+                              "timestamp_granularities[]")
+        form.granularities.append(value)
+    elif name == "stream":
+        lowered = value.strip().lower()
+        if lowered not in _TRUE + _FALSE:
+            raise bad_request(f"stream must be true or false, got {value!r}", "stream")
+        form.stream = lowered in _TRUE
+
+
+def _temperature(value: str) -> float:
+    try:
+        temperature = float(value)
+    except ValueError:
+        raise bad_request(f"temperature must be a number between 0 and 1, got {value!r}", "temperature") from None
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= 1.0:
+        raise bad_request(f"temperature must be between 0 and 1, got {value!r}", "temperature")
+    return temperature
