@@ -10,8 +10,10 @@ job's. One step reads: `admit() -> decode() -> finish()`.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +123,25 @@ class Transcriber:
             self.stats.num_jobs += 1
             self.waiting.append(job)
             self._cond.notify()
+
+    def transcribe(self, audio, options: TranscriptionOptions | None = None,
+                   on_segments: Callable[[TranscriptionJob, list[Segment]], None] | None = None) -> TranscriptionResult:
+        """Transcribe `audio` (float32 mono 16 kHz) and wait for it, from any thread but the transcriber's own.
+        `on_segments(job, segments)` hears of each window's segments as they come (`job.seek` tells how far)."""
+        events: queue.Queue = queue.Queue()
+        job = self.make_job(audio, options or TranscriptionOptions(), lambda kind, payload: events.put((kind, payload)))
+        self.submit(job)
+        try:
+            while True:
+                kind, payload = events.get()
+                if kind == "segments" and on_segments is not None:
+                    on_segments(job, payload)
+                elif kind == "done":
+                    return payload
+                elif kind == "error":
+                    raise payload
+        finally:
+            job.abort()  # a no-op once done; an interrupted caller frees its slot
 
     @property
     def num_running(self) -> int:

@@ -48,6 +48,22 @@ class NotSpeechModelError(TfserveError):
     """The model named is not a Whisper speech recognition model."""
 
 
+class SpeechRequestError(TfserveError):
+    """A language or task the model cannot take; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def language_code(text: str) -> str | None:
+    """An ISO 639-1 code for a language code or English name Whisper knows ("fr", "French"), else None."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    text = text.strip().lower()
+    return text if text in LANGUAGES else TO_LANGUAGE_CODE.get(text)
+
+
 class WhisperModel:
     """A loaded Whisper model: `model`, `processor` (feature extractor + tokenizer), `tokens`."""
 
@@ -73,6 +89,7 @@ class WhisperModel:
         """Load what `spec` names (a store name, an HF model directory or a cached hub id); a speech model of
         tfserve's catalog is pulled first when the store lacks it."""
         from tfserve.models import catalog, store
+        from tfserve.models.convert import hf_progress_bars
         from tfserve.models.loading import resolve_model
         from tfserve.models.pull import pull
 
@@ -82,7 +99,25 @@ class WhisperModel:
         resolved = resolve_model(spec)
         if resolved.kind == "gguf":
             raise NotSpeechModelError(f"{spec} is a GGUF file; speech models are transformers Whisper directories")
-        return cls.load(resolved.path, resolved.name)
+        with hf_progress_bars(enabled=False):  # the caller shows its own progress, or none (a server)
+            return cls.load(resolved.path, resolved.name)
+
+    def check_request(self, language: str | None, task: str) -> str | None:
+        """The ISO code of `language` (None: detect it) if this model can do `task` in it; SpeechRequestError
+        naming the field otherwise."""
+        if task == "translate" and not self.tokens.multilingual:
+            raise SpeechRequestError(f"{self.name!r} is an English-only model and cannot translate; use a "
+                                     f"multilingual Whisper model such as 'whisper-base'", "model")
+        if language is None:
+            return None
+        code = language_code(language)
+        if code is None:
+            raise SpeechRequestError(f"language: {language!r} is not a language Whisper knows; send an ISO 639-1 "
+                                     f"code such as 'en' or 'fr'", "language")
+        if code not in self.tokens.languages:
+            raise SpeechRequestError(f"language: {self.name!r} is an English-only model; it cannot take "
+                                     f"{language!r} (use a multilingual Whisper model, or 'en')", "language")
+        return code
 
     def features(self, audio) -> Any:
         """Log-mel features of the whole of `audio` (float32 16 kHz), followed by 30 s of silence so every window

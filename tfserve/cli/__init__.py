@@ -16,6 +16,7 @@ from tfserve.cli import chat as chat_cli
 from tfserve.cli import bench as bench_cli
 from tfserve.cli import models as models_cli
 from tfserve.cli import serve as serve_cli
+from tfserve.cli import transcribe as transcribe_cli
 from tfserve.cli.serve_compat import ServeCommand
 from tfserve.errors import TfserveError
 
@@ -46,6 +47,7 @@ app = typer.Typer(
 app.add_typer(models_cli.app, name="models")
 app.command("serve", cls=ServeCommand)(serve_cli.serve)
 app.command("chat")(chat_cli.chat)
+app.command("transcribe")(transcribe_cli.transcribe)
 app.add_typer(bench_cli.app, name="bench")
 
 

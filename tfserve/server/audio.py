@@ -15,6 +15,7 @@ from aiohttp import web
 from tfserve.audio import formats
 from tfserve.audio.decode import AudioError, decode_audio
 from tfserve.audio.job import TranscriptionOptions
+from tfserve.audio.whisper_model import SpeechRequestError
 from tfserve.server.audio_form import AudioForm, read_form
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.sse import EventStream
@@ -35,7 +36,11 @@ async def _answer(request: web.Request, task: str) -> web.StreamResponse:
     form = await read_form(request, task)
     speech = state.speech
     transcriber = await speech.get(form.model, state.model_aliases)
-    language = _check_language(form, transcriber.tokens, task, speech.resolve(form.model))
+    try:
+        language = transcriber.whisper.check_request(form.language, task)
+    except SpeechRequestError as exc:
+        code = "model_not_supported" if exc.param == "model" else "invalid_language"
+        raise bad_request(str(exc), exc.param, code=code) from None
     try:
         audio = await asyncio.to_thread(decode_audio, form.file, max_seconds=speech.options.max_audio_s)
     except AudioError as exc:
@@ -94,29 +99,3 @@ async def _stream(request: web.Request, events: asyncio.Queue) -> web.StreamResp
         else:
             await stream.send_error(ApiError(500, f"transcription failed: {payload}", code="internal_error"))
             return await stream.close()
-
-
-def _check_language(form: AudioForm, tokens, task: str, model: str) -> str | None:
-    """The request's language as an ISO code the model knows; 400 naming the field otherwise."""
-    if task == "translate" and not tokens.multilingual:
-        raise bad_request(f"{model!r} is an English-only model and cannot translate; use a multilingual Whisper "
-                          f"model such as 'whisper-base'", "model", code="model_not_supported")
-    if form.language is None:
-        return None
-    code = _language_code(form.language)
-    if code is None:
-        raise bad_request(f"language: {form.language!r} is not a language Whisper knows; send an ISO 639-1 code "
-                          f"such as 'en' or 'fr'", "language", code="invalid_language")
-    if code not in tokens.languages:
-        raise bad_request(f"language: {model!r} is an English-only model; it cannot take {form.language!r} "
-                          f"(use a multilingual Whisper model, or 'en')", "language", code="invalid_language")
-    return code
-
-
-def _language_code(text: str) -> str | None:
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
-
-    text = text.strip().lower()
-    if text in LANGUAGES:
-        return text
-    return TO_LANGUAGE_CODE.get(text)

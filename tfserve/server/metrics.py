@@ -47,6 +47,20 @@ class ServerMetrics:
         _gauge(registry, "tfserve_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed",
                lambda: engine().spec_acceptance_rate if engine() else 0.0)
 
+        speech = lambda: state.speech  # noqa: E731 - made after the metrics
+        _gauge(registry, "tfserve_audio_windows_running", "Speech: 30-second windows being decoded",
+               lambda: speech().num_running)
+        _gauge(registry, "tfserve_audio_requests_waiting", "Speech: transcriptions waiting for a window slot",
+               lambda: speech().num_waiting)
+        _gauge(registry, "tfserve_audio_seconds_transcribed", "Speech: seconds of audio of finished transcriptions "
+               "(by the loaded speech models)", lambda: speech().total("audio_seconds"))
+        _gauge(registry, "tfserve_audio_windows_encoded", "Speech: encoder passes, one per window",
+               lambda: speech().total("num_windows"))
+        _gauge(registry, "tfserve_audio_decode_steps", "Speech: batched decoder steps",
+               lambda: speech().total("num_steps"))
+        _gauge(registry, "tfserve_audio_tokens_decoded", "Speech: tokens sampled",
+               lambda: speech().total("num_tokens"))
+
     def observe_finished(self, output: RequestOutput) -> None:
         """Count one finished sequence's tokens and timings."""
         self.generation_tokens.inc(len(output.generated_tokens))

@@ -13,13 +13,16 @@ def _model_object(state, name: str) -> dict:
     model = {"id": name, "object": "model", "created": state.created, "owned_by": "tfserve"}
     if state.engine is not None and name == state.model_name:  # another model's inputs are known once loaded
         model["input_modalities"] = list(getattr(state.engine, "input_modalities", ["text"]))
+    elif name in state.speech.loaded:
+        model["input_modalities"] = ["audio"]
     return model
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     names = [state.model_name] if state.model_name else []
-    names += state.models.other_models()
+    names += [name for name in state.models.other_models() if name not in names]
+    names += [name for name in state.speech.loaded if name not in names]  # speech models load beside the chat model
     return web.json_response({"object": "list", "data": [_model_object(state, name) for name in names]})
 
 
@@ -28,6 +31,8 @@ async def get_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     if state.model_name is not None and model_id in state.model_aliases:
         return web.json_response(_model_object(state, state.model_name))
+    if model_id in state.speech.loaded:
+        return web.json_response(_model_object(state, model_id))
     if not state.models.on_demand:
         raise ApiError(404, f"The model {model_id!r} does not exist or is not served here", param="model",
                        code="model_not_found")

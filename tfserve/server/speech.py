@@ -96,6 +96,10 @@ class SpeechModels:
     def num_waiting(self) -> int:
         return sum(t.num_waiting for t in self.loaded.values())
 
+    def total(self, stat: str) -> float:
+        """A `TranscriberStats` counter summed over the loaded models."""
+        return sum(getattr(t.stats, stat) for t in self.loaded.values())
+
     def stop(self) -> None:
         for transcriber in self.loaded.values():
             transcriber.stop()

@@ -1,0 +1,115 @@
+"""`tfserve transcribe FILE`: speech to text on the command line, with the server's Whisper batcher in-process."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tfserve.cli.options import _complete_model
+from tfserve.errors import TfserveError
+
+
+class AudioFormat(str, Enum):
+    text = "text"
+    json = "json"
+    verbose_json = "verbose_json"
+    srt = "srt"
+    vtt = "vtt"
+
+
+def transcribe(
+    file: Annotated[Path, typer.Argument(
+        show_default=False, help="Audio in any common format: wav, flac, mp3, ogg/opus, m4a, webm...")],
+    model: Annotated[str, typer.Option(
+        "--model", "-m", autocompletion=_complete_model,
+        help="Whisper model: a store name (catalog ones are pulled on first use), an HF directory or a cached "
+             "hub id.")] = "whisper-tiny.en",
+    response_format: Annotated[AudioFormat, typer.Option(
+        "--format", "-f", help="What to print: plain text, OpenAI's json or verbose_json, or subtitles.")
+    ] = AudioFormat.text,
+    language: Annotated[str | None, typer.Option(
+        "--language", "-l", show_default=False,
+        help="Spoken language (ISO 639-1, e.g. fr); multilingual models detect it when left out.")] = None,
+    translate: Annotated[bool, typer.Option(
+        "--translate", help="Translate into English (multilingual models).")] = False,
+    prompt: Annotated[str | None, typer.Option(
+        show_default=False, help="Text to condition on: names, spellings, the previous part.")] = None,
+    temperature: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="0: greedy, falling back to sampling on a repetition loop.")] = 0.0,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", show_default=False, help="Write to this file instead of standard output.")] = None,
+    max_audio_windows: Annotated[int, typer.Option(
+        min=1, help="30-second windows decoded together.")] = 8,
+) -> None:
+    """Transcribe (or translate) an audio file with Whisper.
+
+    [bold]Examples[/bold]
+
+      tfserve transcribe talk.mp3
+      tfserve transcribe talk.mp3 --format srt -o talk.srt
+      tfserve transcribe interview.m4a -m whisper-base --translate
+    """
+    from tfserve.audio import formats
+    from tfserve.audio.decode import AudioError, decode_audio
+    from tfserve.audio.job import TranscriptionOptions
+    from tfserve.audio.transcriber import Transcriber
+    from tfserve.audio.whisper_model import SpeechRequestError, WhisperModel
+    from tfserve.cli.progress import step_progress
+
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise TfserveError(f"cannot read {file}: {exc.strerror or exc}") from None
+    try:
+        audio = decode_audio(data)
+    except AudioError as exc:
+        raise TfserveError(f"{file}: {exc}") from None
+    with step_progress() as progress:
+        progress(f"Loading {model}")
+        whisper = WhisperModel.from_spec(model, progress=progress)
+    task = "translate" if translate else "transcribe"
+    try:
+        code = whisper.check_request(language, task)
+    except SpeechRequestError as exc:
+        raise TfserveError(f"--{exc.param}: {exc}" if exc.param == "model" else str(exc)) from None
+    options = TranscriptionOptions(task=task, language=code, prompt=prompt, temperature=temperature)
+    transcriber = Transcriber(whisper, max_audio_windows).start()
+    try:
+        result = _run(transcriber, audio, options, file.name)
+    finally:
+        transcriber.stop()
+    usage = {"type": "duration", "seconds": round(result.duration_s, 2)}
+    body = formats.render(result, response_format.value, task, usage=usage)
+    text = json.dumps(body, ensure_ascii=False, indent=2) + "\n" if isinstance(body, dict) else body
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+
+
+def _run(transcriber, audio, options, name: str):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tfserve.cli.output import err_console
+
+    total_s = len(audio) / 16000
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
+        task = bar.add_task(f"Transcribing {name}", total=total_s, detail=f"0:00 / {_clock(total_s)}")
+
+        def on_segments(job, segments) -> None:
+            done_s = min(job.seek / 100, total_s)
+            bar.update(task, completed=done_s, detail=f"{_clock(done_s)} / {_clock(total_s)}")
+
+        return transcriber.transcribe(audio, options, on_segments)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
