@@ -25,14 +25,15 @@ def to_json(result: TranscriptionResult, usage: dict[str, Any] | None = None) ->
     return body
 
 
-def to_verbose_json(result: TranscriptionResult, task: str, words: list[dict[str, Any]] | None = None,
+def to_verbose_json(result: TranscriptionResult, task: str, include_words: bool = False,
                     include_segments: bool = True, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"task": task, "language": language_name(result.language),
                             "duration": round(result.duration_s, 2), "text": result.text}
     if include_segments:
         body["segments"] = [segment_json(s) for s in result.segments]
-    if words is not None:
-        body["words"] = words
+    if include_words:
+        body["words"] = [{"word": w.word, "start": w.start, "end": w.end}
+                         for s in result.segments for w in (s.words or ())]
     if usage is not None:
         body["usage"] = usage
     return body
@@ -63,13 +64,13 @@ def to_vtt(segments: list[Segment]) -> str:
 
 
 def render(result: TranscriptionResult, response_format: str, task: str = "transcribe",
-           words: list[dict[str, Any]] | None = None, include_segments: bool = True,
+           include_words: bool = False, include_segments: bool = True,
            usage: dict[str, Any] | None = None) -> str | dict[str, Any]:
     """The body of `result` in `response_format`: a dict for the JSON formats, text for the others."""
     if response_format == "json":
         return to_json(result, usage)
     if response_format == "verbose_json":
-        return to_verbose_json(result, task, words, include_segments, usage)
+        return to_verbose_json(result, task, include_words, include_segments, usage)
     if response_format == "text":
         return to_text(result)
     if response_format == "srt":

@@ -29,12 +29,22 @@ class TranscriptionOptions:
     prompt: str | None = None  # text the first window is conditioned on (names, spelling, style)
     temperature: float = 0.0  # 0: greedy, falling back to hotter decodes on a repetition loop (OpenAI's rule)
     condition_on_previous_text: bool = True  # each window sees the text before it
+    word_timestamps: bool = False  # time every word (cross-attention alignment) as well as every segment
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not 0.0 <= self.temperature <= 1.0:
             raise ValueError(f"temperature must be between 0 and 1, got {self.temperature}")
+
+
+@dataclass(slots=True)
+class Word:
+    """A word (with its leading space) and its times in seconds from the start of the audio."""
+
+    word: str
+    start: float
+    end: float
 
 
 @dataclass(slots=True)
@@ -51,6 +61,7 @@ class Segment:
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+    words: list[Word] | None = None  # with word_timestamps
 
 
 @dataclass(slots=True)

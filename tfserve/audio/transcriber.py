@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from tfserve.audio.job import (COMPRESSION_RATIO_THRESHOLD, LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, TEMPERATURE_STEP,
-                               Segment, Sink, TranscriptionJob, TranscriptionOptions, TranscriptionResult,
+                               Segment, Sink, TranscriptionJob, TranscriptionOptions, TranscriptionResult, Word,
                                compression_ratio)
 from tfserve.audio.timestamps import TimestampRules, split_window
 from tfserve.audio.whisper_forward import WhisperSlots
+from tfserve.audio.words import word_times
 from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
 
 logger = logging.getLogger("tfserve.audio")
@@ -317,10 +318,32 @@ class Transcriber:
                                compression_ratio=attempt.compression_ratio, no_speech_prob=attempt.no_speech_prob))
             job.segments.append(new[-1])
             job.all_tokens += piece.tokens
+        if new and job.options.word_timestamps:
+            self._time_words(window, new)
         if attempt.temperature > 0.5:  # a hot decode is not worth conditioning on
             job.prompt_reset_since = len(job.all_tokens)
         job.seek += max(advance, 1)
         return new
+
+    def _time_words(self, window: Window, segments: list[Segment]) -> None:
+        """Give each of `segments` (just decoded in `window`, whose slot still holds its encoder output) its words."""
+        job, eot = window.job, self.tokens.eot
+        texts = [[t for t in s.tokens if t < eot] for s in segments]
+        text_tokens = [t for text in texts for t in text]
+        language = job.language or job.options.language or "en"
+        prompt = self.tokens.sot_sequence(language, job.options.task) + [self.tokens.no_timestamps]
+        scores = self.slots.alignment(self.windows.index(window), prompt + text_tokens + [eot],
+                                      self.whisper.alignment_heads)
+        timed = word_times(scores, text_tokens, window.num_frames, self.whisper.decode_text, language)
+        offset = window.seek / FRAMES_PER_SECOND
+        words = iter(timed)
+        for segment, text in zip(segments, texts):
+            segment.words, remaining = [], len(text)  # a segment takes words until its tokens are used
+            while remaining > 0 and (word := next(words, None)) is not None:
+                text_word, start, end, num_tokens = word
+                segment.words.append(Word(text_word.strip(), round(min(offset + start, job.duration_s), 2),
+                                          round(min(offset + end, job.duration_s), 2)))
+                remaining -= num_tokens
 
     def _restart(self, window: Window, temperature: float) -> None:
         fresh = self._window(window.job, temperature)

@@ -84,15 +84,7 @@ class WhisperSlots:
                                                  self.self_v[i, :batch, :, :num_keys], attn_mask=mask,
                                                  scale=attn.scaling)
             hidden = hidden + attn.out_proj(self._merge(out, batch))
-
-            attn = layer.encoder_attn
-            q = self._heads(attn.q_proj(layer.encoder_attn_layer_norm(hidden)), batch)
-            out = F.scaled_dot_product_attention(q, self.cross_k[i, :batch], self.cross_v[i, :batch],
-                                                 scale=attn.scaling)
-            hidden = hidden + attn.out_proj(self._merge(out, batch))
-
-            x = layer.final_layer_norm(hidden)
-            hidden = hidden + layer.fc2(layer.activation_fn(layer.fc1(x)))
+            hidden = self._cross_and_mlp(i, layer, hidden, self.cross_k[i, :batch], self.cross_v[i, :batch])
         hidden = decoder.layer_norm(hidden)
 
         rows = torch.arange(batch)
@@ -102,6 +94,40 @@ class WhisperSlots:
             at = torch.tensor(extra_positions)
             extra = self.model.proj_out(hidden[rows, at.clamp(min=0)]).float()
         return logits, extra
+
+    @torch.inference_mode()
+    def alignment(self, slot: int, tokens: list[int], heads: list[tuple[int, int]]) -> torch.Tensor:
+        """Cross-attention scores (scaled, before the softmax) of the (layer, head) pairs `heads` for the tokens
+        `tokens` read in one pass over slot `slot`'s window: [len(heads), len(tokens), num_frames]. The slot's
+        self-attention cache is left as it is."""
+        decoder, num_tokens = self.decoder, len(tokens)
+        hidden = decoder.embed_tokens(torch.tensor([tokens])) + decoder.embed_positions.weight[:num_tokens]
+        scores = {}
+        for i, layer in enumerate(decoder.layers):
+            attn = layer.self_attn
+            x = layer.self_attn_layer_norm(hidden)
+            q, k, v = (self._heads(proj(x), 1) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+            hidden = hidden + attn.out_proj(self._merge(out, 1))
+            cross_k = self.cross_k[i, slot:slot + 1]
+            wanted = [head for (layer_index, head) in heads if layer_index == i]
+            if wanted:
+                attn = layer.encoder_attn
+                q = self._heads(attn.q_proj(layer.encoder_attn_layer_norm(hidden)), 1)
+                qk = (q[0, wanted] @ cross_k[0, wanted].transpose(-1, -2)) * attn.scaling  # [h, T, frames]
+                scores.update({(i, h): qk[n] for n, h in enumerate(wanted)})
+            hidden = self._cross_and_mlp(i, layer, hidden, cross_k, self.cross_v[i, slot:slot + 1])
+        return torch.stack([scores[pair] for pair in heads]).float()
+
+    def _cross_and_mlp(self, i: int, layer, hidden: torch.Tensor, cross_k: torch.Tensor,
+                       cross_v: torch.Tensor) -> torch.Tensor:
+        """The cross-attention and feed-forward halves of decoder layer `i`."""
+        attn, batch = layer.encoder_attn, hidden.shape[0]
+        q = self._heads(attn.q_proj(layer.encoder_attn_layer_norm(hidden)), batch)
+        out = F.scaled_dot_product_attention(q, cross_k, cross_v, scale=attn.scaling)
+        hidden = hidden + attn.out_proj(self._merge(out, batch))
+        x = layer.final_layer_norm(hidden)
+        return hidden + layer.fc2(layer.activation_fn(layer.fc1(x)))
 
     def _heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:
         return x.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)

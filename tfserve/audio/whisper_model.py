@@ -72,6 +72,12 @@ class WhisperModel:
         self.processor = processor
         self.name = name
         self.tokens = read_tokens(processor.tokenizer, model.generation_config, model.config)
+        config = model.config
+        heads = getattr(model.generation_config, "alignment_heads", None)
+        # (decoder layer, head) pairs whose cross-attention follows the words; by default the upper half's
+        self.alignment_heads = [tuple(pair) for pair in heads] if heads else [
+            (layer, head) for layer in range(config.decoder_layers // 2, config.decoder_layers)
+            for head in range(config.decoder_attention_heads)]
 
     @classmethod
     def load(cls, path: str | Path, name: str | None = None) -> WhisperModel:

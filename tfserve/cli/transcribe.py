@@ -40,6 +40,8 @@ def transcribe(
         show_default=False, help="Text to condition on: names, spellings, the previous part.")] = None,
     temperature: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="0: greedy, falling back to sampling on a repetition loop.")] = 0.0,
+    words: Annotated[bool, typer.Option(
+        "--words", help="Time every word too (verbose_json gets a `words` list).")] = False,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", show_default=False, help="Write to this file instead of standard output.")] = None,
     max_audio_windows: Annotated[int, typer.Option(
@@ -76,14 +78,17 @@ def transcribe(
         code = whisper.check_request(language, task)
     except SpeechRequestError as exc:
         raise TfserveError(f"--{exc.param}: {exc}" if exc.param == "model" else str(exc)) from None
-    options = TranscriptionOptions(task=task, language=code, prompt=prompt, temperature=temperature)
+    options = TranscriptionOptions(task=task, language=code, prompt=prompt, temperature=temperature,
+                                   word_timestamps=words)
     transcriber = Transcriber(whisper, max_audio_windows).start()
     try:
         result = _run(transcriber, audio, options, file.name)
+    except Exception as exc:  # the model failed (logged with its traceback): one line here
+        raise TfserveError(f"transcribing {file} failed: {type(exc).__name__}: {exc}") from None
     finally:
         transcriber.stop()
     usage = {"type": "duration", "seconds": round(result.duration_s, 2)}
-    body = formats.render(result, response_format.value, task, usage=usage)
+    body = formats.render(result, response_format.value, task, include_words=words, usage=usage)
     text = json.dumps(body, ensure_ascii=False, indent=2) + "\n" if isinstance(body, dict) else body
     if output is None:
         typer.echo(text, nl=False)

@@ -48,7 +48,8 @@ async def _answer(request: web.Request, task: str) -> web.StreamResponse:
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    options = TranscriptionOptions(task=task, language=language, prompt=form.prompt, temperature=form.temperature)
+    options = TranscriptionOptions(task=task, language=language, prompt=form.prompt, temperature=form.temperature,
+                                   word_timestamps="word" in form.granularities)
     job = await asyncio.to_thread(transcriber.make_job, audio, options,
                                   lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload)))
     transcriber.submit(job)
@@ -77,7 +78,7 @@ async def _result(events: asyncio.Queue) -> Any:
 
 def _respond(form: AudioForm, task: str, result) -> web.Response:
     usage = {"type": "duration", "seconds": round(result.duration_s, 2)}
-    body = formats.render(result, form.response_format, task, words=None,
+    body = formats.render(result, form.response_format, task, include_words="word" in form.granularities,
                           include_segments="segment" in form.granularities or not form.granularities, usage=usage)
     if isinstance(body, dict):
         return web.json_response(body)
