@@ -10,6 +10,7 @@ job's. One step reads: `admit() -> decode() -> finish()`.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -79,10 +80,17 @@ class TranscriberStats:
 class Transcriber:
     """Batches the transcriptions of one Whisper model on a thread of its own (`start`/`submit`/`stop`)."""
 
-    def __init__(self, whisper: WhisperModel, max_num_windows: int = 8) -> None:
+    def __init__(self, whisper: WhisperModel, max_num_windows: int = 8, cpu_kernels: bool | None = None) -> None:
         self.whisper = whisper
         self.tokens = whisper.tokens
-        self.slots = WhisperSlots(whisper.model, max_num_windows)
+        if cpu_kernels is None:  # as the chat engine: on unless TFSERVE_CPU_KERNELS=0
+            cpu_kernels = os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0"
+        ops = None
+        if cpu_kernels and whisper.model.device.type == "cpu":
+            from tfserve.engine.kernels import cpu_ops
+
+            ops = cpu_ops()  # None where they cannot be built (logged): the torch path
+        self.slots = WhisperSlots(whisper.model, max_num_windows, ops)
         self.rules = TimestampRules(self.tokens, whisper.model.config.vocab_size)
         self.max_sample_len = self.tokens.max_len // 2  # tokens sampled in one window, at most
         self.windows: list[Window] = []  # in flight; windows[i] is in slot i

@@ -4,6 +4,7 @@ place them differently)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ class WhisperModel:
     def from_spec(cls, spec: str, progress=None) -> WhisperModel:
         """Load what `spec` names (a store name, an HF model directory or a cached hub id); a speech model of
         tfserve's catalog is pulled first when the store lacks it."""
+        from tfserve.engine import kernels
         from tfserve.models import catalog, store
         from tfserve.models.convert import hf_progress_bars
         from tfserve.models.loading import resolve_model
@@ -106,7 +108,11 @@ class WhisperModel:
         if resolved.kind == "gguf":
             raise NotSpeechModelError(f"{spec} is a GGUF file; speech models are transformers Whisper directories")
         with hf_progress_bars(enabled=False):  # the caller shows its own progress, or none (a server)
-            return cls.load(resolved.path, resolved.name)
+            whisper = cls.load(resolved.path, resolved.name)
+        if progress is not None and os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0" and kernels.needs_build():
+            progress(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
+            kernels.cpu_ops()
+        return whisper
 
     def check_request(self, language: str | None, task: str) -> str | None:
         """The ISO code of `language` (None: detect it) if this model can do `task` in it; SpeechRequestError

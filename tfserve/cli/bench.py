@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from tfserve.cli import bench_audio
 from tfserve.cli.options import DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt
 from tfserve.cli.output import console, err_console
 from tfserve.errors import TfserveError
@@ -19,6 +20,7 @@ app = typer.Typer(
     help="Measure throughput and latency: offline (engine in-process) or online (any OpenAI-compatible URL).",
     no_args_is_help=True,
 )
+app.command("transcribe")(bench_audio.transcribe)
 
 NumPromptsOpt = Annotated[int, typer.Option("--num-prompts", "-n", min=1, help="Requests to send.")]
 OutputJsonOpt = Annotated[Path | None, typer.Option("--output-json", "-o", help="Write the result as JSON here.")]
