@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfserve.errors import TfserveError
+from tfserve.errors import ModelNotFoundError, TfserveError
 
 SAMPLE_RATE = 16000
 HOP_LENGTH = 160  # samples per mel frame
@@ -92,9 +92,9 @@ class WhisperModel:
         return cls(model, WhisperProcessor.from_pretrained(path), name or Path(path).name)
 
     @classmethod
-    def from_spec(cls, spec: str, progress=None) -> WhisperModel:
-        """Load what `spec` names (a store name, an HF model directory or a cached hub id); a speech model of
-        tfserve's catalog is pulled first when the store lacks it."""
+    def from_spec(cls, spec: str, progress=None, allow_paths: bool = True) -> WhisperModel:
+        """Load what `spec` names (a store name, an HF model directory or a cached hub id; no directory unless
+        `allow_paths`); a speech model of tfserve's catalog is pulled first when the store lacks it."""
         from tfserve.engine import kernels
         from tfserve.models import catalog, store
         from tfserve.models.convert import hf_progress_bars
@@ -105,6 +105,8 @@ class WhisperModel:
         if known is not None and known.task == "speech" and not store.is_pulled(spec):
             pull(spec, progress=progress)
         resolved = resolve_model(spec)
+        if not allow_paths and resolved.kind not in ("store", "hf_cache"):
+            raise ModelNotFoundError(f"{spec!r} is not a store model or a cached hub id (clients cannot name paths)")
         if resolved.kind == "gguf":
             raise NotSpeechModelError(f"{spec} is a GGUF file; speech models are transformers Whisper directories")
         with hf_progress_bars(enabled=False):  # the caller shows its own progress, or none (a server)

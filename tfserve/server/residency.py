@@ -152,7 +152,7 @@ class ModelResidency:
         from tfserve.models.loading import resolve_model
 
         why = "names must be store models or hub ids, not paths"
-        if _LOADABLE_NAME.match(name) and ".." not in name:
+        if is_loadable_name(name):
             try:
                 kind = resolve_model(name).kind
             except ModelNotFoundError as exc:
@@ -236,6 +236,11 @@ class ModelResidency:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def is_loadable_name(name: str) -> bool:
+    """Whether a client may name `name` for loading: a store name or a hub id, never a path."""
+    return bool(_LOADABLE_NAME.match(name)) and ".." not in name
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tfserve.errors import ModelNotFoundError, TfserveError
 from tfserve.server.errors import ApiError
-from tfserve.server.residency import in_daemon_thread
+from tfserve.server.residency import in_daemon_thread, is_loadable_name
 
 if TYPE_CHECKING:
     from tfserve.audio.transcriber import Transcriber
@@ -54,6 +54,9 @@ class SpeechModels:
             return self.loaded[spec]
         if spec in chat_names:
             raise _not_speech(spec)
+        if spec != self.options.default_model and not is_loadable_name(spec):
+            raise ApiError(404, f"The model {spec[:80]!r} does not exist or is not served here (names must be store "
+                                f"models or hub ids, not paths)", param="model", code="model_not_found")
         future = self._loading.get(spec)
         if future is None:
             future = self._loading[spec] = asyncio.ensure_future(self._load(spec))
@@ -64,8 +67,8 @@ class SpeechModels:
         from tfserve.audio.transcriber import Transcriber
         from tfserve.audio.whisper_model import NotSpeechModelError, WhisperModel
 
-        try:
-            whisper = await in_daemon_thread(WhisperModel.from_spec, spec)
+        try:  # the operator's --speech-model may be a path; a client's name may not
+            whisper = await in_daemon_thread(WhisperModel.from_spec, spec, None, spec == self.options.default_model)
         except NotSpeechModelError:
             raise _not_speech(spec) from None
         except ModelNotFoundError as exc:
