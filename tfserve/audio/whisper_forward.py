@@ -50,9 +50,11 @@ class WhisperSlots:
         out = self._linears[id(module)](x.reshape(-1, x.shape[-1]).contiguous())
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.self_k, self.self_v, self.cross_k, self.cross_v))
+    @staticmethod
+    def cache_bytes(config, num_slots: int, element_size: int = 4) -> int:
+        """Bytes the caches of `num_slots` windows take for a model of `config`."""
+        positions = config.max_target_positions + config.max_source_positions
+        return 2 * config.decoder_layers * num_slots * positions * config.d_model * element_size
 
     @torch.inference_mode()
     def encode(self, slots: list[int], features: torch.Tensor) -> None:

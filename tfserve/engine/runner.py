@@ -74,7 +74,7 @@ class ModelRunner:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 num_bytes = int(free * (fraction or DEFAULT_CUDA_KV_CACHE_FRACTION))
             else:
-                available = _available_memory()
+                available = available_memory()
                 num_bytes = int(available * fraction) if fraction else min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4)
         else:
             num_bytes = int(kv_cache_memory)
@@ -209,7 +209,7 @@ class ModelRunner:
         )
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     """Bytes of memory available to new allocations on this host."""
     try:
         import psutil

@@ -65,7 +65,9 @@ class SpeechModels:
 
     async def _load(self, spec: str) -> Transcriber:
         from tfserve.audio.transcriber import Transcriber
+        from tfserve.audio.whisper_forward import WhisperSlots
         from tfserve.audio.whisper_model import NotSpeechModelError, WhisperModel
+        from tfserve.engine.runner import available_memory
 
         try:  # the operator's --speech-model may be a path; a client's name may not
             whisper = await in_daemon_thread(WhisperModel.from_spec, spec, None, spec == self.options.default_model)
@@ -77,8 +79,14 @@ class SpeechModels:
         except TfserveError as exc:
             raise ApiError(500, f"loading speech model {spec!r} failed: {exc}", param="model",
                            code="model_load_failed") from None
-        transcriber = Transcriber(whisper, self.options.max_num_windows).start()
         self._make_room()
+        needed = WhisperSlots.cache_bytes(whisper.model.config, self.options.max_num_windows) + (256 << 20)
+        available = available_memory()
+        if available < needed:  # the chat model and the other speech models keep theirs
+            raise ApiError(503, f"not enough memory to run speech model {spec!r} beside the loaded models: it needs "
+                                f"{needed >> 20} MiB, {available >> 20} MiB are free (fewer --max-audio-windows "
+                                f"need less)", param="model", code="insufficient_memory")
+        transcriber = Transcriber(whisper, self.options.max_num_windows).start()
         self.loaded[spec] = transcriber
         logger.info("loaded speech model %s", spec)
         return transcriber
