@@ -81,8 +81,10 @@ def test_bare_install_serves_the_default_model(tmp_path):
         from openai import OpenAI
 
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        # greedy: a sampled answer (the model's recommended temperature 0.2) depends on the CPU's float rounding,
+        # and on some CPUs rambles to the end of the context instead of answering
         reply = client.chat.completions.create(
-            model="smollm2-135m-instruct", seed=0,
+            model="smollm2-135m-instruct", temperature=0, max_tokens=64,
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         answer = reply.choices[0].message.content
         assert reply.choices[0].finish_reason == "stop", answer  # the model's own end, not a runaway
