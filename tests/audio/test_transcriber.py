@@ -1,6 +1,7 @@
 """The Whisper batcher on the real whisper-tiny.en: its decoder against HF's forward, real speech, batching,
 long audio, abort."""
 
+import os
 import threading
 import time
 
@@ -98,3 +99,37 @@ def test_an_aborted_job_frees_its_slot_and_the_others_finish(transcriber):
         time.sleep(0.05)
     assert transcriber.num_running == 0 and transcriber.num_waiting == 0
     assert "done" not in events
+
+
+def test_a_job_that_fails_ends_with_its_error_and_the_next_one_is_served(transcriber, monkeypatch):
+    """A failure while finishing a window (its slot already freed) still reaches the job's caller."""
+    real = transcriber._complete
+    calls = []
+
+    def fail_once(job):
+        calls.append(job.id)
+        if len(calls) == 1:
+            raise RuntimeError("broken sink")
+        real(job)
+
+    monkeypatch.setattr(transcriber, "_complete", fail_once)
+    with pytest.raises(RuntimeError, match="broken sink"):
+        transcriber.transcribe(speech("fox"))
+    assert wer(SENTENCES["fox"]["text"], transcriber.transcribe(speech("fox")).text) < 0.5
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_thread_that_steps_ends_when_idle_and_leaves_no_workers(transcriber):
+    """Idle, the transcriber holds no thread (nor, with it, OpenMP workers that would slow the chat engine)."""
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    transcriber.transcribe(speech("fox"))
+    deadline = time.monotonic() + 5
+    while transcriber._worker.is_alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not transcriber._worker.is_alive
+    before = threads()
+    assert transcriber.transcribe(speech("fox")).text
+    time.sleep(0.5)
+    assert not transcriber._worker.is_alive and threads() <= before

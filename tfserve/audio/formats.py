@@ -18,6 +18,11 @@ def language_name(code: str) -> str:
     return LANGUAGES.get(code, code)
 
 
+def usage(result: TranscriptionResult) -> dict[str, Any]:
+    """OpenAI's usage of a transcription: the seconds of audio."""
+    return {"type": "duration", "seconds": round(result.duration_s, 2)}
+
+
 def to_json(result: TranscriptionResult, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"text": result.text}
     if usage is not None:

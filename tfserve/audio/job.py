@@ -82,7 +82,7 @@ Sink = Callable[[str, Any], None]  # ("segments", [Segment]) | ("done", Transcri
 class TranscriptionJob:
     """One audio file's way through the transcriber."""
 
-    features: Any  # log-mel [num_mel_bins, num_frames + 3000] (the silence after the audio included)
+    audio: Any  # float32 mono 16 kHz samples, until its features are computed (then None)
     num_frames: int  # of the audio itself
     options: TranscriptionOptions
     sink: Sink
@@ -94,11 +94,17 @@ class TranscriptionJob:
     all_tokens: list[int] = field(default_factory=list)  # of every segment, for conditioning the next window
     prompt_reset_since: int = 0  # all_tokens before this are not shown to the next window
     num_windows: int = 0
+    features: Any = None  # log-mel [num_mel_bins, num_frames + 3000] (the silence after the audio included)
     aborted: threading.Event = field(default_factory=threading.Event)
 
     @property
     def duration_s(self) -> float:
         return self.num_frames / FRAMES_PER_SECOND
+
+    @property
+    def language_code(self) -> str:
+        """The language detected or asked for ("en" for English-only models, which take none)."""
+        return self.language or self.options.language or "en"
 
     @property
     def done(self) -> bool:

@@ -26,6 +26,7 @@ from tfserve.audio.timestamps import TimestampRules, split_window
 from tfserve.audio.whisper_forward import WhisperSlots
 from tfserve.audio.words import word_times
 from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
+from tfserve.engine.threads import WorkThread, run_in_fresh_thread
 
 logger = logging.getLogger("tfserve.audio")
 
@@ -90,48 +91,48 @@ class Transcriber:
             from tfserve.engine.kernels import cpu_ops
 
             ops = cpu_ops()  # None where they cannot be built (logged): the torch path
-        self.slots = WhisperSlots(whisper.model, max_num_windows, ops)
-        self.rules = TimestampRules(self.tokens, whisper.model.config.vocab_size)
+        # torch work off the thread that steps runs on a thread that ends (`tfserve.engine.threads`)
+        self.slots, self.rules = run_in_fresh_thread(lambda: (
+            WhisperSlots(whisper.model, max_num_windows, ops),
+            TimestampRules(self.tokens, whisper.model.config.vocab_size)))
         self.max_sample_len = self.tokens.max_len // 2  # tokens sampled in one window, at most
         self.windows: list[Window] = []  # in flight; windows[i] is in slot i
         self.waiting: deque[TranscriptionJob] = deque()  # jobs whose next window is not in flight
         self.stats = TranscriberStats()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
+        self._lock = threading.Lock()  # guards `waiting`, which submit() appends to from other threads
+        self._worker = WorkThread(f"tfserve-whisper-{whisper.name}", self.step, self._has_work,
+                                  on_stop=self._fail_all)
         self._generator = torch.Generator().manual_seed(0)
 
     # -- the thread ---------------------------------------------------------------------------------------
 
     def start(self) -> Transcriber:
-        self._thread = threading.Thread(target=self._loop, name=f"tfserve-whisper-{self.whisper.name}", daemon=True)
-        self._thread.start()
+        self._worker.start()
         return self
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
+        self._worker.stop()
+
+    def _fail_all(self) -> None:
         for job in [w.job for w in self.windows] + list(self.waiting):
             job.sink("error", RuntimeError("the transcriber stopped"))
         self.windows, self.waiting = [], deque()
 
     def make_job(self, audio, options: TranscriptionOptions, sink: Sink) -> TranscriptionJob:
-        """A job for `audio` (float32 mono 16 kHz): its features are computed here, on the caller's thread."""
+        """A job for `audio` (float32 mono 16 kHz); its features are computed on the transcriber's thread, when
+        its first window is admitted (torch work stays on the threads that step: `tfserve.engine.threads`)."""
         prompt = self.whisper.encode_text(" " + options.prompt.strip()) if options.prompt else []
-        return TranscriptionJob(features=self.whisper.features(audio), num_frames=len(audio) // HOP_LENGTH,
-                                options=options, sink=sink, prompt_tokens=prompt)
+        return TranscriptionJob(audio=audio, num_frames=len(audio) // HOP_LENGTH, options=options, sink=sink,
+                                prompt_tokens=prompt)
 
     def submit(self, job: TranscriptionJob) -> None:
         """Queue `job`; its sink hears of it from the transcriber's thread."""
-        with self._cond:
-            if self._stopped:
-                raise RuntimeError("the transcriber has stopped")
+        if not self._worker.is_running:
+            raise RuntimeError("the transcriber has stopped")
+        with self._lock:
             self.stats.num_jobs += 1
             self.waiting.append(job)
-            self._cond.notify()
+        self._worker.wake()
 
     def transcribe(self, audio, options: TranscriptionOptions | None = None,
                    on_segments: Callable[[TranscriptionJob, list[Segment]], None] | None = None) -> TranscriptionResult:
@@ -160,33 +161,27 @@ class Transcriber:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and not self.windows and not self.waiting:
-                    self._cond.wait()
-                if self._stopped:
-                    return
-            try:
-                self.step()
-            except Exception as exc:  # the model failed: these jobs end with the error, the next ones go on
-                logger.exception("transcription step failed")
-                for job in {w.job for w in self.windows}:
-                    job.sink("error", exc)
-                self.windows = []
+    def _has_work(self) -> bool:
+        return bool(self.windows or self.waiting)
 
     # -- one step -----------------------------------------------------------------------------------------
 
     def step(self) -> None:
         """Admit windows into free slots, run one decoder step, finish the windows that ended."""
-        self._drop_aborted()
-        self.admit()
-        if self.windows:
-            ended = self.decode()
-            self.finish(ended)
+        try:
+            self._drop_aborted()
+            self.admit()
+            if self.windows:
+                ended = self.decode()
+                self.finish(ended)
+        except Exception as exc:  # the model failed: these jobs end with the error, the next ones go on
+            logger.exception("transcription step failed")
+            for job in {w.job for w in self.windows}:
+                job.sink("error", exc)
+            self.windows = []
 
     def _drop_aborted(self) -> None:
-        with self._cond:
+        with self._lock:
             self.waiting = deque(job for job in self.waiting if not job.aborted.is_set())
         for window in [w for w in self.windows if w.job.aborted.is_set()]:
             self._free(window)
@@ -195,11 +190,17 @@ class Transcriber:
         """Start the next window of waiting jobs while slots are free; their encoder passes run as one batch."""
         new: list[Window] = []
         while len(self.windows) < self.slots.num_slots:
-            with self._cond:
+            with self._lock:
                 if not self.waiting:
                     break
                 job = self.waiting.popleft()
-            window = self._window(job)
+            try:
+                if job.features is None:
+                    job.features, job.audio = self.whisper.features(job.audio), None
+                window = self._window(job)
+            except Exception as exc:  # this job ends with the error; the others go on
+                self._fail(job, exc)
+                continue
             self.windows.append(window)
             new.append(window)
         if not new:
@@ -281,29 +282,40 @@ class Transcriber:
     def finish(self, ended: list[Window]) -> None:
         """Judge each ended window: decode it again hotter, skip it as silence, or take its segments."""
         for window in ended:
-            job = window.job
-            attempt = self._attempt(window)
-            silent = attempt.no_speech_prob > NO_SPEECH_THRESHOLD and attempt.avg_logprob < LOGPROB_THRESHOLD
-            failed = attempt.compression_ratio > COMPRESSION_RATIO_THRESHOLD or attempt.avg_logprob < LOGPROB_THRESHOLD
-            if failed and not silent and job.options.temperature == 0:
-                window.attempts.append(attempt)
-                if window.temperature < 1.0 - 1e-6:  # the same window again, keeping its encoder output
-                    self._restart(window, window.temperature + TEMPERATURE_STEP)
-                    continue
-                attempt = _best(window.attempts)  # every temperature failed: the likeliest decode
-            if silent or not any(t < self.tokens.eot for t in attempt.tokens):
-                job.seek += window.num_frames
-                new = []
-            else:
-                new = self._segments(window, attempt)
-            if new:
-                job.sink("segments", new)
-            self._free(window)
-            if job.done:
-                self._complete(job)
-            else:
-                with self._cond:
-                    self.waiting.appendleft(job)  # a job under way goes before new ones
+            try:
+                self._finish(window)
+            except Exception as exc:  # this job ends with the error (its slot is freed next step); the others go on
+                self._fail(window.job, exc)
+
+    def _fail(self, job: TranscriptionJob, exc: Exception) -> None:
+        logger.exception("transcription job %d failed", job.id)
+        job.abort()
+        job.sink("error", exc)
+
+    def _finish(self, window: Window) -> None:
+        job = window.job
+        attempt = self._attempt(window)
+        silent = attempt.no_speech_prob > NO_SPEECH_THRESHOLD and attempt.avg_logprob < LOGPROB_THRESHOLD
+        failed = attempt.compression_ratio > COMPRESSION_RATIO_THRESHOLD or attempt.avg_logprob < LOGPROB_THRESHOLD
+        if failed and not silent and job.options.temperature == 0:
+            window.attempts.append(attempt)
+            if window.temperature < 1.0 - 1e-6:  # the same window again, keeping its encoder output
+                self._restart(window, window.temperature + TEMPERATURE_STEP)
+                return
+            attempt = _best(window.attempts)  # every temperature failed: the likeliest decode
+        if silent or not any(t < self.tokens.eot for t in attempt.tokens):
+            job.seek += window.num_frames
+            new = []
+        else:
+            new = self._segments(window, attempt)
+        if new:
+            job.sink("segments", new)
+        self._free(window)
+        if job.done:
+            self._complete(job)
+        else:
+            with self._lock:
+                self.waiting.appendleft(job)  # a job under way goes before new ones
 
     def _attempt(self, window: Window) -> Attempt:
         tokens = window.sampled[:-1] if window.sampled[-1] == self.tokens.eot else window.sampled
@@ -338,7 +350,7 @@ class Transcriber:
         job, eot = window.job, self.tokens.eot
         texts = [[t for t in s.tokens if t < eot] for s in segments]
         text_tokens = [t for text in texts for t in text]
-        language = job.language or job.options.language or "en"
+        language = job.language_code
         prompt = self.tokens.sot_sequence(language, job.options.task) + [self.tokens.no_timestamps]
         scores = self.slots.alignment(self.windows.index(window), prompt + text_tokens + [eot],
                                       self.whisper.alignment_heads)
@@ -372,5 +384,5 @@ class Transcriber:
         text = "".join(s.text for s in job.segments).strip()
         self.stats.audio_seconds += job.duration_s
         job.sink("done", TranscriptionResult(text=text, segments=job.segments,
-                                             language=job.language or job.options.language or "en",
+                                             language=job.language_code,
                                              duration_s=job.duration_s, num_windows=job.num_windows))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tfserve.engine.threads import run_in_fresh_thread
 from tfserve.errors import ModelNotFoundError, TfserveError
 
 SAMPLE_RATE = 16000
@@ -82,7 +83,11 @@ class WhisperModel:
 
     @classmethod
     def load(cls, path: str | Path, name: str | None = None) -> WhisperModel:
-        """Load a transformers Whisper directory (float32, CPU)."""
+        """Load a transformers Whisper directory (float32, CPU), on a thread that ends (`tfserve.engine.threads`)."""
+        return run_in_fresh_thread(cls._load, path, name)
+
+    @classmethod
+    def _load(cls, path: str | Path, name: str | None = None) -> WhisperModel:
         from transformers import AutoConfig, WhisperForConditionalGeneration, WhisperProcessor
 
         config = AutoConfig.from_pretrained(path)
@@ -95,6 +100,10 @@ class WhisperModel:
     def from_spec(cls, spec: str, progress=None, allow_paths: bool = True) -> WhisperModel:
         """Load what `spec` names (a store name, an HF model directory or a cached hub id; no directory unless
         `allow_paths`); a speech model of tfserve's catalog is pulled first when the store lacks it."""
+        return run_in_fresh_thread(cls._from_spec, spec, progress, allow_paths)
+
+    @classmethod
+    def _from_spec(cls, spec: str, progress=None, allow_paths: bool = True) -> WhisperModel:
         from tfserve.engine import kernels
         from tfserve.models import catalog, store
         from tfserve.models.convert import hf_progress_bars
@@ -110,7 +119,7 @@ class WhisperModel:
         if resolved.kind == "gguf":
             raise NotSpeechModelError(f"{spec} is a GGUF file; speech models are transformers Whisper directories")
         with hf_progress_bars(enabled=False):  # the caller shows its own progress, or none (a server)
-            whisper = cls.load(resolved.path, resolved.name)
+            whisper = cls._load(resolved.path, resolved.name)
         if progress is not None and os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0" and kernels.needs_build():
             progress(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
             kernels.cpu_ops()

@@ -87,8 +87,7 @@ def transcribe(
         raise TfserveError(f"transcribing {file} failed: {type(exc).__name__}: {exc}") from None
     finally:
         transcriber.stop()
-    usage = {"type": "duration", "seconds": round(result.duration_s, 2)}
-    body = formats.render(result, response_format.value, task, include_words=words, usage=usage)
+    body = formats.render(result, response_format.value, task, include_words=words, usage=formats.usage(result))
     text = json.dumps(body, ensure_ascii=False, indent=2) + "\n" if isinstance(body, dict) else body
     if output is None:
         typer.echo(text, nl=False)

@@ -17,6 +17,7 @@ from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
 from tfserve.engine.spec_decode import accepted
 from tfserve.engine.structured import StructuredOutputs
+from tfserve.engine.threads import run_in_fresh_thread
 from tfserve.errors import ContextLengthError
 from tfserve.sampling_params import SamplingParams
 
@@ -72,6 +73,16 @@ class Engine:
         """Load a model through the store's loader (store name, HF directory, .gguf file or cached hub id; the
         default model is pulled when missing) and build the engine over it. `progress(step, ...)` is told each
         stage: pull, load, the CPU kernels' first build, the KV cache."""
+        return run_in_fresh_thread(cls._from_pretrained, model, config, dtype=dtype, device=device,
+                                   quantization=quantization, attn_implementation=attn_implementation,
+                                   trust_remote_code=trust_remote_code, progress=progress, **overrides)
+
+    @classmethod
+    def _from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None, *, dtype: str = "auto",
+                         device: str = "auto", quantization: str = "none", attn_implementation: str | None = None,
+                         trust_remote_code: bool = False, progress=None, **overrides: Any) -> Engine:
+        """`from_pretrained` on the caller's thread (the torch work of loading makes that thread's OpenMP pool:
+        `tfserve.engine.threads`)."""
         from tfserve.engine import kernels
         from tfserve.models.loading import DEFAULT_MODEL, load_model
         from tfserve.models.gguf_weights import gguf_source

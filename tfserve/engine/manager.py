@@ -1,5 +1,6 @@
 """A thread-safe face of the engine: a background thread steps it while other threads add, await and
-abort requests (the shape of transformers' `ContinuousBatchingManager`)."""
+abort requests (the shape of transformers' `ContinuousBatchingManager`). The thread ends when the engine has
+been idle a moment and comes back with the next request (why: `tfserve.engine.threads`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from tfserve.engine.engine import Engine
 from tfserve.engine.request import Request, RequestOutput
+from tfserve.engine.threads import WorkThread
 from tfserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,34 +27,27 @@ class BatchingManager:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._sinks: dict[str, tuple[Sink, bool, bool]] = {}  # request id -> (sink, stream, own queue)
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._worker = WorkThread("tfserve-engine", self._step, self._has_work, on_stop=self._abort_all)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self) -> BatchingManager:
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping.clear()
-            self._thread = threading.Thread(target=self._loop, name="tfserve-engine", daemon=True)
-            self._thread.start()
+        if not self._worker.is_running:
+            self._worker.start()
         return self
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stop the loop; requests still running are aborted."""
-        self._stopping.set()
-        self._wakeup.set()
-        if block and self._thread is not None:
-            self._thread.join(timeout)
+        self._worker.stop(block, timeout)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._worker.is_running
 
     def __enter__(self) -> BatchingManager:
         return self.start()
@@ -92,13 +87,13 @@ class BatchingManager:
                     self._sinks[request.request_id] = (sink, stream, False)
         for request in requests:
             self._commands.put(("add", request))
-        self._wakeup.set()
+        self._worker.wake()
         return [request.request_id for request in requests]
 
     def abort(self, request_id: str) -> None:
         """Finish a request now; its blocks are freed before the next step."""
         self._commands.put(("abort", request_id))
-        self._wakeup.set()
+        self._worker.wake()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
         """The final output of `request_id`, or of whichever request finishes next. None on timeout."""
@@ -130,24 +125,26 @@ class BatchingManager:
 
     # -- the engine thread ---------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _has_work(self) -> bool:
+        return not self._commands.empty() or self.engine.has_unfinished
+
+    def _step(self) -> None:
         engine = self.engine
-        while not self._stopping.is_set():
-            self._run_commands()
-            if not engine.has_unfinished:
-                self._wakeup.wait(timeout=0.1)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # a bug in the step itself: fail what is running, keep serving
-                logger.exception("engine step failed")
-                outputs = [engine.fail(r, f"{type(exc).__name__}: {exc}") for r in list(engine.requests.values())]
-            for output in outputs:
-                self._deliver(output)
         self._run_commands()
-        for request_id in list(engine.requests):
-            self._deliver(engine.abort(request_id))
+        if not engine.has_unfinished:
+            return
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # a bug in the step itself: fail what is running, keep serving
+            logger.exception("engine step failed")
+            outputs = [engine.fail(r, f"{type(exc).__name__}: {exc}") for r in list(engine.requests.values())]
+        for output in outputs:
+            self._deliver(output)
+
+    def _abort_all(self) -> None:
+        self._run_commands()
+        for request_id in list(self.engine.requests):
+            self._deliver(self.engine.abort(request_id))
 
     def _run_commands(self) -> None:
         while True:

@@ -77,7 +77,7 @@ async def _result(events: asyncio.Queue) -> Any:
 
 
 def _respond(form: AudioForm, task: str, result) -> web.Response:
-    usage = {"type": "duration", "seconds": round(result.duration_s, 2)}
+    usage = formats.usage(result)
     body = formats.render(result, form.response_format, task, include_words="word" in form.granularities,
                           include_segments="segment" in form.granularities or not form.granularities, usage=usage)
     if isinstance(body, dict):
@@ -94,8 +94,8 @@ async def _stream(request: web.Request, events: asyncio.Queue) -> web.StreamResp
             delta = "".join(s.text for s in payload)
             await stream.send({"type": "transcript.text.delta", "delta": delta})
         elif kind == "done":
-            usage = {"type": "duration", "seconds": round(payload.duration_s, 2)}
-            await stream.send({"type": "transcript.text.done", "text": payload.text, "usage": usage})
+            await stream.send({"type": "transcript.text.done", "text": payload.text,
+                               "usage": formats.usage(payload)})
             return await stream.close()
         else:
             await stream.send_error(ApiError(500, f"transcription failed: {payload}", code="internal_error"))

@@ -4,7 +4,7 @@ the client's function `tools`, the template variables, and the prompt ids throug
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from typing import Any
 
 from tfserve.engine import chat_template
@@ -12,6 +12,7 @@ from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, ha
 from tfserve.server.errors import bad_request
 from tfserve.server.media import no_images, takes_images
 from tfserve.server.protocol import field
+from tfserve.server.threads import in_daemon_thread
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -75,15 +76,16 @@ async def render_multimodal(state: Any, messages: list[dict], images: list, tool
                             continue_final_message: bool = False) -> tuple[list[int], Any]:
     """`render_chat` for a conversation with images (`messages` hold `{"type": "image"}` parts, `images` the
     MediaImages in the same order): the engine's `render_multimodal` makes the prompt ids and what its vision
-    side needs (`mm`, for `admit`), in a worker thread (a processor resizes and normalises pixels). A model
+    side needs (`mm`, for `admit`), in a thread of its own (a processor resizes and normalises pixels). A model
     without a processor, a template or processor that rejects the request: a 400."""
     engine = state.engine
     if not takes_images(engine):
         raise no_images(state.model_name, images[0].where)
     try:
-        return await asyncio.to_thread(engine.render_multimodal, messages, images, tools=tools,
-                                       template_kwargs=template_kwargs, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message)
+        # on a thread that ends: processors run torch, whose OpenMP workers would outlive a pooled thread
+        return await in_daemon_thread(functools.partial(
+            engine.render_multimodal, messages, images, tools=tools, template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     except ValueError as exc:  # e.g. more images than the model takes: about the images, not a field

@@ -16,15 +16,15 @@ import gc
 import logging
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from tfserve.errors import TfserveError
 from tfserve.server.errors import ApiError
+from tfserve.server.threads import in_daemon_thread
 
 if TYPE_CHECKING:
     from tfserve.engine.async_engine import AsyncEngine
@@ -245,28 +245,3 @@ def is_loadable_name(name: str) -> bool:
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
-
-
-async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
-    """`fn(*args)` on a daemon thread (a signal during a long model load can still end the process)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if future.done():
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-
-    def target() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the loop, raised there
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=target, name="tfserve-load", daemon=True).start()
-    return await future

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from tfserve.server.residency import in_daemon_thread
+from tfserve.server.threads import in_daemon_thread
 from tfserve.server.state import STATE, ServerState
 
 if TYPE_CHECKING:

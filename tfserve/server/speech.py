@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from tfserve.errors import ModelNotFoundError, TfserveError
 from tfserve.server.errors import ApiError
-from tfserve.server.residency import in_daemon_thread, is_loadable_name
+from tfserve.server.residency import is_loadable_name
+from tfserve.server.threads import in_daemon_thread
 
 if TYPE_CHECKING:
     from tfserve.audio.transcriber import Transcriber
@@ -86,7 +87,7 @@ class SpeechModels:
             raise ApiError(503, f"not enough memory to run speech model {spec!r} beside the loaded models: it needs "
                                 f"{needed >> 20} MiB, {available >> 20} MiB are free (fewer --max-audio-windows "
                                 f"need less)", param="model", code="insufficient_memory")
-        transcriber = Transcriber(whisper, self.options.max_num_windows).start()
+        transcriber = (await in_daemon_thread(Transcriber, whisper, self.options.max_num_windows)).start()
         self.loaded[spec] = transcriber
         logger.info("loaded speech model %s", spec)
         return transcriber

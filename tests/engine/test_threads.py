@@ -1,0 +1,123 @@
+"""Threads that step: they end when idle (taking their OpenMP workers with them) and come back on new work."""
+
+import threading
+import time
+
+import pytest
+
+from tfserve.engine.manager import BatchingManager
+from tfserve.engine.threads import WorkThread, run_in_fresh_thread
+from tfserve.sampling_params import SamplingParams
+
+
+def _wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class Counter:
+    """Work to do: `pending` units, one per step."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.done = 0
+        self.threads: set[str] = set()
+        self.stopped = 0
+
+    def step(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.pending:
+            self.pending -= 1
+            self.done += 1
+
+    def has_work(self) -> bool:
+        return self.pending > 0
+
+    def on_stop(self) -> None:
+        self.stopped += 1
+
+
+def test_run_in_fresh_thread_returns_and_raises():
+    caller = threading.get_ident()
+    assert run_in_fresh_thread(lambda a, b=0: (a + b, threading.get_ident()), 2, b=3)[0] == 5
+    assert run_in_fresh_thread(threading.get_ident) != caller
+    with pytest.raises(KeyError, match="missing"):
+        run_in_fresh_thread(lambda: {}["missing"])
+
+
+def test_work_thread_ends_when_idle_and_comes_back():
+    work = Counter()
+    worker = WorkThread("test-worker", work.step, work.has_work, work.on_stop, linger_s=0.05).start()
+    work.pending = 5
+    worker.wake()
+    assert _wait_for(lambda: work.done == 5)
+    assert _wait_for(lambda: not worker.is_alive)  # idle: its thread ended
+    assert worker.is_running and worker.num_starts == 1
+    work.pending = 3
+    worker.wake()
+    assert _wait_for(lambda: work.done == 8)
+    assert worker.num_starts == 2
+    worker.stop()
+    assert work.stopped == 1 and not worker.is_running
+    worker.stop()  # a second stop is a no-op
+    assert work.stopped == 1
+
+
+def test_work_thread_stop_while_busy_runs_on_stop_on_its_thread():
+    stop_threads = []
+    gate = threading.Event()
+
+    def step():
+        gate.wait(5)
+
+    worker = WorkThread("busy", step, lambda: True, lambda: stop_threads.append(threading.current_thread().name))
+    worker.start()
+    assert _wait_for(lambda: worker.is_alive)
+    worker.stop(block=False)
+    gate.set()
+    assert _wait_for(lambda: stop_threads == ["busy"])
+    assert _wait_for(lambda: not worker.is_alive)
+
+
+def test_a_failing_step_is_logged_and_later_work_goes_on(caplog):
+    work = Counter()
+
+    def step():
+        if work.done == 0 and work.pending == 2:
+            work.pending -= 1
+            raise RuntimeError("boom")
+        work.step()
+
+    worker = WorkThread("flaky", step, work.has_work, linger_s=0.05).start()
+    work.pending = 2
+    worker.wake()
+    assert _wait_for(lambda: work.done == 1)
+    assert "flaky: step failed" in caplog.text
+    worker.stop()
+
+
+def test_woken_between_idle_checks_is_not_lost():
+    """A wake() at the moment the thread decides to end either finds it still looking or starts a new one."""
+    work = Counter()
+    worker = WorkThread("race", work.step, work.has_work, linger_s=0.0).start()
+    for expected in range(1, 200):
+        work.pending += 1
+        worker.wake()
+        assert _wait_for(lambda: work.done == expected, timeout=2.0), f"work {expected} was lost"
+    worker.stop()
+
+
+def test_engine_thread_ends_when_idle_and_serves_the_next_request(make_engine):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with BatchingManager(make_engine()) as manager:
+        first = manager.get_result(manager.add_request([1, 2, 3], params=params), timeout=30)
+        assert first is not None and len(first.generated_tokens) == 4
+        assert _wait_for(lambda: not manager._worker.is_alive)
+        second = manager.get_result(manager.add_request([1, 2, 3], params=params), timeout=30)
+        assert second.generated_tokens == first.generated_tokens
+        assert manager._worker.num_starts == 2
+    assert not manager.is_running

@@ -1,0 +1,34 @@
+"""Work the event loop hands to a thread of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread of its own, which ends with it: a signal during a long model load can still
+    end the process, and torch work there leaves no OpenMP workers behind (`tfserve.engine.threads`)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the loop, raised there
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name="tfserve-load", daemon=True).start()
+    return await future
