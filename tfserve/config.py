@@ -40,6 +40,10 @@ class EngineConfig:
     # speculative decoding: "ngram" proposes tokens by prompt lookup (engine/spec_decode.py) for greedy requests
     speculative: str | None = None
     num_speculative_tokens: int = 4  # proposals per step at most
+    # tensor parallelism (tfserve.distributed): the model split across this many ranks (processes), rank 0 this one
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None  # the ranks' rendezvous (tcp://host:port); None: a local port
+    distributed_timeout_s: float = 60.0  # every collective fails after this: a dead rank never hangs a step
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -60,6 +64,9 @@ class EngineConfig:
         _check(self.speculative in (None, "ngram"), "speculative", f"must be ngram, or unset (got {self.speculative!r})")
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
                f"must be in [1, 16] (got {self.num_speculative_tokens})")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1 (got {self.tensor_parallel_size})")
+        _check(self.distributed_timeout_s > 0, "distributed_timeout_s",
+               f"must be > 0 (got {self.distributed_timeout_s})")
         _check(self.forward_backend in FORWARD_BACKENDS, "forward_backend",
                f"must be one of {', '.join(FORWARD_BACKENDS)} (got {self.forward_backend!r})")
 

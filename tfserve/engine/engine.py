@@ -29,7 +29,7 @@ class Engine:
     preemption, vectorised sampling. Not thread-safe: use `BatchingManager` (or `AsyncEngine`) to share it."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, processor: Any = None,
-                 **overrides: Any) -> None:
+                 tensor_parallel: Any = None, **overrides: Any) -> None:
         """`config` (default: EngineConfig()) with any of its fields overridden by keyword, e.g.
         `Engine(model, tokenizer, max_num_seqs=8)`; a bad value raises ValueError naming the field. A
         vision-language model comes with its `processor` (images in prompts: `render_multimodal`)."""
@@ -37,7 +37,9 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.processor = processor
-        self.runner = ModelRunner(model, config)
+        self.tensor_parallel = tensor_parallel  # rank 0's TensorParallel when the model is split (from_pretrained)
+        self._workers: Any = None  # the worker ranks this process started
+        self.runner = ModelRunner(model, config, tensor_parallel)
         self.vision = VisionLanguage(model, processor) if processor is not None else None
         self.runner.vision = self.vision
         if self.vision is not None and self.vision.bidirectional and self.runner.flash_attention:
@@ -84,22 +86,27 @@ class Engine:
         """`from_pretrained` on the caller's thread (the torch work of loading makes that thread's OpenMP pool:
         `tfserve.engine.threads`)."""
         from tfserve.engine import kernels
-        from tfserve.models.loading import DEFAULT_MODEL, load_model
+        from tfserve.models.loading import DEFAULT_MODEL, load_model, resolve_device
         from tfserve.models.gguf_weights import gguf_source
         from tfserve.models.pull import no_progress
 
         config = _with_overrides(config, overrides)  # checked before a long load
         dtype, quantization = str(getattr(dtype, "value", dtype)), str(getattr(quantization, "value", quantization))
         load_dtype, load_quantization, weights = _cpu_weights(config, dtype, quantization, device)
-        loaded = load_model(model or DEFAULT_MODEL, dtype=load_dtype, device=device, quantization=load_quantization,
-                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-                            progress=progress)  # None: transformers' own bars
+        load_kwargs = {"dtype": load_dtype, "device": device, "quantization": load_quantization,
+                       "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
         report = progress or no_progress
+        if weights != config.weights:
+            config = dataclasses.replace(config, weights=weights)
+        if config.tensor_parallel_size > 1:  # the kernels built once, before the worker ranks load them
+            if config.cpu_kernels and resolve_device(device) == "cpu" and kernels.needs_build():
+                report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
+                kernels.cpu_ops()
+            return _tensor_parallel(cls, model or DEFAULT_MODEL, config, load_kwargs, progress)
+        loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)  # None: transformers' bars
         if config.cpu_kernels and loaded.device == "cpu" and kernels.needs_build():
             report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
             kernels.cpu_ops()
-        if weights != config.weights:
-            config = dataclasses.replace(config, weights=weights)
         gguf_file = gguf_source(loaded.path) if loaded.device == "cpu" and dtype == "auto" else None
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
@@ -111,6 +118,24 @@ class Engine:
         if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
             engine.quantization = "/".join(sorted(formats))
         return engine
+
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (a no-op otherwise); the engine cannot step after."""
+        tp, self.tensor_parallel = self.tensor_parallel, None
+        if tp is None:
+            return
+        from tfserve.distributed import tensor_parallel
+
+        try:
+            tensor_parallel.send_step(None, tp)
+        except tensor_parallel.TensorParallelError:
+            pass  # a worker already died: it has nothing to stop
+        if self._workers is not None:
+            self._workers.stop()
+        import torch.distributed
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -490,3 +515,37 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generate_batch", unit="req")
+
+
+def _tensor_parallel(cls, model: str, config: EngineConfig, load_kwargs: dict[str, Any], progress) -> Engine:
+    """An engine over `model` split `config.tensor_parallel_size` ways: this process is rank 0 and starts the
+    others here (tfserve.distributed)."""
+    import torch
+
+    from tfserve.distributed import tensor_parallel, workers
+    from tfserve.models.loading import load_model
+    from tfserve.models.pull import no_progress
+
+    world = config.tensor_parallel_size
+    init_method = config.distributed_init_method or workers.free_init_method()
+    spec = workers.WorkerSpec(model, load_kwargs, config, world, init_method, config.distributed_timeout_s)
+    report = progress or no_progress
+    report(f"Starting {world - 1} tensor-parallel worker process(es)")
+    started = workers.spawn_workers(spec, range(1, world))
+    try:
+        torch.set_num_threads(tensor_parallel.torch_threads(world))
+        tensor_parallel.init_process_group(0, world, init_method, config.distributed_timeout_s)
+        loaded = load_model(model, progress=progress, **load_kwargs)
+        tp = tensor_parallel.shard(loaded.model, 0, world)
+        report("Allocating the KV cache")
+        engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor, tensor_parallel=tp)
+        tensor_parallel.send_step(engine.runner.num_blocks, tp)  # the workers size their slices alike
+    except BaseException:
+        started.stop(timeout=0)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise
+    engine._workers = started
+    engine.model_name, engine.model_path = loaded.name, str(loaded.path)
+    engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
+    return engine

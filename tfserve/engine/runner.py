@@ -25,13 +25,16 @@ from tfserve.engine.scheduler import SchedulerOutput
 class ModelRunner:
     """Owns the KV cache tensors, the forward backend and the sampler."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, tp=None) -> None:
+        """`tp`: the model is this rank's shard of a tensor-parallel split (its KV heads, its cache)."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         text_config = model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        if tp is not None:
+            self.num_kv_heads = tp.num_kv_heads
         self.head_dim = (getattr(text_config, "head_dim", None)
                          or text_config.hidden_size // text_config.num_attention_heads)
         self.block_size = block_size = config.block_size
@@ -54,7 +57,7 @@ class ModelRunner:
         model.eval()
         self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, self.cpu_ops)
-        self.forward = select_backend(model, config, self.cpu_ops)
+        self.forward = select_backend(model, config, self.cpu_ops, tp)
         self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
 
     @property

@@ -31,10 +31,23 @@ class ForwardBackend(Protocol):
                  logits_index: torch.Tensor) -> torch.Tensor: ...
 
 
-def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops) -> ForwardBackend:
+def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=None) -> ForwardBackend:
     """The backend `config.forward_backend` asks for: "hf", "lean" (ValueError where it cannot run), or "auto"
     (lean where it applies), with linear weights held as `config.weights` says. `cpu_ops` are the compiled CPU
-    kernels, or None."""
+    kernels, or None. `tp`: the model is this rank's shard (tfserve.distributed.tensor_parallel), which only the
+    lean forward runs; rank 0's sends every step to the other ranks first."""
+    if tp is not None:
+        if config.forward_backend == "hf":
+            raise ValueError("tensor parallelism runs on the lean forward; forward_backend hf cannot split a model")
+        if config.weights == "gguf":
+            raise ValueError("tensor parallelism splits float32 (or float16/bfloat16/int8) weights, not a GGUF "
+                             "file's blocks; leave weights auto")
+        from tfserve.distributed.tensor_parallel import BroadcastForward
+
+        lean = LeanForward(model, cpu_ops, pack=cpu_linear.can_pack(model, cpu_ops) if config.pack_weights is None
+                           else config.pack_weights,
+                           weights="float32" if config.weights == "auto" else config.weights, tp=tp)
+        return BroadcastForward(lean, tp) if tp.rank == 0 else lean
     weights = config.weights
     if weights == "auto":
         weights = "gguf" if config.gguf_file and cpu_ops is not None else "float32"

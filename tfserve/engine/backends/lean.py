@@ -29,18 +29,20 @@ class LeanForward:
     """`lean(input_ids, positions, logits_index) -> logits` for one packed engine step. `ops` are the compiled
     CPU kernels (None: their torch versions); `weights` is how the linear layers hold their weights
     (cpu_linear.py; `blocks`: a GGUF file's quantized weights by module name, for "gguf"); `pack` gives float32
-    layers panel-packed weights."""
+    layers panel-packed weights. With `tp`, the model is one rank's shard and the step's partial sums meet in
+    all-reduces (tfserve.distributed.tensor_parallel)."""
 
     name = "lean"
 
     def __init__(self, model: torch.nn.Module, ops=None, pack: bool = False, weights: str = "float32",
-                 blocks: dict | None = None) -> None:
+                 blocks: dict | None = None, tp=None) -> None:
         self.model = model
         self.config = config = model.config
         self.layers = list(model.model.layers[: config.num_hidden_layers])
         self.head_dim = self.layers[0].self_attn.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp  # this rank's share of a model split by tfserve.distributed.tensor_parallel, or None
+        self.num_heads = tp.num_heads if tp is not None else config.num_attention_heads
+        self.num_kv_heads = tp.num_kv_heads if tp is not None else config.num_key_value_heads
         self.eps = config.rms_norm_eps
         # Mistral passes the config's window to attention; Qwen2/3 keep one per layer; Llama has none.
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
@@ -126,7 +128,9 @@ class LeanForward:
         # decode tokens come first (proposals checked included); block-quantized layers take prompt tokens,
         # from here on, in float32
         num_decodes = meta.num_decode_tokens
-        x = model.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        tp = self.tp
+        x = model.model.embed_tokens(input_ids) if tp is None else tp.embed(model.model.embed_tokens, input_ids)
+        # [num_tokens, hidden]
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
         cos, sin = cos[0], sin[0]
         residual = None  # the last block's output, added to x by the next norm
@@ -152,15 +156,19 @@ class LeanForward:
                                                v.transpose(0, 1)[None], None, scaling=attn.scaling,
                                                sliding_window=window)
             (residual,) = o_proj(o.view(num_tokens, heads * head_dim), num_decodes)
+            if tp is not None:  # every rank's heads' share of the output
+                tp.all_reduce(residual)
             h = rms_norm(x, norm2, eps, residual)
             if gate_up_proj.sizes is not None:  # packed: one kernel for silu(gate) * up
                 (residual,) = down_proj(self.ops.silu_and_mul(gate_up_proj.linears[0](h, num_decodes)), num_decodes)
             else:
                 gate, up = gate_up_proj(h, num_decodes)
                 (residual,) = down_proj(F.silu(gate).mul_(up), num_decodes)
+            if tp is not None:
+                tp.all_reduce(residual)
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
         (logits,) = self.lm_head(rms_norm(x, model.model.norm.weight, eps, residual))
-        return logits
+        return logits if tp is None else tp.gather_logits(logits)
 
 class _Projection:
     """`projection(x) -> (y, ...)`: one output per layer, from one stacked EngineLinear (`sizes`: each layer's

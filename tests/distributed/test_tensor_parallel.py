@@ -1,0 +1,78 @@
+"""Tensor parallelism: a model split across 2 gloo ranks (processes) on this CPU gives the greedy tokens of the
+whole model, for tiny random models of several architectures, even and uneven splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tfserve.distributed.tensor_parallel import split, why_not
+
+pytestmark = pytest.mark.slow
+
+
+def save_model(path, architecture: str, *, heads: int, kv_heads: int, vocab: int, tie: bool, seed: int = 0):
+    """A tiny random model and a tokenizer, saved where worker ranks can load them."""
+    import transformers
+
+    from tiny import build_tokenizer
+
+    torch.manual_seed(seed)
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_class(vocab_size=vocab, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=96 // heads,
+                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
+    model = getattr(transformers, architecture)(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def greedy(engine, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    from tfserve import SamplingParams
+
+    outputs = engine.generate_batch(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.generated_tokens for o in outputs.values()]
+
+
+def test_split_is_contiguous_and_as_even_as_can_be():
+    assert split(3, 2) == [(0, 2), (2, 3)]
+    assert split(8, 2) == [(0, 4), (4, 8)]
+    assert split(5, 3) == [(0, 2), (2, 4), (4, 5)]
+
+
+CASES = [  # architecture, query heads, KV heads, vocabulary, tied embeddings
+    ("LlamaForCausalLM", 4, 2, 320, False),  # even
+    ("LlamaForCausalLM", 6, 3, 321, True),  # uneven heads (2 + 1 KV heads) and vocabulary, tied head
+    ("Qwen2ForCausalLM", 4, 2, 320, False),  # q/k/v biases
+    ("Qwen3ForCausalLM", 4, 2, 322, True),  # per-head q/k norms
+]
+
+
+@pytest.mark.parametrize("architecture,heads,kv_heads,vocab,tie", CASES)
+def test_two_ranks_give_the_whole_models_greedy_tokens(tmp_path, architecture, heads, kv_heads, vocab, tie):
+    from tfserve import Engine
+
+    path = save_model(tmp_path / "model", architecture, heads=heads, kv_heads=kv_heads, vocab=vocab, tie=tie)
+    prompts = [[5, 17, 42, 7, 99, 3], [8, 8, 9], list(range(10, 60))]  # the last one prefills in chunks
+    options = {"num_blocks": 64, "block_size": 4, "max_batch_tokens": 32}
+    whole = greedy(Engine.from_pretrained(str(path), **options), prompts)
+    engine = Engine.from_pretrained(str(path), tensor_parallel_size=2, **options)
+    try:
+        assert "tensor-parallel x2" in engine.runner.forward.name
+        assert engine.runner.num_kv_heads == -(-kv_heads // 2)  # rank 0 holds the larger half
+        split_tokens = greedy(engine, prompts)
+    finally:
+        engine.close()
+    assert split_tokens == whole
+    assert all(not p.is_alive() for p in engine._workers.processes)
+
+
+def test_models_that_cannot_split_say_why():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=1))
+    assert "1 key/value heads, fewer than --tensor-parallel-size 2" in why_not(model, 2)
+    assert why_not(model, 1) is None

@@ -1,0 +1,211 @@
+"""Tensor parallelism over torch.distributed: one model split across ranks, each running its shard of every step.
+
+Rank 0 is the engine: it owns the scheduler, the block pool and the sampler. Every step it broadcasts the packed
+batch (token ids, positions, the attention metadata: slot mapping, block tables, key lengths) and every rank
+runs the same lean forward over its shard (`engine/backends/lean.py`, told its `TensorParallel`):
+
+- attention by KV-head groups: rank r holds a contiguous run of KV heads and the query heads that read them
+  (q/k/v projections split by output rows, o_proj by input columns), and its slice of the paged KV cache. Runs
+  may be uneven (SmolLM2-135M has 3 KV heads: 2 + 1 on two ranks);
+- MLP column- then row-parallel (gate/up by rows, down by columns);
+- one all-reduce after o_proj and one after down_proj (each rank's partial sums of the residual);
+- embeddings and LM head vocab-parallel: each rank looks up the ids in its run of the vocabulary (zeros
+  elsewhere, then an all-reduce) and computes the logits of its run (gathered, every rank getting them all).
+
+Collectives run on gloo for CPU (NCCL on CUDA), each with the group's timeout, so a rank that dies fails the
+step within that time instead of hanging it. The model is split in place after loading, from transformers'
+own module layout (the same split as its `base_model_tp_plan` for these architectures: colwise q/k/v/gate/up,
+rowwise o/down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("tfserve.distributed")
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank failed, or a collective timed out: the engine cannot go on."""
+
+
+def split(total: int, parts: int) -> list[tuple[int, int]]:
+    """`total` items in `parts` contiguous runs, as even as can be (the first ones one longer): [(start, end)]."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        end = start + base + (part < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass
+class TensorParallel:
+    """One rank's share of a split model, and the collectives of the step."""
+
+    rank: int
+    world_size: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # key/value heads on this rank
+    vocab_start: int  # this rank's run of the vocabulary: [vocab_start, vocab_start + vocab_per), padded
+    vocab_per: int  # rows of every rank's run (the last one padded with zero rows)
+    vocab_size: int
+    group: Any = None  # the process group; None: the default one
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        _collective(torch.distributed.all_reduce, x, group=self.group)
+        return x
+
+    def embed(self, embedding: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `input_ids` from every rank's run of the vocabulary: [num_tokens, hidden]."""
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per)
+        x = embedding(local.masked_fill(outside, 0))
+        x.masked_fill_(outside[:, None], 0.0)
+        return self.all_reduce(x)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits [num_samples, vocab_per] side by side, the padding cut: [num_samples, vocab]."""
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        _collective(torch.distributed.all_gather, parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+def _collective(fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except RuntimeError as exc:  # gloo: a peer closed its connection, or the timeout passed
+        raise TensorParallelError(f"a tensor-parallel collective failed (a worker rank died or hung): {exc}") from exc
+
+
+def why_not(model: torch.nn.Module, world_size: int) -> str | None:
+    """Why `model` cannot be split `world_size` ways, or None."""
+    from tfserve.engine.backends.lean import LeanForward
+
+    reason = LeanForward.why_not(model)
+    if reason is not None:
+        return f"tensor parallelism runs on the lean forward, which cannot run this model: {reason}"
+    config = model.config
+    if config.num_key_value_heads < world_size:
+        return (f"the model has {config.num_key_value_heads} key/value heads, fewer than "
+                f"--tensor-parallel-size {world_size}")
+    if config.intermediate_size % world_size:
+        return f"its MLP width {config.intermediate_size} does not split {world_size} ways"
+    return None
+
+
+@torch.no_grad()
+def shard(model: torch.nn.Module, rank: int, world_size: int, group: Any = None) -> TensorParallel:
+    """Split `model` (a Llama-family causal LM) in place, keeping rank `rank`'s share of each weight; the
+    model's forward is not usable afterwards, the lean forward given the returned `TensorParallel` is."""
+    config = model.config
+    reason = why_not(model, world_size)
+    if reason is not None:
+        raise ValueError(reason)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    group_size = config.num_attention_heads // config.num_key_value_heads  # query heads per KV head
+    kv_start, kv_end = split(config.num_key_value_heads, world_size)[rank]
+    q_rows = slice(kv_start * group_size * head_dim, kv_end * group_size * head_dim)
+    kv_rows = slice(kv_start * head_dim, kv_end * head_dim)
+    mlp_rows = slice(*split(config.intermediate_size, world_size)[rank])
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        _keep_rows(attn.q_proj, q_rows)
+        _keep_rows(attn.k_proj, kv_rows)
+        _keep_rows(attn.v_proj, kv_rows)
+        _keep_columns(attn.o_proj, q_rows, keep_bias=rank == 0)
+        _keep_rows(mlp.gate_proj, mlp_rows)
+        _keep_rows(mlp.up_proj, mlp_rows)
+        _keep_columns(mlp.down_proj, mlp_rows, keep_bias=rank == 0)
+    vocab_size = model.lm_head.out_features
+    vocab_per = -(-vocab_size // world_size)
+    start = rank * vocab_per
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    embedding = _vocab_rows(model.model.embed_tokens.weight, start, vocab_per)
+    model.model.embed_tokens.weight = embedding
+    model.model.embed_tokens.num_embeddings = vocab_per
+    head = embedding if tied else _vocab_rows(model.lm_head.weight, start, vocab_per)
+    model.lm_head.weight, model.lm_head.out_features = head, vocab_per
+    if model.lm_head.bias is not None:
+        model.lm_head.bias = _vocab_rows(model.lm_head.bias[:, None], start, vocab_per)[:, 0]
+    return TensorParallel(rank, world_size, (kv_end - kv_start) * group_size, kv_end - kv_start, start, vocab_per,
+                          vocab_size, group)
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _keep_columns(linear: torch.nn.Linear, columns: slice, keep_bias: bool) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight[:, columns].clone(), requires_grad=False)
+    if linear.bias is not None and not keep_bias:  # added once, by rank 0, before the all-reduce sums
+        linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]
+
+
+def _vocab_rows(weight: torch.Tensor, start: int, rows: int) -> torch.nn.Parameter:
+    """Rows [start, start + rows) of `weight`, zero past its end."""
+    out = torch.zeros(rows, *weight.shape[1:], dtype=weight.dtype, device=weight.device)
+    mine = weight[start:start + rows]
+    out[:len(mine)] = mine
+    return torch.nn.Parameter(out, requires_grad=False)
+
+
+# -- the step, broadcast by rank 0 -----------------------------------------------------------------------------
+
+
+class BroadcastForward:
+    """Rank 0's forward backend: sends each step's inputs to the other ranks, then runs its own shard."""
+
+    def __init__(self, inner, tp: TensorParallel) -> None:
+        self.inner, self.tp = inner, tp
+        self.name = f"{inner.name}, tensor-parallel x{tp.world_size}"
+
+    def __getattr__(self, name: str) -> Any:  # weight_formats and the like: the inner backend's
+        return getattr(self.inner, name)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                 **extra: Any) -> torch.Tensor:
+        from tfserve.engine import attention
+
+        meta = dataclasses.replace(attention.get_metadata(), kv_caches=None, cpu_ops=None, flash_layout=None)
+        send_step((input_ids, positions, logits_index, meta, extra), self.tp)
+        return self.inner(input_ids, positions, logits_index, **extra)
+
+
+def send_step(step: Any, tp: TensorParallel) -> None:
+    """Rank 0: hand `step` (None: stop) to every other rank."""
+    _collective(torch.distributed.broadcast_object_list, [step], src=0, group=tp.group)
+
+
+def receive_step(tp: TensorParallel) -> Any:
+    box = [None]
+    _collective(torch.distributed.broadcast_object_list, box, src=0, group=tp.group)
+    return box[0]
+
+
+def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the group (gloo on CPU, NCCL on CUDA); every later collective fails after `timeout_s`."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("TFSERVE_TP_BACKEND") != "gloo" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def torch_threads(world_size: int) -> int:
+    """Threads each rank runs torch on, the machine's cores shared among the ranks on it."""
+    return max(1, (os.cpu_count() or 1) // world_size)

@@ -1,0 +1,109 @@
+"""The ranks past 0 of a tensor-parallel engine: processes that load the model, keep their shard and their
+slice of the KV cache, and run every step rank 0 broadcasts until it says stop.
+
+On one machine rank 0 spawns them (`spawn_workers`); across machines each node runs `tfserve serve` with
+`--nnodes`, `--node-rank` and `--distributed-init-method` (or torchrun's environment), and the nodes past 0
+start only workers (`run_worker`, from `worker_main`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("tfserve.distributed")
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to load the same model and split it the same way."""
+
+    model: str
+    load_kwargs: dict[str, Any]  # load_model's keywords: dtype, device, quantization, ...
+    config: Any  # the EngineConfig (num_blocks comes from rank 0 once it has sized its cache)
+    world_size: int
+    init_method: str
+    timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_init_method() -> str:
+    """A tcp:// rendezvous on a free local port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class Workers:
+    """The worker processes rank 0 started on this machine."""
+
+    def __init__(self, processes: list) -> None:
+        self.processes = processes
+
+    def dead(self) -> list[int]:
+        """Ranks whose process has exited."""
+        return [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for process in self.processes:
+            process.join(timeout)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(2)
+
+
+def spawn_workers(spec: WorkerSpec, ranks: range) -> Workers:
+    """Start ranks `ranks` of `spec` as processes here (spawned: a fresh interpreter each, no forked threads)."""
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in ranks:
+        process = context.Process(target=worker_main, args=(spec, rank), name=f"tfserve-tp-rank{rank}", daemon=True)
+        process.start()
+        processes.append(process)
+    return Workers(processes)
+
+
+def worker_main(spec: WorkerSpec, rank: int) -> None:
+    """A worker process: exits 0 when rank 0 says stop, 1 with one line on stderr when anything fails."""
+    os.environ.update(spec.env)
+    logging.basicConfig(level=logging.WARNING, format=f"tfserve rank {rank}: %(message)s")
+    try:
+        run_worker(spec, rank)
+    except KeyboardInterrupt:
+        sys.exit(1)
+    except Exception as exc:  # one readable line: rank 0 reports the failure of the whole engine
+        print(f"tfserve: tensor-parallel rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run_worker(spec: WorkerSpec, rank: int) -> None:
+    import torch
+
+    from tfserve.distributed import tensor_parallel
+    from tfserve.engine import attention
+    from tfserve.engine.runner import ModelRunner
+    from tfserve.models.loading import load_model
+
+    torch.set_num_threads(tensor_parallel.torch_threads(spec.world_size))
+    tensor_parallel.init_process_group(rank, spec.world_size, spec.init_method, spec.timeout_s)
+    loaded = load_model(spec.model, **spec.load_kwargs)
+    tp = tensor_parallel.shard(loaded.model, rank, spec.world_size)
+    num_blocks = tensor_parallel.receive_step(tp)  # rank 0 sized its cache: every rank holds as many blocks
+    runner = ModelRunner(loaded.model, dataclasses.replace(spec.config, num_blocks=num_blocks), tp)
+    forward = runner.forward
+    with torch.inference_mode():
+        while (step := tensor_parallel.receive_step(tp)) is not None:
+            input_ids, positions, logits_index, meta, extra = step
+            attention.set_metadata(dataclasses.replace(meta, kv_caches=runner.kv_caches, cpu_ops=runner.cpu_ops))
+            try:
+                forward(input_ids, positions, logits_index, **extra)
+            finally:
+                attention.set_metadata(None)
+    torch.distributed.destroy_process_group()
