@@ -42,7 +42,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # proposals per step at most
     # tensor parallelism (tfserve.distributed): the model split across this many ranks (processes), rank 0 this one
     tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None  # the ranks' rendezvous (tcp://host:port); None: a local port
+    distributed_init_method: str | None = None  # the ranks' rendezvous (tcp://host:port, env://); None: local
+    nnodes: int = 1  # machines the ranks span; rank 0's starts ranks 1..tensor_parallel_size/nnodes-1 itself
     distributed_timeout_s: float = 60.0  # every collective fails after this: a dead rank never hangs a step
 
     def __post_init__(self) -> None:
@@ -64,7 +65,12 @@ class EngineConfig:
         _check(self.speculative in (None, "ngram"), "speculative", f"must be ngram, or unset (got {self.speculative!r})")
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
                f"must be in [1, 16] (got {self.num_speculative_tokens})")
-        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1 (got {self.tensor_parallel_size})")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+               f"must be >= 1 (got {self.tensor_parallel_size})")
+        _check(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0, "nnodes",
+               f"must divide tensor_parallel_size {self.tensor_parallel_size} (got {self.nnodes})")
+        _check(self.nnodes == 1 or self.distributed_init_method is not None, "distributed_init_method",
+               "must be given (tcp://HOST:PORT of the first node) when the ranks span several nodes")
         _check(self.distributed_timeout_s > 0, "distributed_timeout_s",
                f"must be > 0 (got {self.distributed_timeout_s})")
         _check(self.forward_backend in FORWARD_BACKENDS, "forward_backend",

@@ -22,6 +22,10 @@ class ModelLoadError(TfserveError):
     """A model that was found but that transformers could not load (bad files, unsupported architecture)."""
 
 
+class EngineFailedError(TfserveError):
+    """The engine cannot run another step (a tensor-parallel rank died): what runs fails, nothing more is taken."""
+
+
 def first_line(exc: BaseException) -> str:
     """An exception as one line of text (its first line, or its type when it has no message)."""
     text = str(exc).strip() or type(exc).__name__

@@ -12,7 +12,8 @@ from typing import Annotated
 import typer
 
 from tfserve.cli import bench_audio
-from tfserve.cli.options import DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt
+from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
+                                 TensorParallelOpt)
 from tfserve.cli.output import console, err_console
 from tfserve.errors import TfserveError
 
@@ -46,6 +47,7 @@ def offline(
     quantization: QuantizationOpt = Quantization.none,
     speculative: Annotated[str | None, typer.Option(
         "--speculative", help="ngram: speculative decoding by prompt lookup (the tfserve engine).")] = None,
+    tensor_parallel_size: TensorParallelOpt = 1,
     output_json: OutputJsonOpt = None,
 ) -> None:
     """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
@@ -56,6 +58,7 @@ def offline(
       tfserve bench offline --engine transformers -o transformers.json
       tfserve bench offline --num-prompts 1 --max-num-seqs 1           # one stream
       tfserve bench offline --engine transformers-static --num-prompts 1
+      tfserve bench offline --tensor-parallel-size 2 --dtype float32   # the model split over 2 ranks
     """
     from tfserve.bench import offline as bench_offline
     from tfserve.cli.loading import engine_config_from_flags
@@ -70,7 +73,8 @@ def offline(
             from tfserve.engine.engine import Engine
 
             config = engine_config_from_flags({"max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
-                                               "speculative": speculative})
+                                               "speculative": speculative,
+                                               "tensor_parallel_size": tensor_parallel_size})
             ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,
                                           quantization=quantization.value, progress=progress)
             loaded = SimpleNamespace(model=ours.model, tokenizer=ours.tokenizer, name=ours.model_name)
@@ -88,7 +92,10 @@ def offline(
     with err_console.status(f"running {engine} on {num_prompts} prompts x {output_len} tokens"):
         records: list = []
         if engine == "tfserve":
-            run = bench_offline.run_tfserve(ours, prompts, output_len, records=records)
+            try:
+                run = bench_offline.run_tfserve(ours, prompts, output_len, records=records)
+            finally:
+                ours.close()
         elif engine == "transformers":
             run = bench_offline.run_transformers_cb(loaded.model, prompts, output_len, max_num_seqs, max_batch_tokens)
         else:

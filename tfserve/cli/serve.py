@@ -17,11 +17,13 @@ import typer
 from tfserve.cli import serve_compat as compat
 from tfserve.cli.loading import engine_config_from_flags, load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
-                                 Quantization, QuantizationOpt, TrustRemoteCodeOpt)
+                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt)
 from tfserve.cli.serve_compat import Reasoning
+from tfserve.distributed.workers import torchrun_rank
 from tfserve.errors import TfserveError
 
 ENGINE = "Engine"
+DISTRIBUTED = "Distributed"
 SERVER = "Server"
 MCP = "MCP tools"
 MEDIA = "Media"
@@ -114,6 +116,19 @@ def serve(
              "step where the text repeats itself, as in edits, code and quotes).", rich_help_panel=ENGINE)] = None,
     num_speculative_tokens: Annotated[int, typer.Option(
         min=1, max=16, help="Tokens proposed per step with --speculative.", rich_help_panel=ENGINE)] = 4,
+    tensor_parallel_size: TensorParallelOpt = 1,
+    distributed_init_method: Annotated[str | None, typer.Option(
+        help="The ranks' rendezvous, tcp://HOST:PORT (default: a free local port).", rich_help_panel=DISTRIBUTED,
+        show_default=False)] = None,
+    nnodes: Annotated[int, typer.Option(
+        min=1, help="Machines the ranks span (each runs this command with its --node-rank; the first serves).",
+        rich_help_panel=DISTRIBUTED)] = 1,
+    node_rank: Annotated[int, typer.Option(
+        min=0, help="This machine's place among --nnodes: 0 serves HTTP, the others only run their ranks.",
+        rich_help_panel=DISTRIBUTED)] = 0,
+    distributed_timeout: Annotated[float, typer.Option(
+        min=1, help="Seconds any collective may take before the engine gives up on a rank (a dead rank fails "
+                    "the requests in flight, and the server exits, within this).", rich_help_panel=DISTRIBUTED)] = 60.0,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching",
                                                     help="Do not reuse the KV of shared prompt prefixes.",
                                                     rich_help_panel=ENGINE)] = False,
@@ -271,9 +286,20 @@ def serve(
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
-        "speculative": speculative, "num_speculative_tokens": num_speculative_tokens}
+        "speculative": speculative, "num_speculative_tokens": num_speculative_tokens,
+        "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
+        "distributed_timeout_s": distributed_timeout, "nnodes": nnodes}
     engine_config = engine_config_from_flags(engine_kwargs)
     _configure_logging(log_level.value)
+    if node_rank >= nnodes:
+        raise TfserveError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
+    if tensor_parallel_size > 1 and (node_rank > 0 or (torchrun_rank() or 0) > 0):  # ranks only, no server
+        from tfserve.distributed.workers import run_node
+        from tfserve.engine.engine import worker_spec
+
+        spec = worker_spec(force_model or model, engine_config, dtype=dtype, device=device, quantization=quantization,
+                           attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        raise typer.Exit(run_node(spec, node_rank))
     _check_attention(attn_implementation, device, dtype)
     load_options = {"dtype": dtype, "device": device, "quantization": quantization,
                     "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
@@ -315,6 +341,13 @@ def serve(
         raise TfserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:
         pass
+    if state.failure is not None:
+        raise TfserveError(state.failure)
+
+
+def _init_method(given: str | None) -> str | None:
+    """The rendezvous: as given, else torchrun's environment when it started this process, else None (local)."""
+    return given or ("env://" if torchrun_rank() is not None else None)
 
 
 def print_banner(state, url: str, has_api_key: bool) -> None:

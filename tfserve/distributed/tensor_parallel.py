@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
+from tfserve.errors import EngineFailedError
+
 logger = logging.getLogger("tfserve.distributed")
 
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineFailedError):
     """A rank failed, or a collective timed out: the engine cannot go on."""
 
 
@@ -206,6 +208,8 @@ def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: 
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def torch_threads(world_size: int) -> int:
-    """Threads each rank runs torch on, the machine's cores shared among the ranks on it."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+def torch_threads(world_size: int, nnodes: int = 1) -> int:
+    """Threads each rank runs torch on: the machine's cores shared among the ranks on it (torchrun's
+    LOCAL_WORLD_SIZE, else an even share of the world)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, world_size // nnodes)
+    return max(1, (os.cpu_count() or 1) // local)

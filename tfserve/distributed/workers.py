@@ -1,9 +1,10 @@
 """The ranks past 0 of a tensor-parallel engine: processes that load the model, keep their shard and their
 slice of the KV cache, and run every step rank 0 broadcasts until it says stop.
 
-On one machine rank 0 spawns them (`spawn_workers`); across machines each node runs `tfserve serve` with
-`--nnodes`, `--node-rank` and `--distributed-init-method` (or torchrun's environment), and the nodes past 0
-start only workers (`run_worker`, from `worker_main`).
+On one machine rank 0 spawns them (`spawn_workers`). Across machines every node runs the same `tfserve serve`
+command with its `--node-rank` (and `--nnodes`, `--distributed-init-method tcp://FIRST_NODE:PORT`): the first
+serves HTTP as rank 0 and spawns its other ranks, the others spawn theirs (`run_node`). Under torchrun (RANK and
+WORLD_SIZE set) each process is one rank: rank 0 serves, the others run `worker_main`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ def free_init_method() -> str:
 class Workers:
     """The worker processes rank 0 started on this machine."""
 
-    def __init__(self, processes: list) -> None:
-        self.processes = processes
+    def __init__(self, processes: list, ranks: list[int]) -> None:
+        self.processes, self.ranks = processes, ranks
 
-    def dead(self) -> list[int]:
-        """Ranks whose process has exited."""
-        return [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+    def dead(self, wait_s: float = 1.0) -> list[str]:
+        """The ranks whose process has exited (given `wait_s` to finish exiting), as "rank N (how)"."""
+        for process in self.processes:
+            process.join(wait_s / max(len(self.processes), 1))
+        return [f"rank {rank} ({_how(p.exitcode)})" for rank, p in zip(self.ranks, self.processes)
+                if p.exitcode is not None]
 
     def stop(self, timeout: float = 10.0) -> None:
         for process in self.processes:
@@ -59,7 +63,43 @@ class Workers:
                 process.join(2)
 
 
-def spawn_workers(spec: WorkerSpec, ranks: range) -> Workers:
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or any launcher setting RANK and WORLD_SIZE) started it, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def local_ranks(spec: WorkerSpec, node_rank: int) -> list[int]:
+    """The ranks node `node_rank` runs itself: its run of `world_size / nnodes`; under torchrun only its own."""
+    if spec.init_method == "env://" or torchrun_rank() is not None:
+        return [torchrun_rank() or 0]
+    per_node = spec.world_size // spec.config.nnodes
+    return list(range(node_rank * per_node, (node_rank + 1) * per_node))
+
+
+def run_node(spec: WorkerSpec, node_rank: int) -> int:
+    """A node past the first: run its ranks (here, when torchrun started this process as one; else as spawned
+    processes) until rank 0 stops them. Returns the exit status: 0, or 1 when a rank failed (said in one line)."""
+    if torchrun_rank() is not None:
+        worker_main(spec, torchrun_rank())  # exits with 1 on failure
+        return 0
+    started = spawn_workers(spec, local_ranks(spec, node_rank))
+    for process in started.processes:
+        process.join()
+    failed = [p for p in started.processes if p.exitcode]
+    return 1 if failed else 0
+
+
+def spawn_workers(spec: WorkerSpec, ranks: list[int]) -> Workers:
     """Start ranks `ranks` of `spec` as processes here (spawned: a fresh interpreter each, no forked threads)."""
     context = multiprocessing.get_context("spawn")
     processes = []
@@ -67,7 +107,7 @@ def spawn_workers(spec: WorkerSpec, ranks: range) -> Workers:
         process = context.Process(target=worker_main, args=(spec, rank), name=f"tfserve-tp-rank{rank}", daemon=True)
         process.start()
         processes.append(process)
-    return Workers(processes)
+    return Workers(processes, list(ranks))
 
 
 def worker_main(spec: WorkerSpec, rank: int) -> None:
@@ -91,7 +131,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     from tfserve.engine.runner import ModelRunner
     from tfserve.models.loading import load_model
 
-    torch.set_num_threads(tensor_parallel.torch_threads(spec.world_size))
+    torch.set_num_threads(tensor_parallel.torch_threads(spec.world_size, spec.config.nnodes))
     tensor_parallel.init_process_group(rank, spec.world_size, spec.init_method, spec.timeout_s)
     loaded = load_model(spec.model, **spec.load_kwargs)
     tp = tensor_parallel.shard(loaded.model, rank, spec.world_size)

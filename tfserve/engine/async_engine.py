@@ -32,6 +32,7 @@ class AsyncEngine:
 
     def stop(self) -> None:
         self.manager.stop()
+        self.engine.close()  # a tensor-parallel engine's worker ranks
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams | Any | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -18,7 +18,7 @@ from tfserve.engine.scheduler import Scheduler, SchedulerOutput
 from tfserve.engine.spec_decode import accepted
 from tfserve.engine.structured import StructuredOutputs
 from tfserve.engine.threads import run_in_fresh_thread
-from tfserve.errors import ContextLengthError
+from tfserve.errors import ContextLengthError, EngineFailedError
 from tfserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Engine:
         self.processor = processor
         self.tensor_parallel = tensor_parallel  # rank 0's TensorParallel when the model is split (from_pretrained)
         self._workers: Any = None  # the worker ranks this process started
+        self.failure: str | None = None  # why the engine cannot step any more (a dead rank), once it cannot
         self.runner = ModelRunner(model, config, tensor_parallel)
         self.vision = VisionLanguage(model, processor) if processor is not None else None
         self.runner.vision = self.vision
@@ -102,7 +103,7 @@ class Engine:
             if config.cpu_kernels and resolve_device(device) == "cpu" and kernels.needs_build():
                 report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
                 kernels.cpu_ops()
-            return _tensor_parallel(cls, model or DEFAULT_MODEL, config, load_kwargs, progress)
+            return _tensor_parallel(cls, _worker_spec(model or DEFAULT_MODEL, config, load_kwargs), progress)
         loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)  # None: transformers' bars
         if config.cpu_kernels and loaded.device == "cpu" and kernels.needs_build():
             report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
@@ -166,6 +167,8 @@ class Engine:
         """Validate a prompt and build its requests without queueing them. Reads only immutable engine
         state, so other threads may call it while the engine steps. `mm`: the prompt's images, from
         `render_multimodal`."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         params = _as_sampling_params(params)
         prompt_ids = self._encode(prompt)
         self._validate(prompt_ids, params)
@@ -211,6 +214,8 @@ class Engine:
 
     def enqueue(self, request: Request) -> None:
         """Hand a request made by `make_requests` to the scheduler."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -273,6 +278,10 @@ class Engine:
                 request.scheduled_time = now
         try:
             sampled, samples, verified = self.runner.execute(plan)
+        except EngineFailedError as exc:  # no step can run again: everything fails now, nothing more is taken
+            self.failure = self._failure(exc)
+            logger.error("the engine failed: %s", self.failure)
+            return [self.fail(r, self.failure) for r in list(self.requests.values())]
         except Exception:  # isolate the failing request(s); the others keep going
             logger.exception("step failed; retrying its requests one by one")
             return self._step_one_by_one(plan)
@@ -313,6 +322,12 @@ class Engine:
                 continue
             outputs.extend(self._finish_step(single, sampled, samples, verified))
         return outputs
+
+    def _failure(self, exc: Exception) -> str:
+        dead = self._workers.dead() if self._workers is not None else []
+        if dead:
+            return f"tensor-parallel {', '.join(dead)} failed; the engine stopped"
+        return str(exc)
 
     def fail(self, request: Request, message: str) -> RequestOutput:
         """Finish a request with an error (queued or not) and free its blocks."""
@@ -517,23 +532,44 @@ def _progress(total: int):
     return tqdm(total=total, desc="generate_batch", unit="req")
 
 
-def _tensor_parallel(cls, model: str, config: EngineConfig, load_kwargs: dict[str, Any], progress) -> Engine:
-    """An engine over `model` split `config.tensor_parallel_size` ways: this process is rank 0 and starts the
-    others here (tfserve.distributed)."""
+def worker_spec(model: str | None, config: EngineConfig, *, dtype: str = "auto", device: str = "auto",
+                quantization: str = "none", attn_implementation: str | None = None, trust_remote_code: bool = False):
+    """What the worker ranks of `from_pretrained(model, config, ...)` load (tfserve.distributed.workers): for a
+    node past the first, which starts only worker ranks."""
+    from tfserve.models.loading import DEFAULT_MODEL
+
+    load_dtype, load_quantization, weights = _cpu_weights(config, dtype, quantization, device)
+    load_kwargs = {"dtype": load_dtype, "device": device, "quantization": load_quantization,
+                   "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    return _worker_spec(model or DEFAULT_MODEL, dataclasses.replace(config, weights=weights), load_kwargs)
+
+
+def _worker_spec(model: str, config: EngineConfig, load_kwargs: dict[str, Any]):
+    from tfserve.distributed import workers
+
+    init_method = config.distributed_init_method or workers.free_init_method()
+    return workers.WorkerSpec(model, load_kwargs, config, config.tensor_parallel_size, init_method,
+                              config.distributed_timeout_s)
+
+
+def _tensor_parallel(cls, spec, progress) -> Engine:
+    """An engine over `spec.model` split `spec.world_size` ways: this process is rank 0 and starts the ranks
+    of its node (tfserve.distributed)."""
     import torch
 
     from tfserve.distributed import tensor_parallel, workers
     from tfserve.models.loading import load_model
     from tfserve.models.pull import no_progress
 
-    world = config.tensor_parallel_size
-    init_method = config.distributed_init_method or workers.free_init_method()
-    spec = workers.WorkerSpec(model, load_kwargs, config, world, init_method, config.distributed_timeout_s)
+    world, init_method, config, model, load_kwargs = (spec.world_size, spec.init_method, spec.config, spec.model,
+                                                      spec.load_kwargs)
     report = progress or no_progress
-    report(f"Starting {world - 1} tensor-parallel worker process(es)")
-    started = workers.spawn_workers(spec, range(1, world))
+    local = workers.local_ranks(spec, node_rank=0)[1:]  # under torchrun: none, it started every rank
+    if local:
+        report(f"Starting {len(local)} tensor-parallel worker process(es)")
+    started = workers.spawn_workers(spec, local)
     try:
-        torch.set_num_threads(tensor_parallel.torch_threads(world))
+        torch.set_num_threads(tensor_parallel.torch_threads(world, config.nnodes))
         tensor_parallel.init_process_group(0, world, init_method, config.distributed_timeout_s)
         loaded = load_model(model, progress=progress, **load_kwargs)
         tp = tensor_parallel.shard(loaded.model, 0, world)

@@ -14,6 +14,7 @@ from typing import Any
 from tfserve.engine.engine import Engine
 from tfserve.engine.request import Request, RequestOutput
 from tfserve.engine.threads import WorkThread
+from tfserve.errors import EngineFailedError
 from tfserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ class BatchingManager:
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._worker = WorkThread("tfserve-engine", self._step, self._has_work, on_stop=self._abort_all)
+        # told once, on the engine thread, when the engine fails for good (Engine.failure: a dead rank)
+        self.on_failure: Callable[[str], None] | None = None
+        self._failure_told = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -140,6 +144,10 @@ class BatchingManager:
             outputs = [engine.fail(r, f"{type(exc).__name__}: {exc}") for r in list(engine.requests.values())]
         for output in outputs:
             self._deliver(output)
+        if engine.failure is not None and not self._failure_told:
+            self._failure_told = True
+            if self.on_failure is not None:
+                self.on_failure(engine.failure)
 
     def _abort_all(self) -> None:
         self._run_commands()
@@ -162,7 +170,7 @@ class BatchingManager:
     def _add(self, request: Request) -> None:
         try:
             self.engine.enqueue(request)
-        except ValueError as exc:
+        except (ValueError, EngineFailedError) as exc:
             self._deliver(self.engine.fail(request, str(exc)))
 
     def _deliver(self, output: RequestOutput) -> None:

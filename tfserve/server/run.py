@@ -28,6 +28,7 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
     started engine to serve; `on_ready()` runs once the model serves (the CLI's banner)."""
     state: ServerState = app[STATE]
     stop = stop_event or asyncio.Event()
+    state.request_stop = stop.set  # the engine failed for good: stop serving
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

@@ -3,8 +3,9 @@ server's lifecycle (loading -> ready -> draining), its counters, the model regis
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ class ServerState:
         self.model_aliases: set[str] = set()  # other names a request may use for the served model
         self.created = int(time.time())
         self.status = LOADING
+        self.failure: str | None = None  # why the engine stopped for good (the server exits with it)
+        self.request_stop: Callable[[], None] | None = None  # ends `serve` (set by it)
         self.max_queued = max_queued  # sequences waiting for their first token, at most; 0 = no limit
         self.force_model = force_model  # serve the loaded model whatever a request's `model` says
         self.num_waiting = 0  # sequences submitted that have not produced a token yet
@@ -90,6 +93,18 @@ class ServerState:
         if self.status == LOADING:
             self.status = READY
         self.models.arm_idle_timer()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # set outside the server's loop (tests): nobody to tell
+            return
+        async_engine.manager.on_failure = lambda message: loop.call_soon_threadsafe(self.engine_failed, message)
+
+    def engine_failed(self, message: str) -> None:
+        """The engine cannot step any more (a dead tensor-parallel rank): answer 503 from now on and stop the
+        server, which exits non-zero with `message`."""
+        self.failure = message
+        if self.request_stop is not None:
+            self.request_stop()
 
     @property
     def is_ready(self) -> bool:
@@ -107,6 +122,8 @@ class ServerState:
 
     def check_available(self) -> None:
         """503 unless a model is loaded and the server is not draining."""
+        if self.failure is not None:
+            raise ApiError(503, f"the engine failed: {self.failure}", code="engine_failed")
         if self.status == LOADING:
             raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")
         if self.status == DRAINING:
