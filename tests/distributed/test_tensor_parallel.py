@@ -62,6 +62,7 @@ def test_two_ranks_give_the_whole_models_greedy_tokens(tmp_path, architecture, h
     try:
         assert "tensor-parallel x2" in engine.runner.forward.name
         assert engine.runner.num_kv_heads == -(-kv_heads // 2)  # rank 0 holds the larger half
+        assert engine.tensor_parallel.shm is not None  # one machine, CPU kernels: shared-memory collectives
         split_tokens = greedy(engine, prompts)
     finally:
         engine.close()
@@ -76,3 +77,19 @@ def test_models_that_cannot_split_say_why():
                                          num_attention_heads=4, num_key_value_heads=1))
     assert "1 key/value heads, fewer than --tensor-parallel-size 2" in why_not(model, 2)
     assert why_not(model, 1) is None
+
+
+def test_without_the_cpu_kernels_the_collectives_go_through_gloo(tmp_path):
+    """Shared-memory collectives need the CPU kernels; without them every rank uses gloo, with the same tokens."""
+    from tfserve import Engine
+
+    path = save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
+    prompts = [[5, 17, 42, 7, 99, 3], [8, 8, 9]]
+    options = {"num_blocks": 64, "block_size": 4, "cpu_kernels": False}
+    whole = greedy(Engine.from_pretrained(str(path), **options), prompts)
+    engine = Engine.from_pretrained(str(path), tensor_parallel_size=2, **options)
+    try:
+        assert engine.tensor_parallel.shm is None
+        assert greedy(engine, prompts) == whole
+    finally:
+        engine.close()

@@ -63,9 +63,13 @@ class TensorParallel:
     vocab_per: int  # rows of every rank's run (the last one padded with zero rows)
     vocab_size: int
     group: Any = None  # the process group; None: the default one
+    shm: SharedMemory | None = None  # the ranks share a machine: collectives through shared memory
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        _collective(torch.distributed.all_reduce, x, group=self.group)
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce_(x)
+        else:
+            _collective(torch.distributed.all_reduce, x, group=self.group)
         return x
 
     def embed(self, embedding: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -78,9 +82,69 @@ class TensorParallel:
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's logits [num_samples, vocab_per] side by side, the padding cut: [num_samples, vocab]."""
+        local = local.contiguous()
+        if self.shm is not None and self.shm.fits(local):
+            return self.shm.all_gather(local)[:, :self.vocab_size]
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        _collective(torch.distributed.all_gather, parts, local.contiguous(), group=self.group)
+        _collective(torch.distributed.all_gather, parts, local, group=self.group)
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+class SharedMemory:
+    """Buffers in /dev/shm that the ranks of one machine map, for the CPU kernels' collectives (csrc/shm.h):
+    a flag per rank, and two alternating buffers of a slot per rank, `capacity` floats each."""
+
+    def __init__(self, path: str, world_size: int, rank: int, capacity: int, ops, timeout_s: float) -> None:
+        size = 8 * world_size + 4 * 2 * world_size * capacity
+        buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.flags = buffer[:8 * world_size].view(torch.int64)
+        self.data = buffer[8 * world_size:].view(torch.float32).view(2, world_size, capacity)
+        self.rank, self.capacity, self.ops, self.timeout_s = rank, capacity, ops, timeout_s
+        self.seq = 0  # calls made; every rank makes the same ones in the same order
+
+    def fits(self, x: torch.Tensor) -> bool:  # the same answer on every rank: they hold the same shapes
+        return x.dtype == torch.float32 and x.is_contiguous() and x.numel() <= self.capacity
+
+    def all_reduce_(self, x: torch.Tensor) -> None:
+        self.seq += 1
+        try:
+            self.ops.shm_all_reduce_(x, self.flags, self.data, self.rank, self.seq, self.timeout_s)
+        except RuntimeError as exc:
+            raise TensorParallelError(f"a tensor-parallel collective failed (a worker rank died or hung): {exc}")
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.seq += 1
+        try:
+            return self.ops.shm_all_gather(x, self.flags, self.data, self.rank, self.seq, self.timeout_s)
+        except RuntimeError as exc:
+            raise TensorParallelError(f"a tensor-parallel collective failed (a worker rank died or hung): {exc}")
+
+
+SHM_CAPACITY = 4 << 20  # floats a rank puts in one shared-memory collective (larger ones go through gloo)
+
+
+def connect_shared_memory(tp: TensorParallel, ops, same_machine: bool, timeout_s: float) -> None:
+    """Every rank calls this once after `shard`: where the ranks share one machine and have the CPU kernels, rank
+    0 makes the buffers and the others map them; elsewhere the collectives stay on gloo."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if tp.rank == 0 and same_machine and ops is not None and hasattr(ops, "shm_all_reduce_"):
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        handle, box[0] = tempfile.mkstemp(prefix="tfserve-tp-", dir=directory)
+        os.close(handle)
+    _collective(dist.broadcast_object_list, box, src=0, group=tp.group)
+    path = box[0]
+    if path is None:
+        return
+    if ops is None or not hasattr(ops, "shm_all_reduce_"):
+        raise TensorParallelError(f"rank {tp.rank} has no CPU kernels, which rank 0 uses for its collectives")
+    tp.shm = SharedMemory(path, tp.world_size, tp.rank, SHM_CAPACITY, ops, timeout_s)
+    _collective(dist.barrier, group=tp.group)  # every rank has mapped it: the name can go
+    if tp.rank == 0:
+        os.unlink(path)
 
 
 def _collective(fn, *args, **kwargs) -> None:
@@ -206,6 +270,12 @@ def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: 
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("TFSERVE_TP_BACKEND") != "gloo" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def one_machine(config) -> bool:
+    """Whether every rank runs on this machine (no --nnodes, and torchrun, if it started us, ran them all here)."""
+    world = config.tensor_parallel_size
+    return config.nnodes == 1 and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
 
 
 def torch_threads(world_size: int, nnodes: int = 1) -> int:

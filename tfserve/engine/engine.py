@@ -573,6 +573,8 @@ def _tensor_parallel(cls, spec, progress) -> Engine:
         tensor_parallel.init_process_group(0, world, init_method, config.distributed_timeout_s)
         loaded = load_model(model, progress=progress, **load_kwargs)
         tp = tensor_parallel.shard(loaded.model, 0, world)
+        tensor_parallel.connect_shared_memory(tp, workers.cpu_ops_for(config, loaded.device),
+                                              tensor_parallel.one_machine(config), config.distributed_timeout_s)
         report("Allocating the KV cache")
         engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor, tensor_parallel=tp)
         tensor_parallel.send_step(engine.runner.num_blocks, tp)  # the workers size their slices alike

@@ -327,6 +327,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 #include "linear.h"
 #include "quant.h"
+#include "shm.h"
 
 // One head's `x * cos + rotate_half(x) * sin`, every product rounded before the sum; `in` may be `out`.
 static inline void rotate_half_row(const float* in, float* out, const float* ct, const float* st, int64_t half) {
@@ -523,6 +524,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a packed gate/up projection (CPU)", nogil);
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm, optionally after adding a residual in place (CPU)", nogil,
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("shm_all_reduce_", &shm_all_reduce_, "Sum over the ranks of one machine, in place (shared memory)", nogil);
+  m.def("shm_all_gather", &shm_all_gather, "Every rank's rows side by side (shared memory)", nogil);
   m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)", nogil);
   m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)", nogil);
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "Forbidden tokens of constrained rows to -inf, in place (CPU)",
