@@ -121,8 +121,8 @@ __all__ = [
 TensorParallelOpt = Annotated[
     int,
     typer.Option("--tensor-parallel-size", "-tp", min=1,
-                 help="Split the model across this many ranks (worker processes over torch.distributed: gloo on "
-                      "CPU, NCCL on CUDA). Llama, Mistral, Qwen2 and Qwen3 models, float32 weights. On one "
-                      "2-core machine it can only lose speed: it is for models one device cannot hold.",
+                 help="Split the model across this many ranks (processes over torch.distributed, on CPU: shared "
+                      "memory within a machine, gloo across). Llama, Mistral, Qwen2 and Qwen3 models. It is for "
+                      "models one machine cannot hold: on one machine it costs a little speed (docs/deploy.md).",
                  rich_help_panel="Distributed"),
 ]

@@ -12,7 +12,7 @@ runs the same lean forward over its shard (`engine/backends/lean.py`, told its `
 - embeddings and LM head vocab-parallel: each rank looks up the ids in its run of the vocabulary (zeros
   elsewhere, then an all-reduce) and computes the logits of its run (gathered, every rank getting them all).
 
-Collectives run on gloo for CPU (NCCL on CUDA), each with the group's timeout, so a rank that dies fails the
+Collectives run on gloo between CPU ranks (shared memory between ranks of one machine), each with a timeout, so a rank that dies fails the
 step within that time instead of hanging it. The model is split in place after loading, from transformers'
 own module layout (the same split as its `base_model_tp_plan` for these architectures: colwise q/k/v/gate/up,
 rowwise o/down).
@@ -264,10 +264,10 @@ def receive_step(tp: TensorParallel) -> Any:
 
 
 def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the group (gloo on CPU, NCCL on CUDA); every later collective fails after `timeout_s`."""
+    """Join the group (gloo); every later collective fails after `timeout_s`."""
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("TFSERVE_TP_BACKEND") != "gloo" else "gloo"
+    backend = "gloo"  # CPU ranks (Engine.from_pretrained refuses CUDA ones for now; they would take "nccl")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -18,7 +18,7 @@ from tfserve.engine.scheduler import Scheduler, SchedulerOutput
 from tfserve.engine.spec_decode import accepted
 from tfserve.engine.structured import StructuredOutputs
 from tfserve.engine.threads import run_in_fresh_thread
-from tfserve.errors import ContextLengthError, EngineFailedError
+from tfserve.errors import ContextLengthError, DeviceError, EngineFailedError
 from tfserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,9 @@ class Engine:
         if weights != config.weights:
             config = dataclasses.replace(config, weights=weights)
         if config.tensor_parallel_size > 1:  # the kernels built once, before the worker ranks load them
+            if resolve_device(device) != "cpu":
+                raise DeviceError("tensor parallelism runs CPU ranks for now (CUDA ranks, on NCCL, are not built "
+                                  "yet); use --device cpu, or one GPU without --tensor-parallel-size")
             if config.cpu_kernels and resolve_device(device) == "cpu" and kernels.needs_build():
                 report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
                 kernels.cpu_ops()
