@@ -230,3 +230,29 @@ def run_engine(engine, items: list) -> list:
                 results[output.request_id] = output
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
     return [results[i] for i in ids]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(port: int, processes: list, timeout: float = 120.0) -> None:
+    """Wait until the server on `port` answers /health with 200, failing (with their output) if any of the
+    `processes` it runs in exits first."""
+    import httpx2
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for process in processes:
+            assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.3)

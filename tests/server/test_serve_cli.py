@@ -6,7 +6,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from mcp_servers import toy_stdio_config
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tiny import MODEL_NAME, make_state
+from tiny import MODEL_NAME, free_port, make_state, wait_healthy
 
 runner = CliRunner()
 
@@ -211,15 +210,8 @@ def test_model_timeout_unloads_the_idle_model_and_the_next_request_loads_it(toke
         state.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
-    import httpx2
     import openai
 
     from tiny import build_llama
@@ -227,7 +219,7 @@ def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
     model_dir = tmp_path / "tiny-chat"
     build_llama(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     pid_file = tmp_path / "mcp.pid"  # the stdio MCP server writes its pid: started with the server, gone after
     stdio = toy_stdio_config()
@@ -239,16 +231,7 @@ def test_serve_process_answers_and_drains_on_sigterm(tmp_path, tokenizer):
          "--port", str(port), "--kv-cache-memory", "8MiB", "--api-key", "k", "--mcp-config", str(mcp_config)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.3)
+        wait_healthy(port, [process])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         reply = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4)

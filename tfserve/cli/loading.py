@@ -15,15 +15,23 @@ def engine_config_from_flags(engine_kwargs: dict):
         raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
 
 
-def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True):
-    """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves). Loads on demand
-    show no progress bars (they would tangle with the access log)."""
+def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True,
+                data_parallel_size: int = 1):
+    """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves); with
+    `data_parallel_size` > 1, replicas 1.. load in processes of their own meanwhile. Loads on demand show no
+    progress bars (they would tangle with the access log)."""
     from contextlib import nullcontext
 
     from tfserve.cli.progress import step_progress
     from tfserve.engine.async_engine import AsyncEngine
     from tfserve.engine.engine import Engine
 
-    with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
-        engine = Engine.from_pretrained(spec, engine_config, progress=progress, **load_options)
-    return AsyncEngine(engine).start()
+    def load_here():
+        with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
+            return Engine.from_pretrained(spec, engine_config, progress=progress, **load_options)
+
+    if data_parallel_size == 1:
+        return AsyncEngine(load_here()).start()
+    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+
+    return start_replicas(ReplicaSpec(spec, load_options, engine_config, data_parallel_size), load_here)

@@ -120,6 +120,10 @@ def serve(
     distributed_init_method: Annotated[str | None, typer.Option(
         help="The ranks' rendezvous, tcp://HOST:PORT (default: a free local port).", rich_help_panel=DISTRIBUTED,
         show_default=False)] = None,
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp", min=1,
+        help="Engine replicas, each a process with its own KV cache; a request goes to the one most likely to hold "
+             "its prompt's prefix unless that one is much busier.", rich_help_panel=DISTRIBUTED)] = 1,
     nnodes: Annotated[int, typer.Option(
         min=1, help="Machines the ranks span (each runs this command with its --node-rank; the first serves).",
         rich_help_panel=DISTRIBUTED)] = 1,
@@ -291,6 +295,8 @@ def serve(
         "distributed_timeout_s": distributed_timeout, "nnodes": nnodes}
     engine_config = engine_config_from_flags(engine_kwargs)
     _configure_logging(log_level.value)
+    if data_parallel_size > 1 and tensor_parallel_size > 1:
+        raise TfserveError("--data-parallel-size and --tensor-parallel-size cannot be combined yet; pick one")
     if node_rank >= nnodes:
         raise TfserveError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
     if tensor_parallel_size > 1 and (node_rank > 0 or (torchrun_rank() or 0) > 0):  # ranks only, no server
@@ -323,7 +329,7 @@ def serve(
 
     def load():
         try:
-            loaded = load_engine(spec, load_options, engine_config)
+            loaded = load_engine(spec, load_options, engine_config, data_parallel_size=data_parallel_size)
         except ValueError as exc:  # e.g. a KV cache too small for one block
             raise TfserveError(f"cannot serve {spec}: {exc}") from None
         if default_seed is not None:  # after loading, so the first request draws the seed's first numbers

@@ -54,7 +54,8 @@ class AsyncEngine:
         def sink(output: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
-        (request_id,) = self.manager.add_requests([request], stream=True, sink=sink)
+        manager = self._manager_for(request)
+        (request_id,) = manager.add_requests([request], stream=True, sink=sink)
         finished = False
         try:
             while not finished:
@@ -63,7 +64,11 @@ class AsyncEngine:
                 yield output
         finally:
             if not finished:
-                self.manager.abort(request_id)
+                manager.abort(request_id)
+
+    def _manager_for(self, request: Request):
+        """Who runs `request`: this engine's manager (a replicated engine routes, tfserve.distributed.replicas)."""
+        return self.manager
 
     @property
     def num_running(self) -> int:

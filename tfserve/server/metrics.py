@@ -61,6 +61,8 @@ class ServerMetrics:
         _gauge(registry, "tfserve_audio_tokens_decoded", "Speech: tokens sampled",
                lambda: speech().total("num_tokens"))
 
+        registry.register(_ReplicaCollector(state))
+
     def observe_finished(self, output: RequestOutput) -> None:
         """Count one finished sequence's tokens and timings."""
         self.generation_tokens.inc(len(output.generated_tokens))
@@ -74,3 +76,40 @@ class ServerMetrics:
 
 def _gauge(registry: CollectorRegistry, name: str, documentation: str, read) -> None:
     Gauge(name, documentation, registry=registry).set_function(read)
+
+
+class _ReplicaCollector:
+    """The engine's counters labelled by replica (`--data-parallel-size`; one replica, "0", otherwise)."""
+
+    _GAUGES = {"num_running": "Sequences in the replica's running batch",
+               "num_waiting": "Sequences queued for the replica's engine",
+               "kv_cache_blocks_used": "The replica's KV cache blocks in use",
+               "kv_cache_blocks_total": "The replica's KV cache blocks",
+               "prefix_cache_hit_rate": "Share of the replica's prompt tokens found in its prefix cache",
+               "prefix_cache_hit_tokens": "Prompt tokens the replica found in its prefix cache",
+               "num_routed": "Requests routed to the replica"}
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        async_engine = self.state.async_engine
+        if async_engine is None:
+            return
+        if hasattr(async_engine, "replica_stats"):
+            stats = async_engine.replica_stats()
+        else:
+            from tfserve.distributed.replicas import replica_stats
+
+            stats = [replica_stats(async_engine.engine)]
+        for name, documentation in self._GAUGES.items():
+            family = GaugeMetricFamily(f"tfserve_replica_{name}", documentation, labels=["replica"])
+            for index, entry in enumerate(stats):
+                if name in entry:
+                    family.add_metric([str(index)], float(entry[name]))
+            yield family

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tiny import free_port, wait_healthy
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -39,26 +34,16 @@ def _worker_pids(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="finds the worker rank through /proc")
 def test_served_split_in_two_answers_and_a_dead_rank_stops_it_cleanly(default_model_dir, tmp_path):
-    import httpx2
     import openai
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(default_model_dir.parent.parent)}
     process = subprocess.Popen(
         [sys.executable, "-c", "from tfserve.cli import main; main()", "serve", "--port", str(port),
          "--tensor-parallel-size", "2", "--distributed-timeout", "20", "--kv-cache-memory", "64MiB"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.5)
+        wait_healthy(port, [process], timeout=180)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.chat.completions.create(
             model="smollm2-135m-instruct", temperature=0, max_tokens=20,
@@ -84,14 +69,13 @@ def test_served_split_in_two_answers_and_a_dead_rank_stops_it_cleanly(default_mo
 
 def test_two_nodes_each_run_their_rank_and_stop_with_the_first(tmp_path):
     """`--nnodes 2`: node 0 serves as rank 0, node 1 only runs rank 1; stopping node 0 ends node 1 too."""
-    import httpx2
     import openai
 
     from test_tensor_parallel import save_model
     from tfserve.distributed.workers import free_init_method
 
     path = save_model(tmp_path / "tiny", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
-    port, init = _free_port(), free_init_method()
+    port, init = free_port(), free_init_method()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home")}
     common = ["--model", str(path), "-tp", "2", "--nnodes", "2", "--distributed-init-method", init,
               "--kv-cache-memory", "8MiB"]
@@ -99,16 +83,7 @@ def test_two_nodes_each_run_their_rank_and_stop_with_the_first(tmp_path):
                                "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in (0, 1)]
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert all(node.poll() is None for node in nodes), nodes[0].stdout.read() + nodes[1].stdout.read()
-            try:
-                if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.5)
+        wait_healthy(port, nodes)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=5, temperature=0)
         assert reply.usage.completion_tokens == 5
@@ -135,3 +110,35 @@ def test_bad_distributed_flags_are_one_line(flags, message):
     result = CliRunner().invoke(app, ["serve", *flags], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_two_replicas_serve_a_stream_and_label_their_metrics(tmp_path):
+    """`--data-parallel-size 2`: a streamed chat completion through the openai SDK; /metrics by replica."""
+    import httpx2
+    import openai
+
+    from test_tensor_parallel import save_model
+
+    path = save_model(tmp_path / "tiny", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen([sys.executable, "-m", "tfserve", "serve", "--model", str(path), "-dp", "2",
+                                "--port", str(port), "--kv-cache-memory", "8MiB"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(port, [process])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        for first in (5, 50):  # two prefixes: one replica each
+            chunks = list(client.completions.create(model="tiny", prompt=[first] * 16 + [7], max_tokens=5,
+                                                    temperature=0, stream=True))
+            assert chunks[-1].choices[0].finish_reason == "length"
+        metrics = httpx2.get(f"http://127.0.0.1:{port}/metrics").text
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert 'tfserve_replica_num_routed{replica="0"} 1.0' in metrics
+    assert 'tfserve_replica_num_routed{replica="1"} 1.0' in metrics
+    assert 'tfserve_replica_kv_cache_blocks_total{replica="1"}' in metrics

@@ -1,0 +1,78 @@
+"""Engine replicas: the router keeps a prompt's prefix on one replica, and (slow) two replicas in processes serve
+streamed requests with more prefix-cache hits than random routing gets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from tfserve.distributed.replicas import Router
+
+
+def test_a_repeated_prefix_goes_back_to_the_replica_that_served_it():
+    router = Router(num_replicas=2, block_size=4, slack=2)
+    system = list(range(100, 116))  # four full blocks
+    first = router.pick(system + [1, 2], loads=[0, 0])
+    assert first == 0  # unseen: the least busy (the first of equals)
+    assert router.pick(system + [3], loads=[1, 0]) == first  # seen: its holder, though another is idler
+    assert router.pick(list(range(200, 216)), loads=[1, 0]) == 1  # a new prefix: the least busy
+    assert router.pick(list(range(300, 316)), loads=[0, 0]) == 0  # equals take turns
+    assert router.pick(list(range(400, 416)), loads=[0, 0]) == 1
+
+
+def test_a_much_busier_holder_loses_the_prefix_to_the_least_busy():
+    router = Router(num_replicas=2, block_size=4, slack=2)
+    prompt = list(range(16))
+    assert router.pick(prompt, loads=[0, 0]) == 0
+    assert router.pick(prompt, loads=[3, 0]) == 1  # 3 > 0 + slack: moved, and now remembered there
+    assert router.pick(prompt, loads=[0, 0]) == 1
+
+
+def test_the_longest_shared_prefix_decides():
+    router = Router(num_replicas=3, block_size=2, slack=10)
+    router.pick([1, 2, 3, 4], loads=[0, 5, 5])  # blocks (1, 2) and (3, 4) -> replica 0
+    router.pick([1, 2, 9, 9], loads=[5, 0, 5])  # shares the first block: replica 0 holds it (within slack)
+    assert router.pick([1, 2, 9, 9, 7], loads=[0, 0, 0]) == 0
+    assert router.pick([5, 6], loads=[3, 3, 0]) == 2  # short and new
+    assert router.pick([7, 8], loads=[3, 3, 0]) == 2  # the least busy, whoever's turn it is
+
+
+@pytest.mark.slow
+def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
+    from test_tensor_parallel import save_model
+    from tfserve import Engine, SamplingParams
+    from tfserve.config import EngineConfig
+    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+
+    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
+    config = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8)
+    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    families = [[10 + f] * 16 for f in range(4)]  # four shared 16-token prefixes (four blocks each)
+    rng = random.Random(0)
+    prompts = [family + [rng.randrange(20, 300) for _ in range(3)] for family in families for _ in range(4)]
+
+    async def run(prompt):
+        request = replicated.engine.make_requests(prompt, params)[0]
+        return [output async for output in replicated.generate_request(request)]
+
+    async def main():
+        results = []
+        for prompt in prompts:  # one at a time: each sees the replicas' state after the last
+            results.append(await run(prompt))
+        return results
+
+    try:
+        results = asyncio.run(main())
+        whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
+        stats = replicated.replica_stats()
+    finally:
+        replicated.stop()
+    for outputs, expected in zip(results, whole.values()):
+        assert outputs[-1].finished and [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
+    assert [s["num_routed"] for s in stats] == [8, 8]  # families spread over both replicas
+    hits = sum(s["prefix_cache_hit_tokens"] for s in stats)
+    # each family's first request misses; the other three find its 16 tokens (random routing: about half)
+    assert hits == 4 * 3 * 16

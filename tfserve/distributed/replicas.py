@@ -1,0 +1,284 @@
+"""Engine replicas: N engines, each with its own KV cache, behind one front-end (`--data-parallel-size N`).
+
+Replica 0 is the front-end's own engine (it also validates and tokenizes every request, as with one engine); the
+others run in processes of their own (`replica_main`), each an Engine stepped by a BatchingManager. A request
+built by `Engine.make_requests` goes down a pipe to its replica as it is, and its outputs come back up the same
+pipe. The router sends a request to the replica most likely to hold its prefix in cache (the last one that
+served the same first blocks of a prompt) unless that one is much busier than the least busy, and a prompt
+never seen goes to the least busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tfserve.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("tfserve.distributed")
+
+PREFIX_BLOCKS = 4  # the first blocks of a prompt that name its prefix for routing
+MAX_REMEMBERED = 65536  # prefixes the router remembers (least recently routed forgotten first)
+
+
+@dataclass
+class ReplicaSpec:
+    """What a replica process loads: the model, its load options and the engine's config."""
+
+    model: str
+    load_kwargs: dict[str, Any]
+    config: Any
+    num_replicas: int
+
+
+class RemoteReplica:
+    """An engine in a process of its own, with the face of a BatchingManager: `add_requests` (stream and sink
+    only) and `abort`, callable from any thread; outputs reach the sinks on this replica's reader thread."""
+
+    def __init__(self, index: int, spec: ReplicaSpec) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.index = index
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=replica_main, args=(spec, child, index),
+                                       name=f"tfserve-replica{index}", daemon=True)
+        self.process.start()
+        child.close()
+        self._send_lock = threading.Lock()
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._ready = threading.Event()
+        self.error: str | None = None
+        self.stats: dict[str, float] = {}  # the replica's engine counters, as of its last report
+        self._reader = threading.Thread(target=self._read, name=f"tfserve-replica{index}-reader", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout) or self.error is not None:
+            raise RuntimeError(f"replica {self.index} failed to start: {self.error or 'timed out'}")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def add_requests(self, requests: list, stream: bool = True, sink: Callable | None = None) -> list[str]:
+        for request in requests:
+            self._sinks[request.request_id] = sink
+        self._send(("add", requests))
+        return [request.request_id for request in requests]
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            self._send(("stop", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2)
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):  # the process ended: what it was running fails
+                self.error = self.error or f"replica {self.index} exited (code {self.process.exitcode})"
+                self._ready.set()
+                for request_id, sink in list(self._sinks.items()):
+                    sink(_failed(request_id, self.error))
+                self._sinks.clear()
+                return
+            if kind == "out":
+                for output in payload:
+                    sink = self._sinks.get(output.request_id)
+                    if output.finished:
+                        self._sinks.pop(output.request_id, None)
+                    if sink is not None:
+                        sink(output)
+            elif kind == "stats":
+                self.stats = payload
+            elif kind == "ready":
+                self._ready.set()
+            elif kind == "error":
+                self.error = payload
+                self._ready.set()
+
+
+def _failed(request_id: str, message: str):
+    from tfserve.engine.request import RequestOutput
+
+    return RequestOutput(request_id, [], [], "", finish_reason="error", error=message)
+
+
+def replica_main(spec: ReplicaSpec, conn, index: int) -> None:
+    """A replica process: an engine and its manager; requests and aborts come down `conn`, outputs go up it."""
+    try:
+        _serve_replica(spec, conn, index)
+    except KeyboardInterrupt:
+        sys.exit(1)
+    except Exception as exc:  # said once to the front-end, which reports it
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
+    import torch
+
+    from tfserve.engine.engine import Engine
+    from tfserve.engine.manager import BatchingManager
+
+    torch.set_num_threads(replica_threads(spec.num_replicas))
+    engine = Engine.from_pretrained(spec.model, spec.config, **spec.load_kwargs)
+    manager = BatchingManager(engine).start()
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def sink(output) -> None:
+        send(("out", [output]))
+        if output.finished:
+            send(("stats", replica_stats(engine)))
+
+    send(("ready", None))
+    send(("stats", replica_stats(engine)))
+    try:
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                break
+            if kind == "add":
+                manager.add_requests(payload, stream=True, sink=sink)
+            elif kind == "abort":
+                manager.abort(payload)
+            else:
+                break
+    finally:
+        manager.stop()
+
+
+def replica_threads(num_replicas: int) -> int:
+    """Threads each replica runs torch on: the machine's cores shared among them."""
+    return max(1, (os.cpu_count() or 1) // num_replicas)
+
+
+def replica_stats(engine) -> dict[str, float]:
+    """The counters /metrics shows for a replica."""
+    pool = engine.block_pool
+    return {"num_running": engine.num_running, "num_waiting": engine.num_waiting,
+            "kv_cache_blocks_used": pool.num_used_blocks, "kv_cache_blocks_total": pool.num_blocks,
+            "prefix_cache_hit_rate": pool.stats.hit_rate,
+            "prefix_cache_queried_tokens": pool.stats.num_queried_tokens,
+            "prefix_cache_hit_tokens": pool.stats.num_hit_tokens}
+
+
+class Router:
+    """Picks the replica for a prompt: the one that last served its first blocks, unless that one has more than
+    `slack` requests in flight beyond the least busy; else the least busy (equals taken in turn)."""
+
+    def __init__(self, num_replicas: int, block_size: int, slack: int) -> None:
+        self.num_replicas, self.block_size, self.slack = num_replicas, block_size, slack
+        self._last: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
+        self._turn = 0  # where the search for the least busy starts: equals take turns
+
+    def pick(self, prompt_token_ids: list[int], loads: list[int]) -> int:
+        keys = self._prefix_keys(prompt_token_ids)
+        order = [(self._turn + i) % self.num_replicas for i in range(self.num_replicas)]
+        least = min(order, key=lambda i: loads[i])
+        choice = least
+        for key in reversed(keys):  # the longest prefix seen before
+            holder = self._last.get(key)
+            if holder is not None:
+                if loads[holder] <= loads[least] + self.slack:
+                    choice = holder
+                break
+        if choice == least:
+            self._turn = (least + 1) % self.num_replicas
+        for key in keys:
+            self._last[key] = choice
+            self._last.move_to_end(key)
+        while len(self._last) > MAX_REMEMBERED:
+            self._last.popitem(last=False)
+        return choice
+
+    def _prefix_keys(self, tokens: list[int]) -> list[int]:
+        """Chained hashes of the prompt's first full blocks (at least one key, for prompts under a block)."""
+        size = self.block_size
+        num_blocks = min(len(tokens) // size, PREFIX_BLOCKS)
+        if num_blocks == 0:
+            return [hash(tuple(tokens))]
+        keys, key = [], 0
+        for b in range(num_blocks):
+            key = hash((key, tuple(tokens[b * size:(b + 1) * size])))
+            keys.append(key)
+        return keys
+
+
+class ReplicatedEngine(AsyncEngine):
+    """An AsyncEngine over `engine` (replica 0, in this process) and the remote replicas: every request is
+    validated by replica 0's engine as usual, then routed."""
+
+    def __init__(self, engine, remotes: list[RemoteReplica]) -> None:
+        super().__init__(engine)
+        self.remotes = remotes
+        self.router = Router(1 + len(remotes), engine.config.block_size, slack=max(2, engine.config.max_num_seqs // 4))
+        self.num_routed = [0] * (1 + len(remotes))
+
+    @property
+    def loads(self) -> list[int]:
+        local = self.engine.num_running + self.engine.num_waiting
+        return [local] + [remote.num_in_flight for remote in self.remotes]
+
+    def _manager_for(self, request):
+        index = self.router.pick(request.prompt_token_ids, self.loads)
+        self.num_routed[index] += 1
+        return self.manager if index == 0 else self.remotes[index - 1]
+
+    def replica_stats(self) -> list[dict[str, float]]:
+        """Each replica's counters (remote ones as of their last finished request), and requests routed to it."""
+        stats = [replica_stats(self.engine)] + [dict(remote.stats) for remote in self.remotes]
+        for index, entry in enumerate(stats):
+            entry["num_routed"] = self.num_routed[index]
+            if index:
+                entry["num_in_flight"] = self.remotes[index - 1].num_in_flight
+        return stats
+
+    def stop(self) -> None:
+        super().stop()
+        for remote in self.remotes:
+            remote.stop()
+
+
+def start_replicas(spec: ReplicaSpec, local: Callable[[], Any]) -> ReplicatedEngine:
+    """Start replicas 1..N-1 (each loads the model in its process while `local()` loads replica 0's engine here),
+    and the engine over all of them."""
+    import torch
+
+    remotes = [RemoteReplica(index, spec) for index in range(1, spec.num_replicas)]
+    try:
+        torch.set_num_threads(replica_threads(spec.num_replicas))
+        engine = local()
+        for remote in remotes:
+            remote.wait_ready(timeout=600)
+    except BaseException:
+        for remote in remotes:
+            remote.stop(timeout=0)
+        raise
+    return ReplicatedEngine(engine, remotes).start()
