@@ -12,8 +12,8 @@ runs the same lean forward over its shard (`engine/backends/lean.py`, told its `
 - embeddings and LM head vocab-parallel: each rank looks up the ids in its run of the vocabulary (zeros
   elsewhere, then an all-reduce) and computes the logits of its run (gathered, every rank getting them all).
 
-Collectives run on gloo between CPU ranks (shared memory between ranks of one machine), each with a timeout, so a rank that dies fails the
-step within that time instead of hanging it. The model is split in place after loading, from transformers'
+Collectives run through shared memory between the ranks of one machine and on gloo otherwise, each with a
+timeout, so a rank that dies fails the step within that time instead of hanging it. The model is split in place after loading, from transformers'
 own module layout (the same split as its `base_model_tp_plan` for these architectures: colwise q/k/v/gate/up,
 rowwise o/down).
 """
