@@ -256,3 +256,45 @@ def wait_healthy(port: int, processes: list, timeout: float = 120.0) -> None:
             pass
         assert time.monotonic() < deadline, "server did not become healthy"
         time.sleep(0.3)
+
+
+class ServeProcess:
+    """`tfserve serve ARGS --port P` in a process of its own, waited for until healthy (`with` kills what is left)."""
+
+    def __init__(self, args: list[str], env: dict, timeout: float = 120.0, port: int | None = None) -> None:
+        import subprocess
+        import sys
+
+        self.port = port or free_port()
+        self.process = subprocess.Popen([sys.executable, "-m", "tfserve", "serve", *args, "--port", str(self.port)],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_healthy(self.port, [self.process], timeout)
+        except BaseException:
+            self.process.kill()
+            raise
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def client(self, api_key: str = "none"):
+        import openai
+
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def get(self, path: str) -> str:
+        import httpx2
+
+        return httpx2.get(f"http://127.0.0.1:{self.port}{path}", timeout=10).text
+
+    def stop(self, timeout: float = 60.0) -> str:
+        """Ctrl+C, and the process's whole output once it has exited."""
+        import signal
+
+        self.process.send_signal(signal.SIGINT)
+        output, _ = self.process.communicate(timeout=timeout)
+        return output

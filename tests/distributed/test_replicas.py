@@ -76,3 +76,57 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
     hits = sum(s["prefix_cache_hit_tokens"] for s in stats)
     # each family's first request misses; the other three find its 16 tokens (random routing: about half)
     assert hits == 4 * 3 * 16
+
+
+@pytest.mark.slow
+def test_replicas_as_ray_actors_stream_the_same_tokens(tmp_path):
+    """A local Ray cluster: replica 1 is an actor; streamed outputs equal one engine's."""
+    ray = pytest.importorskip("ray")
+    from test_tensor_parallel import save_model
+    from tfserve import Engine, SamplingParams
+    from tfserve.config import EngineConfig
+    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+
+    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
+    config = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=8)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config),
+                                    ray_address="local")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        prompts = [[5] * 8 + [9], [60] * 8 + [9]]  # new prefixes: replica 0, then the actor
+
+        async def run(prompt):
+            request = replicated.engine.make_requests(prompt, params)[0]
+            return [output async for output in replicated.generate_request(request)]
+
+        async def main():
+            return [await run(prompt) for prompt in prompts]
+
+        try:
+            results = asyncio.run(main())
+            stats = replicated.replica_stats()
+        finally:
+            replicated.stop()
+    finally:
+        ray.shutdown()
+    whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
+    for outputs, expected in zip(results, whole.values()):
+        assert [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
+    assert [s["num_routed"] for s in stats] == [1, 1]
+
+
+def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():
+    from tfserve.distributed.replicas import DEAD, Replica
+    from tfserve.engine.request import Request
+    from tfserve.sampling_params import SamplingParams
+
+    replica = Replica()
+    replica.error = "replica 1 exited (code -9)"
+    outputs = []
+    replica.add_requests([Request("r1", [1, 2, 3], SamplingParams(max_tokens=2))], sink=outputs.append)
+    assert outputs[0].finished and outputs[0].error == "replica 1 exited (code -9)"
+    router = Router(num_replicas=2, block_size=4, slack=2)
+    prompt = list(range(16))
+    assert router.pick(prompt, loads=[0, 0]) == 0
+    assert router.pick(prompt, loads=[DEAD, 0]) == 1

@@ -16,9 +16,10 @@ def engine_config_from_flags(engine_kwargs: dict):
 
 
 def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True,
-                data_parallel_size: int = 1):
+                data_parallel_size: int = 1, ray_address: str | None = None):
     """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves); with
-    `data_parallel_size` > 1, replicas 1.. load in processes of their own meanwhile. Loads on demand show no
+    `data_parallel_size` > 1, replicas 1.. load in processes of their own meanwhile (Ray actors with
+    `ray_address`). Loads on demand show no
     progress bars (they would tangle with the access log)."""
     from contextlib import nullcontext
 
@@ -34,4 +35,5 @@ def load_engine(spec: str, load_options: dict, engine_config=None, show_progress
         return AsyncEngine(load_here()).start()
     from tfserve.distributed.replicas import ReplicaSpec, start_replicas
 
-    return start_replicas(ReplicaSpec(spec, load_options, engine_config, data_parallel_size), load_here)
+    return start_replicas(ReplicaSpec(spec, load_options, engine_config, data_parallel_size), load_here,
+                          ray_address=ray_address)

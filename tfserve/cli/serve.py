@@ -124,6 +124,11 @@ def serve(
         "--data-parallel-size", "-dp", min=1,
         help="Engine replicas, each a process with its own KV cache; a request goes to the one most likely to hold "
              "its prompt's prefix unless that one is much busier.", rich_help_panel=DISTRIBUTED)] = 1,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", metavar="ADDRESS", show_default=False,
+        help="Run replicas 1.. of --data-parallel-size as Ray actors on the cluster at ADDRESS (auto: the one "
+             "`ray start` runs here; local: start one on this machine). Needs `pip install ray`.",
+        rich_help_panel=DISTRIBUTED)] = None,
     nnodes: Annotated[int, typer.Option(
         min=1, help="Machines the ranks span (each runs this command with its --node-rank; the first serves).",
         rich_help_panel=DISTRIBUTED)] = 1,
@@ -294,11 +299,13 @@ def serve(
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
         "distributed_timeout_s": distributed_timeout, "nnodes": nnodes}
     engine_config = engine_config_from_flags(engine_kwargs)
-    _configure_logging(log_level.value)
+    if ray is not None and data_parallel_size == 1:
+        raise TfserveError("--ray places engine replicas: give --data-parallel-size 2 or more")
     if data_parallel_size > 1 and tensor_parallel_size > 1:
         raise TfserveError("--data-parallel-size and --tensor-parallel-size cannot be combined yet; pick one")
     if node_rank >= nnodes:
         raise TfserveError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
+    _configure_logging(log_level.value)
     if tensor_parallel_size > 1 and (node_rank > 0 or (torchrun_rank() or 0) > 0):  # ranks only, no server
         from tfserve.distributed.workers import run_node
         from tfserve.engine.engine import worker_spec
@@ -329,7 +336,8 @@ def serve(
 
     def load():
         try:
-            loaded = load_engine(spec, load_options, engine_config, data_parallel_size=data_parallel_size)
+            loaded = load_engine(spec, load_options, engine_config, data_parallel_size=data_parallel_size,
+                                 ray_address=ray)
         except ValueError as exc:  # e.g. a KV cache too small for one block
             raise TfserveError(f"cannot serve {spec}: {exc}") from None
         if default_seed is not None:  # after loading, so the first request draws the seed's first numbers
@@ -341,6 +349,13 @@ def serve(
     def on_ready():
         print_banner(state, url, api_key is not None)
 
+    if ray is not None:
+        try:
+            from tfserve.distributed.ray_replicas import connect
+        except ImportError:
+            raise TfserveError("--ray needs Ray: pip install ray") from None
+        # on this, the main thread: a local cluster's processes end with the thread that starts them
+        connect(ray)
     try:
         asyncio.run(run_server(app, host, port, drain_timeout=drain_timeout, load=load, on_ready=on_ready))
     except OSError as exc:

@@ -26,6 +26,7 @@ logger = logging.getLogger("tfserve.distributed")
 
 PREFIX_BLOCKS = 4  # the first blocks of a prompt that name its prefix for routing
 MAX_REMEMBERED = 65536  # prefixes the router remembers (least recently routed forgotten first)
+DEAD = 1 << 40  # the load the router sees for a replica that died: it never wins
 
 
 @dataclass
@@ -38,11 +39,54 @@ class ReplicaSpec:
     num_replicas: int
 
 
-class RemoteReplica:
-    """An engine in a process of its own, with the face of a BatchingManager: `add_requests` (stream and sink
-    only) and `abort`, callable from any thread; outputs reach the sinks on this replica's reader thread."""
+class Replica:
+    """A replica elsewhere, with the face of a BatchingManager: `add_requests` (streaming into a sink) and
+    `abort`, from any thread; outputs reach their sinks on the replica's reader thread."""
+
+    index: int
+
+    def __init__(self) -> None:
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self.error: str | None = None
+        self.stats: dict[str, float] = {}  # the replica's engine counters, as of its last report
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def add_requests(self, requests: list, stream: bool = True, sink: Callable | None = None) -> list[str]:
+        if self.error is not None:  # a dead replica answers at once (the router avoids it, but a race may not)
+            for request in requests:
+                sink(_failed(request.request_id, self.error))
+            return [request.request_id for request in requests]
+        for request in requests:
+            self._sinks[request.request_id] = sink
+        self._submit(requests)
+        return [request.request_id for request in requests]
+
+    def _submit(self, requests: list) -> None:
+        raise NotImplementedError
+
+    def _dispatch(self, outputs: list) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
+            if sink is not None:
+                sink(output)
+
+    def _fail_all(self, message: str) -> None:
+        self.error = self.error or message
+        for request_id, sink in list(self._sinks.items()):
+            sink(_failed(request_id, self.error))
+        self._sinks.clear()
+
+
+class RemoteReplica(Replica):
+    """An engine in a process of its own on this machine, fed down a pipe."""
 
     def __init__(self, index: int, spec: ReplicaSpec) -> None:
+        super().__init__()
         context = multiprocessing.get_context("spawn")
         self.index = index
         self._conn, child = context.Pipe()
@@ -51,10 +95,7 @@ class RemoteReplica:
         self.process.start()
         child.close()
         self._send_lock = threading.Lock()
-        self._sinks: dict[str, Callable[[Any], None]] = {}
         self._ready = threading.Event()
-        self.error: str | None = None
-        self.stats: dict[str, float] = {}  # the replica's engine counters, as of its last report
         self._reader = threading.Thread(target=self._read, name=f"tfserve-replica{index}-reader", daemon=True)
         self._reader.start()
 
@@ -62,15 +103,8 @@ class RemoteReplica:
         if not self._ready.wait(timeout) or self.error is not None:
             raise RuntimeError(f"replica {self.index} failed to start: {self.error or 'timed out'}")
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._sinks)
-
-    def add_requests(self, requests: list, stream: bool = True, sink: Callable | None = None) -> list[str]:
-        for request in requests:
-            self._sinks[request.request_id] = sink
+    def _submit(self, requests: list) -> None:
         self._send(("add", requests))
-        return [request.request_id for request in requests]
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -94,19 +128,11 @@ class RemoteReplica:
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):  # the process ended: what it was running fails
-                self.error = self.error or f"replica {self.index} exited (code {self.process.exitcode})"
+                self._fail_all(f"replica {self.index} exited (code {self.process.exitcode})")
                 self._ready.set()
-                for request_id, sink in list(self._sinks.items()):
-                    sink(_failed(request_id, self.error))
-                self._sinks.clear()
                 return
             if kind == "out":
-                for output in payload:
-                    sink = self._sinks.get(output.request_id)
-                    if output.finished:
-                        self._sinks.pop(output.request_id, None)
-                    if sink is not None:
-                        sink(output)
+                self._dispatch(payload)
             elif kind == "stats":
                 self.stats = payload
             elif kind == "ready":
@@ -235,7 +261,7 @@ class ReplicatedEngine(AsyncEngine):
     """An AsyncEngine over `engine` (replica 0, in this process) and the remote replicas: every request is
     validated by replica 0's engine as usual, then routed."""
 
-    def __init__(self, engine, remotes: list[RemoteReplica]) -> None:
+    def __init__(self, engine, remotes: list[Replica]) -> None:
         super().__init__(engine)
         self.remotes = remotes
         self.router = Router(1 + len(remotes), engine.config.block_size, slack=max(2, engine.config.max_num_seqs // 4))
@@ -244,7 +270,7 @@ class ReplicatedEngine(AsyncEngine):
     @property
     def loads(self) -> list[int]:
         local = self.engine.num_running + self.engine.num_waiting
-        return [local] + [remote.num_in_flight for remote in self.remotes]
+        return [local] + [remote.num_in_flight if remote.error is None else DEAD for remote in self.remotes]
 
     def _manager_for(self, request):
         index = self.router.pick(request.prompt_token_ids, self.loads)
@@ -266,12 +292,19 @@ class ReplicatedEngine(AsyncEngine):
             remote.stop()
 
 
-def start_replicas(spec: ReplicaSpec, local: Callable[[], Any]) -> ReplicatedEngine:
-    """Start replicas 1..N-1 (each loads the model in its process while `local()` loads replica 0's engine here),
-    and the engine over all of them."""
+def start_replicas(spec: ReplicaSpec, local: Callable[[], Any], ray_address: str | None = None) -> ReplicatedEngine:
+    """Start replicas 1..N-1 (each loads the model in its process, or as a Ray actor on the cluster at
+    `ray_address` ("local": a cluster of this machine), while `local()` loads replica 0's engine here), and the
+    engine over all of them."""
     import torch
 
-    remotes = [RemoteReplica(index, spec) for index in range(1, spec.num_replicas)]
+    if ray_address is not None:
+        from tfserve.distributed.ray_replicas import RayReplica, connect
+
+        connect(ray_address)
+        remotes: list = [RayReplica(index, spec) for index in range(1, spec.num_replicas)]
+    else:
+        remotes = [RemoteReplica(index, spec) for index in range(1, spec.num_replicas)]
     try:
         torch.set_num_threads(replica_threads(spec.num_replicas))
         engine = local()

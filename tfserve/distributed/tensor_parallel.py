@@ -13,9 +13,9 @@ runs the same lean forward over its shard (`engine/backends/lean.py`, told its `
   elsewhere, then an all-reduce) and computes the logits of its run (gathered, every rank getting them all).
 
 Collectives run through shared memory between the ranks of one machine and on gloo otherwise, each with a
-timeout, so a rank that dies fails the step within that time instead of hanging it. The model is split in place after loading, from transformers'
-own module layout (the same split as its `base_model_tp_plan` for these architectures: colwise q/k/v/gate/up,
-rowwise o/down).
+timeout, so a rank that dies fails the step within that time instead of hanging it. The model is split in
+place after loading, from transformers' own module layout (the same split as its `base_model_tp_plan` for
+these architectures: colwise q/k/v/gate/up, rowwise o/down).
 """
 
 from __future__ import annotations
