@@ -216,11 +216,12 @@ def replica_stats(engine) -> dict[str, float]:
 
 
 class Router:
-    """Picks the replica for a prompt: the one that last served its first blocks, unless that one has more than
-    `slack` requests in flight beyond the least busy; else the least busy (equals taken in turn)."""
+    """Picks the replica for a prompt: the one that last served its first blocks, unless it is much busier than
+    the least busy (more than `ratio` times its requests in flight plus `slack`); else the least busy (equals
+    taken in turn)."""
 
-    def __init__(self, num_replicas: int, block_size: int, slack: int) -> None:
-        self.num_replicas, self.block_size, self.slack = num_replicas, block_size, slack
+    def __init__(self, num_replicas: int, block_size: int, slack: int = 2, ratio: float = 1.5) -> None:
+        self.num_replicas, self.block_size, self.slack, self.ratio = num_replicas, block_size, slack, ratio
         self._last: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
         self._turn = 0  # where the search for the least busy starts: equals take turns
 
@@ -232,7 +233,7 @@ class Router:
         for key in reversed(keys):  # the longest prefix seen before
             holder = self._last.get(key)
             if holder is not None:
-                if loads[holder] <= loads[least] + self.slack:
+                if loads[holder] <= loads[least] * self.ratio + self.slack:
                     choice = holder
                 break
         if choice == least:
@@ -264,26 +265,32 @@ class ReplicatedEngine(AsyncEngine):
     def __init__(self, engine, remotes: list[Replica]) -> None:
         super().__init__(engine)
         self.remotes = remotes
-        self.router = Router(1 + len(remotes), engine.config.block_size, slack=max(2, engine.config.max_num_seqs // 4))
+        self.router = Router(1 + len(remotes), engine.config.block_size)
         self.num_routed = [0] * (1 + len(remotes))
+        self.in_flight = [0] * (1 + len(remotes))  # requests routed and not finished, on the event loop's count
 
     @property
     def loads(self) -> list[int]:
-        local = self.engine.num_running + self.engine.num_waiting
-        return [local] + [remote.num_in_flight if remote.error is None else DEAD for remote in self.remotes]
+        """Requests in flight on each replica, as the router weighs them (a dead replica never wins)."""
+        dead = [False] + [remote.error is not None for remote in self.remotes]
+        return [DEAD if gone else n for n, gone in zip(self.in_flight, dead)]
 
-    def _manager_for(self, request):
+    async def generate_request(self, request):
         index = self.router.pick(request.prompt_token_ids, self.loads)
         self.num_routed[index] += 1
-        return self.manager if index == 0 else self.remotes[index - 1]
+        self.in_flight[index] += 1
+        try:
+            async for output in self._stream(self.manager if index == 0 else self.remotes[index - 1], request):
+                yield output
+        finally:
+            self.in_flight[index] -= 1
 
     def replica_stats(self) -> list[dict[str, float]]:
         """Each replica's counters (remote ones as of their last finished request), and requests routed to it."""
         stats = [replica_stats(self.engine)] + [dict(remote.stats) for remote in self.remotes]
         for index, entry in enumerate(stats):
             entry["num_routed"] = self.num_routed[index]
-            if index:
-                entry["num_in_flight"] = self.remotes[index - 1].num_in_flight
+            entry["num_in_flight"] = self.in_flight[index]
         return stats
 
     def stop(self) -> None:

@@ -48,13 +48,17 @@ class AsyncEngine:
     async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of a request built by `Engine.make_requests`, queued as it is (not validated
         again). Leaving the iteration before the last output aborts it and frees its KV blocks."""
+        async for output in self._stream(self.manager, request):
+            yield output
+
+    async def _stream(self, manager, request: Request) -> AsyncIterator[RequestOutput]:
+        """`request`'s outputs from `manager` (this engine's, or a replica's: tfserve.distributed.replicas)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(output: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
-        manager = self._manager_for(request)
         (request_id,) = manager.add_requests([request], stream=True, sink=sink)
         finished = False
         try:
@@ -65,10 +69,6 @@ class AsyncEngine:
         finally:
             if not finished:
                 manager.abort(request_id)
-
-    def _manager_for(self, request: Request):
-        """Who runs `request`: this engine's manager (a replicated engine routes, tfserve.distributed.replicas)."""
-        return self.manager
 
     @property
     def num_running(self) -> int:

@@ -87,7 +87,8 @@ class _ReplicaCollector:
                "kv_cache_blocks_total": "The replica's KV cache blocks",
                "prefix_cache_hit_rate": "Share of the replica's prompt tokens found in its prefix cache",
                "prefix_cache_hit_tokens": "Prompt tokens the replica found in its prefix cache",
-               "num_routed": "Requests routed to the replica"}
+               "num_routed": "Requests routed to the replica",
+               "num_in_flight": "Requests routed to the replica and not finished"}
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
