@@ -141,3 +141,31 @@ def test_a_local_ray_cluster_with_two_replicas_serves_a_streamed_chat(tmp_path):
         output = server.stop()
     assert server.process.returncode == 0, output
     assert 'tfserve_replica_num_routed{replica="1"} 1.0' in metrics
+
+
+def test_torchrun_starts_every_rank_and_rank_0_serves(tmp_path):
+    """`torchrun --nproc-per-node 2 -m tfserve serve -tp 2`: tfserve takes its rank from torchrun's environment."""
+    from test_tensor_parallel import save_model
+    from tfserve.distributed.workers import free_init_method
+    from tiny import free_port, wait_healthy
+
+    path = save_model(tmp_path / "tiny", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home")}
+    port, master_port = free_port(), free_init_method().rsplit(":", 1)[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", master_port,
+         "-m", "tfserve", "serve", "--model", str(path), "-tp", "2", "--port", str(port), "--kv-cache-memory", "8MiB"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_healthy(port, [process])
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=5, temperature=0)
+        assert reply.usage.completion_tokens == 5
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl+C reaches the whole group, as in a terminal
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
