@@ -34,8 +34,10 @@ def served(monkeypatch, tmp_path):
     async def fake_run(app, host, port, *, drain_timeout, load, on_ready):
         seen.update(state=app[STATE], host=host, port=port, drain_timeout=drain_timeout, load=load)
 
-    def fake_load_engine(spec, load_options, engine_kwargs, show_progress=True):
-        seen.update(spec=spec, load_options=load_options, engine_kwargs=engine_kwargs)
+    def fake_load_engine(spec, load_options, engine_kwargs, show_progress=True, data_parallel_size=1,
+                         ray_address=None):
+        seen.update(spec=spec, load_options=load_options, engine_kwargs=engine_kwargs,
+                    data_parallel_size=data_parallel_size, ray_address=ray_address)
         return ("engine", "async_engine", spec, None)
 
     monkeypatch.setattr(server_app, "create_app", create_app)
