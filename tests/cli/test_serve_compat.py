@@ -255,3 +255,15 @@ def test_normalize_args_touches_names_never_values():
         "--max-num-seqs", "8", "--api-key", "--not_an_option", "--chat-template-kwargs={\"a_b\": 1}", "my_model",
         "--no-enable-cors", "--trust-remote-code", "--compile", "--unknown_flag", "-m", "--weird_name", "--",
         "--max_num_seqs"]
+
+
+def test_distributed_flags_reach_the_engine_and_its_loader(served):
+    seen = ok(served("MODEL_DIR", "-dp", "2"))
+    assert seen["data_parallel_size"] == 2 and seen["ray_address"] is None
+    seen = ok(served("MODEL_DIR", "-tp", "2", "--distributed-timeout", "9"))
+    assert seen["engine_kwargs"].tensor_parallel_size == 2 and seen["engine_kwargs"].distributed_timeout_s == 9
+    assert seen["data_parallel_size"] == 1
+    result = served("MODEL_DIR", "-dp", "2", "-tp", "2")["result"]
+    assert result.exit_code != 0 and "cannot be combined yet" in result.output
+    result = served("MODEL_DIR", "--ray", "auto")["result"]
+    assert result.exit_code != 0 and "--ray places engine replicas" in result.output
