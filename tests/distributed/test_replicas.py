@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
     from test_tensor_parallel import save_model
     from tfserve import Engine, SamplingParams
     from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+    from tfserve.distributed.replicas import STATS_INTERVAL_S, ReplicaSpec, start_replicas
 
     path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
     config = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8)
@@ -67,12 +68,14 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
     try:
         results = asyncio.run(main())
         whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
+        time.sleep(STATS_INTERVAL_S * 2)  # a report from the remote replica after its last request
         stats = replicated.replica_stats()
     finally:
         replicated.stop()
     for outputs, expected in zip(results, whole.values()):
         assert outputs[-1].finished and [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
     assert [s["num_routed"] for s in stats] == [8, 8]  # families spread over both replicas
+    assert [s["num_running"] for s in stats] == [0, 0] and [s["num_in_flight"] for s in stats] == [0, 0]
     hits = sum(s["prefix_cache_hit_tokens"] for s in stats)
     # each family's first request misses; the other three find its 16 tokens (random routing: about half)
     assert hits == 4 * 3 * 16

@@ -27,6 +27,7 @@ logger = logging.getLogger("tfserve.distributed")
 PREFIX_BLOCKS = 4  # the first blocks of a prompt that name its prefix for routing
 MAX_REMEMBERED = 65536  # prefixes the router remembers (least recently routed forgotten first)
 DEAD = 1 << 40  # the load the router sees for a replica that died: it never wins
+STATS_INTERVAL_S = 1.0  # how often a replica process reports its counters
 
 
 @dataclass
@@ -179,11 +180,16 @@ def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
 
     def sink(output) -> None:
         send(("out", [output]))
-        if output.finished:
-            send(("stats", replica_stats(engine)))
 
     send(("ready", None))
     send(("stats", replica_stats(engine)))
+    stopped = threading.Event()
+
+    def report() -> None:  # the counters, live for /metrics (len() reads: safe beside the engine thread)
+        while not stopped.wait(STATS_INTERVAL_S):
+            send(("stats", replica_stats(engine)))
+
+    threading.Thread(target=report, name="tfserve-replica-stats", daemon=True).start()
     try:
         while True:
             try:
@@ -197,6 +203,7 @@ def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
             else:
                 break
     finally:
+        stopped.set()
         manager.stop()
 
 
@@ -286,7 +293,7 @@ class ReplicatedEngine(AsyncEngine):
             self.in_flight[index] -= 1
 
     def replica_stats(self) -> list[dict[str, float]]:
-        """Each replica's counters (remote ones as of their last finished request), and requests routed to it."""
+        """Each replica's counters (a remote one's as of its last report), and requests routed to it."""
         stats = [replica_stats(self.engine)] + [dict(remote.stats) for remote in self.remotes]
         for index, entry in enumerate(stats):
             entry["num_routed"] = self.num_routed[index]
