@@ -120,9 +120,8 @@ class WhisperModel:
             raise NotSpeechModelError(f"{spec} is a GGUF file; speech models are transformers Whisper directories")
         with hf_progress_bars(enabled=False):  # the caller shows its own progress, or none (a server)
             whisper = cls._load(resolved.path, resolved.name)
-        if progress is not None and os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0" and kernels.needs_build():
-            progress(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
-            kernels.cpu_ops()
+        if progress is not None and os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0":
+            kernels.build_with_progress(progress)
         return whisper
 
     def check_request(self, language: str | None, task: str) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from tfserve.distributed.replicas import Replica, ReplicaSpec, replica_stats, replica_threads
+from tfserve.distributed.replicas import Replica, ReplicaSpec, replica_stats, replica_threads, start_replica_engine
 
 logger = logging.getLogger("tfserve.distributed")
 
@@ -35,14 +35,8 @@ class ReplicaActor:
     """The Ray actor: an engine stepped by its BatchingManager; outputs wait in a queue for `poll`."""
 
     def __init__(self, spec: ReplicaSpec, index: int) -> None:
-        import torch
-
-        from tfserve.engine.engine import Engine
-        from tfserve.engine.manager import BatchingManager
-
-        torch.set_num_threads(replica_threads(spec.num_replicas))
-        self.engine = Engine.from_pretrained(spec.model, spec.config, **spec.load_kwargs)
-        self.manager = BatchingManager(self.engine).start()
+        self.manager = start_replica_engine(spec)
+        self.engine = self.manager.engine
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
 
     def ready(self) -> bool:

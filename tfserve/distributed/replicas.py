@@ -51,10 +51,6 @@ class Replica:
         self.error: str | None = None
         self.stats: dict[str, float] = {}  # the replica's engine counters, as of its last report
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._sinks)
-
     def add_requests(self, requests: list, stream: bool = True, sink: Callable | None = None) -> list[str]:
         if self.error is not None:  # a dead replica answers at once (the router avoids it, but a race may not)
             for request in requests:
@@ -163,15 +159,20 @@ def replica_main(spec: ReplicaSpec, conn, index: int) -> None:
         sys.exit(1)
 
 
-def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
+def start_replica_engine(spec: ReplicaSpec):
+    """A replica's engine on its share of the cores, stepped by a started BatchingManager (returned)."""
     import torch
 
     from tfserve.engine.engine import Engine
     from tfserve.engine.manager import BatchingManager
 
     torch.set_num_threads(replica_threads(spec.num_replicas))
-    engine = Engine.from_pretrained(spec.model, spec.config, **spec.load_kwargs)
-    manager = BatchingManager(engine).start()
+    return BatchingManager(Engine.from_pretrained(spec.model, spec.config, **spec.load_kwargs)).start()
+
+
+def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
+    manager = start_replica_engine(spec)
+    engine = manager.engine
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:

@@ -107,31 +107,27 @@ class SharedMemory:
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         self.seq += 1
-        try:
-            self.ops.shm_all_reduce_(x, self.flags, self.data, self.rank, self.seq, self.timeout_s)
-        except RuntimeError as exc:
-            raise TensorParallelError(f"a tensor-parallel collective failed (a worker rank died or hung): {exc}")
+        _collective(self.ops.shm_all_reduce_, x, self.flags, self.data, self.rank, self.seq, self.timeout_s)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self.seq += 1
-        try:
-            return self.ops.shm_all_gather(x, self.flags, self.data, self.rank, self.seq, self.timeout_s)
-        except RuntimeError as exc:
-            raise TensorParallelError(f"a tensor-parallel collective failed (a worker rank died or hung): {exc}")
+        return _collective(self.ops.shm_all_gather, x, self.flags, self.data, self.rank, self.seq, self.timeout_s)
 
 
 SHM_CAPACITY = 4 << 20  # floats a rank puts in one shared-memory collective (larger ones go through gloo)
 
 
 def connect_shared_memory(tp: TensorParallel, ops, same_machine: bool, timeout_s: float) -> None:
-    """Every rank calls this once after `shard`: where the ranks share one machine and have the CPU kernels, rank
-    0 makes the buffers and the others map them; elsewhere the collectives stay on gloo."""
+    """Every rank calls this once, before the first step, with its runner's CPU kernels (`ops`, or None): where
+    the ranks share one machine and have the kernels, rank 0 makes the buffers and the others map them;
+    elsewhere the collectives stay on gloo."""
     import tempfile
 
     import torch.distributed as dist
 
+    has_kernels = ops is not None and hasattr(ops, "shm_all_reduce_")
     box: list[Any] = [None]
-    if tp.rank == 0 and same_machine and ops is not None and hasattr(ops, "shm_all_reduce_"):
+    if tp.rank == 0 and same_machine and has_kernels:
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         handle, box[0] = tempfile.mkstemp(prefix="tfserve-tp-", dir=directory)
         os.close(handle)
@@ -139,7 +135,7 @@ def connect_shared_memory(tp: TensorParallel, ops, same_machine: bool, timeout_s
     path = box[0]
     if path is None:
         return
-    if ops is None or not hasattr(ops, "shm_all_reduce_"):
+    if not has_kernels:
         raise TensorParallelError(f"rank {tp.rank} has no CPU kernels, which rank 0 uses for its collectives")
     tp.shm = SharedMemory(path, tp.world_size, tp.rank, SHM_CAPACITY, ops, timeout_s)
     _collective(dist.barrier, group=tp.group)  # every rank has mapped it: the name can go
@@ -147,10 +143,10 @@ def connect_shared_memory(tp: TensorParallel, ops, same_machine: bool, timeout_s
         os.unlink(path)
 
 
-def _collective(fn, *args, **kwargs) -> None:
+def _collective(fn, *args, **kwargs) -> Any:
     try:
-        fn(*args, **kwargs)
-    except RuntimeError as exc:  # gloo: a peer closed its connection, or the timeout passed
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:  # a peer closed its connection (gloo), or the timeout passed (gloo, shared memory)
         raise TensorParallelError(f"a tensor-parallel collective failed (a worker rank died or hung): {exc}") from exc
 
 

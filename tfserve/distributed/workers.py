@@ -63,15 +63,6 @@ class Workers:
                 process.join(2)
 
 
-def cpu_ops_for(config, device: str):
-    """The CPU kernels, where the engine would use them (ModelRunner's rule), else None."""
-    if not config.cpu_kernels or device != "cpu":
-        return None
-    from tfserve.engine import kernels
-
-    return kernels.cpu_ops()
-
-
 def _how(exitcode: int) -> str:
     if exitcode < 0:
         import signal
@@ -144,10 +135,10 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     tensor_parallel.init_process_group(rank, spec.world_size, spec.init_method, spec.timeout_s)
     loaded = load_model(spec.model, **spec.load_kwargs)
     tp = tensor_parallel.shard(loaded.model, rank, spec.world_size)
-    tensor_parallel.connect_shared_memory(tp, cpu_ops_for(spec.config, loaded.device),
-                                          tensor_parallel.one_machine(spec.config), spec.timeout_s)
     num_blocks = tensor_parallel.receive_step(tp)  # rank 0 sized its cache: every rank holds as many blocks
     runner = ModelRunner(loaded.model, dataclasses.replace(spec.config, num_blocks=num_blocks), tp)
+    tensor_parallel.connect_shared_memory(tp, runner.cpu_ops, tensor_parallel.one_machine(spec.config),
+                                          spec.timeout_s)
     forward = runner.forward
     with torch.inference_mode():
         while (step := tensor_parallel.receive_step(tp)) is not None:

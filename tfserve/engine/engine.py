@@ -93,24 +93,18 @@ class Engine:
 
         config = _with_overrides(config, overrides)  # checked before a long load
         dtype, quantization = str(getattr(dtype, "value", dtype)), str(getattr(quantization, "value", quantization))
-        load_dtype, load_quantization, weights = _cpu_weights(config, dtype, quantization, device)
-        load_kwargs = {"dtype": load_dtype, "device": device, "quantization": load_quantization,
-                       "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+        config, load_kwargs = _load_plan(config, dtype, device, quantization, attn_implementation, trust_remote_code)
         report = progress or no_progress
-        if weights != config.weights:
-            config = dataclasses.replace(config, weights=weights)
-        if config.tensor_parallel_size > 1:  # the kernels built once, before the worker ranks load them
+        if config.tensor_parallel_size > 1:
             if resolve_device(device) != "cpu":
                 raise DeviceError("tensor parallelism runs CPU ranks for now (CUDA ranks, on NCCL, are not built "
                                   "yet); use --device cpu, or one GPU without --tensor-parallel-size")
-            if config.cpu_kernels and resolve_device(device) == "cpu" and kernels.needs_build():
-                report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
-                kernels.cpu_ops()
+            if config.cpu_kernels:  # built once, before the worker ranks load them
+                kernels.build_with_progress(report)
             return _tensor_parallel(cls, _worker_spec(model or DEFAULT_MODEL, config, load_kwargs), progress)
         loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)  # None: transformers' bars
-        if config.cpu_kernels and loaded.device == "cpu" and kernels.needs_build():
-            report(f"Building tfserve's CPU kernels for {kernels.isa()} (first run only, about a minute)")
-            kernels.cpu_ops()
+        if config.cpu_kernels and loaded.device == "cpu":
+            kernels.build_with_progress(report)
         gguf_file = gguf_source(loaded.path) if loaded.device == "cpu" and dtype == "auto" else None
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
@@ -541,10 +535,17 @@ def worker_spec(model: str | None, config: EngineConfig, *, dtype: str = "auto",
     node past the first, which starts only worker ranks."""
     from tfserve.models.loading import DEFAULT_MODEL
 
+    config, load_kwargs = _load_plan(config, dtype, device, quantization, attn_implementation, trust_remote_code)
+    return _worker_spec(model or DEFAULT_MODEL, config, load_kwargs)
+
+
+def _load_plan(config: EngineConfig, dtype: str, device: str, quantization: str, attn_implementation: str | None,
+               trust_remote_code: bool) -> tuple[EngineConfig, dict[str, Any]]:
+    """`config` with the weight format the user's dtype and quantization mean, and `load_model`'s keywords."""
     load_dtype, load_quantization, weights = _cpu_weights(config, dtype, quantization, device)
     load_kwargs = {"dtype": load_dtype, "device": device, "quantization": load_quantization,
                    "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
-    return _worker_spec(model or DEFAULT_MODEL, dataclasses.replace(config, weights=weights), load_kwargs)
+    return (dataclasses.replace(config, weights=weights) if weights != config.weights else config), load_kwargs
 
 
 def _worker_spec(model: str, config: EngineConfig, load_kwargs: dict[str, Any]):
@@ -576,11 +577,11 @@ def _tensor_parallel(cls, spec, progress) -> Engine:
         tensor_parallel.init_process_group(0, world, init_method, config.distributed_timeout_s)
         loaded = load_model(model, progress=progress, **load_kwargs)
         tp = tensor_parallel.shard(loaded.model, 0, world)
-        tensor_parallel.connect_shared_memory(tp, workers.cpu_ops_for(config, loaded.device),
-                                              tensor_parallel.one_machine(config), config.distributed_timeout_s)
         report("Allocating the KV cache")
         engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor, tensor_parallel=tp)
         tensor_parallel.send_step(engine.runner.num_blocks, tp)  # the workers size their slices alike
+        tensor_parallel.connect_shared_memory(tp, engine.runner.cpu_ops, tensor_parallel.one_machine(config),
+                                              config.distributed_timeout_s)
     except BaseException:
         started.stop(timeout=0)
         if torch.distributed.is_initialized():

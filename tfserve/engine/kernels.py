@@ -107,6 +107,14 @@ def needs_build() -> bool:
     return not cpu_ops.cache_info().currsize and not _is_built(build_dir())
 
 
+def build_with_progress(report) -> None:
+    """Build the kernels now if this machine has none yet, telling `report` first (the one slow stage of a first
+    load: a caller shows it as its own step)."""
+    if needs_build():
+        report(f"Building tfserve's CPU kernels for {isa()} (first run only, about a minute)")
+        cpu_ops()
+
+
 @cache
 def cpu_ops():
     """The compiled module for this CPU (`paged_decode_attention`, `linear`, ...), or None where it cannot be

@@ -36,21 +36,14 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
     (lean where it applies), with linear weights held as `config.weights` says. `cpu_ops` are the compiled CPU
     kernels, or None. `tp`: the model is this rank's shard (tfserve.distributed.tensor_parallel), which only the
     lean forward runs; rank 0's sends every step to the other ranks first."""
-    if tp is not None:
-        if config.forward_backend == "hf":
-            raise ValueError("tensor parallelism runs on the lean forward; forward_backend hf cannot split a model")
-        if config.weights == "gguf":
-            raise ValueError("tensor parallelism splits float32 (or float16/bfloat16/int8) weights, not a GGUF "
-                             "file's blocks; leave weights auto")
-        from tfserve.distributed.tensor_parallel import BroadcastForward
-
-        lean = LeanForward(model, cpu_ops, pack=cpu_linear.can_pack(model, cpu_ops) if config.pack_weights is None
-                           else config.pack_weights,
-                           weights="float32" if config.weights == "auto" else config.weights, tp=tp)
-        return BroadcastForward(lean, tp) if tp.rank == 0 else lean
+    if tp is not None and config.forward_backend == "hf":
+        raise ValueError("tensor parallelism runs on the lean forward; forward_backend hf cannot split a model")
+    if tp is not None and config.weights == "gguf":
+        raise ValueError("tensor parallelism splits float32 (or float16/bfloat16/int8) weights, not a GGUF "
+                         "file's blocks; leave weights auto")
     weights = config.weights
     if weights == "auto":
-        weights = "gguf" if config.gguf_file and cpu_ops is not None else "float32"
+        weights = "gguf" if config.gguf_file and cpu_ops is not None and tp is None else "float32"
     why_not = "forward_backend is hf" if config.forward_backend == "hf" else LeanForward.why_not(model)
     if why_not is not None:
         if config.forward_backend == "lean":
@@ -73,4 +66,9 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
         from tfserve.models.gguf_weights import quantized_linear_weights
 
         blocks = quantized_linear_weights(config.gguf_file, model)
-    return LeanForward(model, cpu_ops, pack=pack, weights=weights, blocks=blocks)
+    lean = LeanForward(model, cpu_ops, pack=pack, weights=weights, blocks=blocks, tp=tp)
+    if tp is not None and tp.rank == 0:
+        from tfserve.distributed.tensor_parallel import BroadcastForward
+
+        return BroadcastForward(lean, tp)
+    return lean
