@@ -37,8 +37,10 @@ class EngineConfig:
     # gguf where the model came from a GGUF file (gguf_file), else float32
     weights: str = "auto"
     gguf_file: str | None = None  # the GGUF file the model was loaded from (Engine.from_pretrained fills it in)
-    # speculative decoding: "ngram" proposes tokens by prompt lookup (engine/spec_decode.py) for greedy requests
+    # speculative decoding for greedy requests: "ngram" proposes tokens by prompt lookup (engine/spec_decode.py),
+    # "draft" by a smaller model of the same tokenizer (engine/draft.py): `speculative_model`, as --model takes it
     speculative: str | None = None
+    speculative_model: str | None = None
     num_speculative_tokens: int = 4  # proposals per step at most
     # tensor parallelism (tfserve.distributed): the model split across this many ranks (processes), rank 0 this one
     tensor_parallel_size: int = 1
@@ -62,7 +64,12 @@ class EngineConfig:
                f"must be auto or none (got {self.generation_config!r})")
         _check(self.weights in WEIGHT_FORMATS, "weights",
                f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})")
-        _check(self.speculative in (None, "ngram"), "speculative", f"must be ngram, or unset (got {self.speculative!r})")
+        _check(self.speculative in (None, "ngram", "draft"), "speculative",
+               f"must be ngram or draft, or unset (got {self.speculative!r})")
+        _check(self.speculative_model is None or self.speculative == "draft", "speculative_model",
+               f"is the draft model of speculative draft (speculative is {self.speculative!r})")
+        _check(self.speculative != "draft" or self.tensor_parallel_size == 1, "speculative",
+               "draft runs without tensor parallelism for now")
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
                f"must be in [1, 16] (got {self.num_speculative_tokens})")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",

@@ -267,3 +267,16 @@ def test_distributed_flags_reach_the_engine_and_its_loader(served):
     assert result.exit_code != 0 and "cannot be combined yet" in result.output
     result = served("MODEL_DIR", "--ray", "auto")["result"]
     assert result.exit_code != 0 and "--ray places engine replicas" in result.output
+
+
+def test_speculative_flags_reach_the_engine(served):
+    config = ok(served("MODEL_DIR", "--speculative-model", "smollm2-135m-instruct", "--num-speculative-tokens", "3"))[
+        "engine_kwargs"]
+    assert (config.speculative, config.speculative_model, config.num_speculative_tokens) == (
+        "draft", "smollm2-135m-instruct", 3)
+    assert ok(served("MODEL_DIR", "--speculative", "ngram"))["engine_kwargs"].speculative == "ngram"
+    for flags, message in ((["--speculative", "draft"], "--speculative draft needs --speculative-model"),
+                           (["--speculative", "ngram", "--speculative-model", "x"], "--speculative-model is the draft"),
+                           (["--speculative", "medusa"], "--speculative must be ngram or draft")):
+        result = served("MODEL_DIR", *flags)["result"]
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output

@@ -74,7 +74,115 @@ def test_stops_and_max_tokens_cut_a_steps_tokens(make_engine, llama):
 def test_a_bad_setting_is_refused():
     from tfserve.config import EngineConfig
 
-    with pytest.raises(ValueError, match="speculative must be ngram"):
-        EngineConfig(speculative="draft")
+    with pytest.raises(ValueError, match="speculative must be ngram or draft"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="speculative_model is the draft model of speculative draft"):
+        EngineConfig(speculative="ngram", speculative_model="x")
+    with pytest.raises(ValueError, match="draft runs without tensor parallelism"):
+        EngineConfig(speculative="draft", speculative_model="x", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
+
+
+# -- a draft model ---------------------------------------------------------------------------------------------
+
+def _noisy_copy(model, scale: float):
+    """The model with every weight nudged: a draft that agrees with it on most tokens, not all."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return draft
+
+
+def _other_llama(vocab_size: int):
+    """Another shape altogether: one layer, other heads (its KV cache is laid out differently)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(5)
+    return LlamaForCausalLM(config).eval()
+
+
+def _each(engine, prompts, params):
+    """Each prompt's tokens under its own params, all in one batch."""
+    ids = [engine.add_request(prompt, p)[0] for prompt, p in zip(prompts, params)]
+    done = {}
+    while len(done) < len(ids):
+        done.update((o.request_id, o.generated_tokens) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+def _prompts(vocab):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 23, 1, 40)]
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_a_draft_model_gives_the_same_greedy_tokens(make_engine, llama, backend):
+    prompts = _prompts(llama.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain, _ = _run(make_engine, prompts, params, forward_backend=backend)
+    for draft, agrees in ((llama, "all"), (_noisy_copy(llama, 0.3), "some"),
+                          (_other_llama(llama.config.vocab_size), "any")):
+        spec, engine = _run(make_engine, prompts, params, forward_backend=backend, speculative="draft",
+                            num_speculative_tokens=3, draft_model=draft)
+        assert spec == plain, agrees
+        assert engine.num_draft_tokens > 0
+        if agrees == "all":  # the model as its own draft: every proposal kept, 4 tokens a step
+            assert engine.spec_acceptance_rate == 1
+            assert engine.num_steps <= 2 * (30 // 4 + 2)
+        elif agrees == "some":
+            assert 0 < engine.spec_acceptance_rate < 1
+
+
+def test_a_draft_model_beside_sampled_requests_stops_and_preemption(make_engine, llama):
+    vocab = llama.config.vocab_size
+    prompts = _prompts(vocab)
+    draft = _noisy_copy(llama, 0.3)
+    greedy = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=25, ignore_eos=True)
+    plain, _ = _run(make_engine, prompts, greedy)
+    stop_at = plain[1][6]
+    stopping = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, stop_token_ids=[stop_at])
+    mixed = [greedy, sampled, stopping, greedy]
+    want = _each(make_engine(with_tokenizer=False), prompts, mixed)
+    # a pool too small for all four at once: requests are preempted and recomputed, the draft's cache with them
+    spec = make_engine(with_tokenizer=False, num_blocks=20, speculative="draft", draft_model=draft)
+    assert _each(spec, prompts, mixed) == want
+    assert spec.scheduler.num_preemptions > 0 and spec.num_draft_tokens > 0
+    assert spec.block_pool.num_free_blocks == spec.block_pool.num_blocks
+
+
+def test_a_draft_model_is_needed_and_must_share_the_tokenizer(make_engine, llama, tokenizer, tmp_path):
+    from tfserve import Engine
+    from tfserve.errors import ModelLoadError
+
+    with pytest.raises(ValueError, match="needs a draft model"):
+        make_engine(speculative="draft")
+    target, same, other = tmp_path / "target", tmp_path / "same", tmp_path / "other"
+    for path, model in ((target, llama), (same, _noisy_copy(llama, 0.3))):
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["other words entirely"] * 3, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other_tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    _other_llama(len(other_tokenizer)).save_pretrained(other)
+    other_tokenizer.save_pretrained(other)
+    with pytest.raises(ModelLoadError, match="has another tokenizer"):
+        Engine.from_pretrained(str(target), speculative="draft", speculative_model=str(other), num_blocks=64)
+    engine = Engine.from_pretrained(str(target), speculative="draft", speculative_model=str(same), num_blocks=64)
+    prompt = _prompts(llama.config.vocab_size)[1]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (out,) = engine.generate_batch([prompt], params).values()
+    (want,) = make_engine(with_tokenizer=False).generate_batch([prompt], params).values()
+    assert out.generated_tokens == want.generated_tokens and engine.num_draft_tokens > 0

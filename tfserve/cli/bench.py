@@ -46,7 +46,13 @@ def offline(
     device: DeviceOpt = "auto",
     quantization: QuantizationOpt = Quantization.none,
     speculative: Annotated[str | None, typer.Option(
-        "--speculative", help="ngram: speculative decoding by prompt lookup (the tfserve engine).")] = None,
+        "--speculative", help="ngram (prompt lookup) or draft (a draft model): speculative decoding (the tfserve "
+                              "engine).")] = None,
+    speculative_model: Annotated[str | None, typer.Option(
+        "--speculative-model", help="The draft model of --speculative draft (implies it).",
+        show_default=False)] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(
+        "--num-speculative-tokens", min=1, max=16, help="Tokens proposed per step with --speculative.")] = 4,
     tensor_parallel_size: TensorParallelOpt = 1,
     output_json: OutputJsonOpt = None,
 ) -> None:
@@ -73,7 +79,9 @@ def offline(
             from tfserve.engine.engine import Engine
 
             config = engine_config_from_flags({"max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
-                                               "speculative": speculative,
+                                               "speculative": speculative or ("draft" if speculative_model else None),
+                                               "speculative_model": speculative_model,
+                                               "num_speculative_tokens": num_speculative_tokens,
                                                "tensor_parallel_size": tensor_parallel_size})
             ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,
                                           quantization=quantization.value, progress=progress)

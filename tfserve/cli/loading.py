@@ -10,9 +10,12 @@ def engine_config_from_flags(engine_kwargs: dict):
     from tfserve.errors import TfserveError
 
     try:
-        return EngineConfig(**engine_kwargs)
+        config = EngineConfig(**engine_kwargs)
     except ValueError as exc:
         raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
+    if config.speculative == "draft" and config.speculative_model is None:
+        raise TfserveError("--speculative draft needs --speculative-model: the draft model")
+    return config
 
 
 def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True,

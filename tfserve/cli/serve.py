@@ -112,8 +112,12 @@ def serve(
                                             help="Tokens per KV cache block (a power of two).",
                                             rich_help_panel=ENGINE)] = 16,
     speculative: Annotated[str | None, typer.Option(
-        help="ngram: speculative decoding by prompt lookup for greedy requests (the same tokens, several per "
-             "step where the text repeats itself, as in edits, code and quotes).", rich_help_panel=ENGINE)] = None,
+        help="Speculative decoding for greedy requests, the same tokens several per step: ngram (prompt lookup: "
+             "where the text repeats itself, as in edits, code and quotes) or draft (a smaller model of the same "
+             "tokenizer guesses: --speculative-model).", rich_help_panel=ENGINE)] = None,
+    speculative_model: Annotated[str | None, typer.Option(
+        help="The draft model of --speculative draft (implies it), as --model takes it: a store name, an HF "
+             "directory, a .gguf file or a cached hub id.", rich_help_panel=ENGINE, show_default=False)] = None,
     num_speculative_tokens: Annotated[int, typer.Option(
         min=1, max=16, help="Tokens proposed per step with --speculative.", rich_help_panel=ENGINE)] = 4,
     tensor_parallel_size: TensorParallelOpt = 1,
@@ -295,7 +299,8 @@ def serve(
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
-        "speculative": speculative, "num_speculative_tokens": num_speculative_tokens,
+        "speculative": speculative or ("draft" if speculative_model else None),
+        "speculative_model": speculative_model, "num_speculative_tokens": num_speculative_tokens,
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
         "distributed_timeout_s": distributed_timeout, "nnodes": nnodes}
     engine_config = engine_config_from_flags(engine_kwargs)

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from tfserve.config import EngineConfig
 from tfserve.engine.detokenizer import IncrementalDetokenizer
+from tfserve.engine.draft import DraftModel
 from tfserve.engine.kv_cache import BlockPool
 from tfserve.engine.multimodal import VisionLanguage
 from tfserve.engine.request import Request, RequestMetrics, RequestOutput, RequestStatus
@@ -29,10 +30,12 @@ class Engine:
     preemption, vectorised sampling. Not thread-safe: use `BatchingManager` (or `AsyncEngine`) to share it."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, processor: Any = None,
-                 tensor_parallel: Any = None, **overrides: Any) -> None:
+                 tensor_parallel: Any = None, draft_model: Any = None, draft_gguf_file: str | None = None,
+                 **overrides: Any) -> None:
         """`config` (default: EngineConfig()) with any of its fields overridden by keyword, e.g.
         `Engine(model, tokenizer, max_num_seqs=8)`; a bad value raises ValueError naming the field. A
-        vision-language model comes with its `processor` (images in prompts: `render_multimodal`)."""
+        vision-language model comes with its `processor` (images in prompts: `render_multimodal`). With
+        `speculative="draft"`, `draft_model` (of the same tokenizer) proposes the greedy decodes' tokens."""
         self.config = config = _with_overrides(config, overrides)
         self.model = model
         self.tokenizer = tokenizer
@@ -46,14 +49,24 @@ class Engine:
         if self.vision is not None and self.vision.bidirectional and self.runner.flash_attention:
             raise ValueError("attn_implementation flash_attention_2 cannot attend an image's tokens both ways "
                              f"({type(model).__name__}); leave it unset for tfserve's paged attention")
+        text_config = model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        propose = None
+        if config.speculative == "draft":
+            if draft_model is None:
+                raise ValueError("speculative draft needs a draft model (speculative_model, or draft_model=)")
+            if tensor_parallel is not None or self.vision is not None:
+                raise ValueError("a draft model proposes for one-process text models only (not with tensor "
+                                 "parallelism or images)")
+            self.runner.draft = DraftModel(draft_model, config, self.runner.num_blocks, self.vocab_size,
+                                           draft_gguf_file)
+            propose = _draft_places
         self.block_pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, config.max_batch_tokens, config.max_num_seqs,
                                    config.num_speculative_tokens if config.speculative else 0,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, propose)
         self.num_draft_tokens = 0  # speculative decoding: proposals checked, and accepted
         self.num_accepted_tokens = 0
-        text_config = model.config.get_text_config()
-        self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
@@ -108,8 +121,19 @@ class Engine:
         gguf_file = gguf_source(loaded.path) if loaded.device == "cpu" and dtype == "auto" else None
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
+        draft, draft_gguf = None, None
+        if config.speculative == "draft":
+            if config.speculative_model is None:
+                raise ValueError("speculative draft needs speculative_model: the draft model, as --model takes it")
+            # as its own files say, whatever --dtype the served model has: a GGUF draft runs its blocks
+            _, draft_kwargs = _load_plan(config, "auto", device, quantization, attn_implementation, trust_remote_code)
+            draft = load_model(config.speculative_model, progress=progress, **draft_kwargs)
+            _check_draft_tokenizer(loaded, draft)
+            draft_gguf = gguf_source(draft.path) if draft.device == "cpu" and config.cpu_kernels else None
         report("Allocating the KV cache")
-        engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor)
+        engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor,
+                     draft_model=draft.model if draft else None,
+                     draft_gguf_file=str(draft_gguf) if draft_gguf is not None else None)
         engine.model_name, engine.model_path = loaded.name, str(loaded.path)
         engine.device, engine.dtype, engine.quantization = loaded.device, loaded.dtype, loaded.quantization
         formats = getattr(engine.runner.forward, "weight_formats", {})
@@ -515,6 +539,22 @@ def _cpu_weights(config: EngineConfig, dtype: str, quantization: str, device: st
     if dtype in ("float16", "bfloat16") and quantization == "none" and on_cpu_kernels and config.weights == "auto":
         return "float32", "none", dtype
     return dtype, quantization, config.weights
+
+
+def _check_draft_tokenizer(loaded, draft) -> None:
+    """A draft model must speak the served model's tokens: its proposals are token ids."""
+    from tfserve.errors import ModelLoadError
+
+    if loaded.tokenizer is None or draft.tokenizer is None:
+        return
+    if loaded.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ModelLoadError(f"the draft model {draft.name} has another tokenizer than {loaded.name}: its "
+                             "proposals would be other tokens; pick a draft of the same family")
+
+
+def _draft_places(request: Request, k: int) -> list[int]:
+    """k places for a draft model's proposals, which the runner fills before the step (engine/draft.py)."""
+    return [0] * k
 
 
 def _with_overrides(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

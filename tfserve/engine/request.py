@@ -50,7 +50,7 @@ class Request:
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
         "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids", "matcher",
-        "prompt_logprobs", "mm",
+        "prompt_logprobs", "mm", "num_draft_computed",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -61,6 +61,7 @@ class Request:
         self._prompt_token_ids = list(prompt_token_ids)  # shared by every output, never copied per token
         self.token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []  # this step's proposals (speculative decoding), not yet tokens
+        self.num_draft_computed = 0  # positions in a draft model's KV cache (engine/draft.py)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids

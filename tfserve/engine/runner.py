@@ -59,6 +59,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, self.cpu_ops)
         self.forward = select_backend(model, config, self.cpu_ops, tp)
         self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
+        self.draft: Any = None  # engine.draft.DraftModel: fills the proposals' places before each step (set by Engine)
 
     @property
     def block_bytes(self) -> int:
@@ -91,6 +92,8 @@ class ModelRunner:
         """Run one step. Returns the requests that sampled a token (in order), their samples, and for each
         request with proposals (speculative decoding) its greedy token after each of its new tokens. Requests
         asking for prompt logprobs gather those of this step's prompt positions, once the step has run."""
+        if self.draft is not None:
+            self.draft.propose([r for r in plan.requests if r.spec_token_ids])
         input_ids, positions, slots, sample_index, samplers = [], [], [], [], []
         verify: list[tuple[Request, int, int]] = []  # request, first logits row, rows
         verify_index: list[int] = []
@@ -136,24 +139,15 @@ class ModelRunner:
         if decode_rows:
             groups.append(self._decode_group(decode_rows))
         if first_prefill < len(plan.requests):
-            groups.append(self._group(plan, first_prefill, len(plan.requests), len(decode_rows)))
-        attention.set_metadata(AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            groups=groups, kv_caches=self.kv_caches, block_size=size, cpu_ops=self.cpu_ops,
-            flash=self.flash_attention, num_decode_tokens=len(decode_rows),
-        ))
-        input_ids = torch.tensor(input_ids, device=device)
-        positions = torch.tensor(positions, device=device)
-        sample_index = torch.tensor(sample_index + verify_index + score_index, dtype=torch.long, device=device)
-        try:
-            extra = {}
-            if image_rows:  # the token embeddings with the images' encoder rows in place
-                extra["inputs_embeds"] = self.vision.embed(input_ids, image_rows, image_features)
-            if self.vision is not None and self.vision.uses_mrope:  # 3-D rotary positions, every step
-                extra["mrope_positions"] = self.vision.mrope_positions(segments).to(device)
-            logits = self.forward(input_ids, positions, sample_index, **extra)
-        finally:
-            attention.set_metadata(None)
+            groups.append(self._group([(r, r.num_computed_tokens, n) for r, n in zip(
+                plan.requests[first_prefill:], plan.num_new_tokens[first_prefill:])], len(decode_rows)))
+        extra = {}
+        if image_rows:  # the token embeddings with the images' encoder rows in place
+            extra["inputs_embeds"] = lambda ids: self.vision.embed(ids, image_rows, image_features)
+        if self.vision is not None and self.vision.uses_mrope:  # 3-D rotary positions, every step
+            extra["mrope_positions"] = lambda: self.vision.mrope_positions(segments).to(device)
+        logits = self._forward(input_ids, positions, slots, groups, len(decode_rows),
+                               sample_index + verify_index + score_index, **extra)
         num_samples, num_checks = len(samplers), len(verify_index)
         verified = []
         if verify:
@@ -166,6 +160,56 @@ class ModelRunner:
         for (request, _), entries in zip(scored, prompt_entries):
             request.prompt_logprobs.extend(entries)
         return samplers, samples, verified
+
+    def _forward(self, input_ids: list[int], positions: list[int], slots: list[int], groups: list[AttentionGroup],
+                 num_decode_tokens: int, logits_index: list[int], inputs_embeds=None,
+                 mrope_positions=None) -> torch.Tensor:
+        """One packed forward over the KV cache: logits at `logits_index`. `inputs_embeds(input_ids)` and
+        `mrope_positions()` make a vision-language model's extra inputs."""
+        device = self.device
+        attention.set_metadata(AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            groups=groups, kv_caches=self.kv_caches, block_size=self.block_size, cpu_ops=self.cpu_ops,
+            flash=self.flash_attention, num_decode_tokens=num_decode_tokens,
+        ))
+        ids = torch.tensor(input_ids, device=device)
+        try:
+            extra = {}
+            if inputs_embeds is not None:
+                extra["inputs_embeds"] = inputs_embeds(ids)
+            if mrope_positions is not None:
+                extra["mrope_positions"] = mrope_positions()
+            return self.forward(ids, torch.tensor(positions, device=device),
+                                torch.tensor(logits_index, dtype=torch.long, device=device), **extra)
+        finally:
+            attention.set_metadata(None)
+
+    @torch.inference_mode()
+    def greedy_next(self, chunks: list[tuple[Request, list[int], int]], vocab_size: int) -> list[int]:
+        """Write each chunk's (request, tokens, first position) keys and values into this runner's cache, at the
+        request's own slots, and return the greedy token after each chunk's last among the first `vocab_size`:
+        a draft model's step (engine/draft.py). One-token chunks go first, as decodes."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) > 1)
+        size = self.block_size
+        input_ids, positions, slots, last = [], [], [], []
+        for i in order:
+            request, tokens, start = chunks[i]
+            end = start + len(tokens)
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(request.block_ids[p // size] * size + p % size for p in range(start, end))
+            last.append(len(input_ids) - 1)
+        decodes = [(chunks[i][0], chunks[i][2]) for i in order if len(chunks[i][1]) == 1]
+        prefills = [(chunks[i][0], chunks[i][2], len(chunks[i][1])) for i in order if len(chunks[i][1]) > 1]
+        groups = [self._decode_group(decodes)] if decodes else []
+        if prefills:
+            groups.append(self._group(prefills, len(decodes)))
+        logits = self._forward(input_ids, positions, slots, groups, len(decodes), last)
+        choices = logits[:, :vocab_size].argmax(dim=-1).tolist()
+        tokens = [0] * len(chunks)
+        for i, token in zip(order, choices):
+            tokens[i] = token
+        return tokens
 
     def _decode_group(self, rows: list[tuple[Request, int]]) -> AttentionGroup:
         """Metadata for the step's first tokens, one query each: `rows` of (request, position)."""
@@ -180,33 +224,31 @@ class ModelRunner:
             pad_index=None, unpad_index=None,
         )
 
-    def _group(self, plan: SchedulerOutput, first: int, last: int, token_start: int) -> AttentionGroup:
-        """Metadata for prefill requests `first:last` of the plan, whose tokens start at packed index
-        `token_start` (after the decode rows)."""
-        requests = plan.requests[first:last]
-        num_new = plan.num_new_tokens[first:last]
+    def _group(self, chunks: list[tuple[Request, int, int]], token_start: int) -> AttentionGroup:
+        """Metadata for prefill `chunks` of (request, first position, tokens), whose tokens start at packed
+        index `token_start` (after the decode rows)."""
+        requests = [r for r, _, _ in chunks]
+        num_new = [n for _, _, n in chunks]
         max_blocks = max(len(r.block_ids) for r in requests)
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests]
         device = self.device
         max_q = max(num_new)
         positions, pad_index, unpad_index = [], [], []
         offset = 0
-        for row, (request, n) in enumerate(zip(requests, num_new)):
-            start = request.num_computed_tokens
+        for row, (request, start, n) in enumerate(chunks):
             positions.append([start + min(i, n - 1) for i in range(max_q)])
             pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
             unpad_index.extend(range(row * max_q, row * max_q + n))
             offset += n
         image_runs = None
         if self.vision is not None and self.vision.bidirectional:
-            image_runs = [r.mm.runs_in(r.num_computed_tokens, r.num_computed_tokens + n) if r.mm is not None else []
-                          for r, n in zip(requests, num_new)]
+            image_runs = [r.mm.runs_in(start, start + n) if r.mm is not None else [] for r, start, n in chunks]
         return AttentionGroup(
             image_runs=image_runs if image_runs and any(image_runs) else None,
             start=token_start, end=token_start + offset,
             block_tables=torch.tensor(tables, dtype=torch.long, device=device),
             query_positions=torch.tensor(positions, dtype=torch.long, device=device),
-            key_lens=torch.tensor([r.num_computed_tokens + n for r, n in zip(requests, num_new)], device=device),
+            key_lens=torch.tensor([start + n for _, start, n in chunks], device=device),
             pad_index=torch.tensor(pad_index, dtype=torch.long, device=device),
             unpad_index=torch.tensor(unpad_index, dtype=torch.long, device=device),
         )

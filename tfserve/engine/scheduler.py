@@ -5,13 +5,15 @@ Each step has a token budget (`max_batch_tokens`) and a cap on running sequences
 Running requests go first (decodes, and prefills already under way), then waiting ones in arrival order;
 a prompt longer than the budget left is chunked. When the pool runs out of blocks, the latest-arrived
 running request is preempted: its blocks are freed and it is recomputed later (its prefix may still be
-cached). With speculative decoding a greedy decode also computes its proposals (`spec_token_ids`), and
-`advance` takes back the ones the step rejected.
+cached). With speculative decoding a greedy decode also computes its proposals (`spec_token_ids`: n-gram
+guesses, or a draft model's places that the runner fills), and `advance` takes back the ones the step
+rejected.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tfserve.engine.kv_cache import BlockPool
@@ -39,10 +41,13 @@ class Scheduler:
     """FCFS continuous batching over a token budget, with chunked prefill and preemption by recompute."""
 
     def __init__(self, block_pool: BlockPool, max_batch_tokens: int, max_num_seqs: int,
-                 num_speculative_tokens: int = 0, long_prefill_token_threshold: int | None = None) -> None:
+                 num_speculative_tokens: int = 0, long_prefill_token_threshold: int | None = None,
+                 propose: Callable[[Request, int], list[int]] | None = None) -> None:
+        """`propose(request, k)`: up to k proposals for a greedy decode (default: n-gram prompt lookup)."""
         self.block_pool = block_pool
         self.long_prefill_token_threshold = long_prefill_token_threshold  # a prefill's tokens per step at most
-        self.num_speculative_tokens = num_speculative_tokens  # n-gram proposals per greedy decode; 0: off
+        self.num_speculative_tokens = num_speculative_tokens  # proposals per greedy decode at most; 0: off
+        self.propose = propose or (lambda request, k: propose_ngram(request.token_ids, k))
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -126,12 +131,12 @@ class Scheduler:
         return request.mm.chunk_size(start, num_new)
 
     def _proposals(self, request: Request, budget: int) -> list[int]:
-        """N-gram proposals for a greedy decode (none past its max_tokens or the step's budget)."""
+        """Proposals for a greedy decode (none past its max_tokens or the step's budget)."""
         params = request.params
         if not self.num_speculative_tokens or not params.greedy or params.logprobs is not None or params.shapes_logits:
             return []
         room = min(self.num_speculative_tokens, budget - 1, params.max_tokens - request.num_output_tokens - 1)
-        return propose_ngram(request.token_ids, room) if room > 0 else []
+        return self.propose(request, room) if room > 0 else []
 
     def requeue(self, request: Request) -> None:
         """Send a running request back to the front of the queue to be recomputed from scratch."""
@@ -140,6 +145,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []
+        request.num_draft_computed = 0  # its blocks go: so do the draft's keys and values in them
         self.block_pool.free_request(request)
         request.num_computed_tokens = 0  # recomputed from scratch (a cached prefix may still be hit)
         request.status = RequestStatus.PREEMPTED
