@@ -104,6 +104,26 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch(ops, fmt):
             assert torch.equal(linear(rows[:batch])[:2], alone), batch
 
 
+@pytest.mark.parametrize("narrow", ["float16", "bfloat16"])
+def test_float32_weights_that_are_16_bit_numbers_are_held_in_16_bits_with_the_same_results(ops, narrow):
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(64, 100)
+    with torch.no_grad():  # a 16-bit checkpoint loaded in float32
+        layer.weight.copy_(layer.weight.to(getattr(torch, narrow)).float())
+    linear = EngineLinear(layer, ops, "float32")
+    # bfloat16 numbers of this size are float16 numbers too (float16 is tried first); not the other way round
+    assert linear.packed.dtype in (torch.float16, getattr(torch, narrow)) and linear.label == "float32"
+    assert linear.nbytes * 2 == ops.pack_linear_weight(layer.weight.detach(), torch.float32).nbytes
+    x = torch.randn(7, 64)
+    with torch.inference_mode():
+        wide = ops.linear(x, ops.pack_linear_weight(layer.weight.detach(), torch.float32), 100, layer.bias)
+        assert torch.equal(linear(x), wide)  # bit for bit: the widened weights are the float32 ones
+    with torch.no_grad():  # one weight off the 16-bit grid: float32 panels
+        layer.weight[3, 5] += 1e-7 * layer.weight[3, 5].abs() + 1e-9
+    assert EngineLinear(layer, ops, "float32").packed.dtype == torch.float32
+    assert cpu_linear.exact_16_bit(torch.tensor([0.1])) is None
+
+
 def test_can_pack_needs_the_kernel_and_float32(layers):
     model = torch.nn.Sequential(*layers)
     assert not cpu_linear.can_pack(model, None)

@@ -4,7 +4,9 @@ A decode step multiplies every weight by only as many rows as there are running 
 by reading the weights; a general GEMM reads them at about half the memory bandwidth at those shapes. An
 `EngineLinear` holds its own copy of one layer's weight for the kernels in csrc/ (linear.h, quant.h):
 
-    float32           panels of whole vectors (at one row twice the bandwidth MKL's GEMV reaches on AVX2)
+    float32           panels of whole vectors (at one row twice the bandwidth MKL's GEMV reaches on AVX2),
+                      held in 16 bits where every weight is a 16-bit number (a bfloat16 or float16
+                      checkpoint loaded in float32): the same products from half the bytes
     float16/bfloat16  panels in 16 bits, widened in registers: half the bytes, float32 arithmetic
     int8              GGUF Q8_0 blocks quantized from the float weight (32 weights per float16 scale)
     gguf              a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, as stored
@@ -42,7 +44,8 @@ class EngineLinear:
         weight = layer.weight.detach() if layer.weight is not None else None
         self.weight = layer.weight if self.format == "torch" else None  # the kernels' formats hold their own copy
         if self.format in _PANEL_DTYPES:
-            self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[self.format])
+            held = exact_16_bit(weight) or "float32" if self.format == "float32" else self.format
+            self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[held])
         elif self.format == "int8":
             self.packed, self.qtype = ops.repack_blocks(ops.quantize_q8_0(weight), _Q8_0), _Q8_0
         elif self.format == "gguf":
@@ -73,6 +76,15 @@ class EngineLinear:
         """Bytes of weight one step reads."""
         held = self.packed if self.packed is not None else self.weight
         return held.numel() * held.element_size()
+
+
+def exact_16_bit(weight: torch.Tensor) -> str | None:
+    """"float16" or "bfloat16" where every weight is exactly a number of that type (a 16-bit checkpoint loaded
+    in float32: widening it back in registers gives the very same float32 weights), else None."""
+    for name in ("float16", "bfloat16"):
+        if torch.equal(weight.to(_PANEL_DTYPES[name]).to(weight.dtype), weight):
+            return name
+    return None
 
 
 def fused(layers: list[torch.nn.Linear], ops, weights: str, blocks: list | None = None) -> EngineLinear:
