@@ -43,14 +43,23 @@ def detect_format(tokenizer) -> ToolCallFormat:
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = "\n".join(str(t) for t in template.values())
-    vocab = getattr(tokenizer, "get_vocab", dict)()
-    if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in vocab:
+    if "[TOOL_CALLS]" in template or _has_token(tokenizer, "[TOOL_CALLS]"):
         return MISTRAL
     if "<tool_call>" in template:
         return HERMES
     if "<|python_tag|>" in template or ('"parameters"' in template and "function" in template):
         return LLAMA3_JSON
     return HERMES
+
+
+def _has_token(tokenizer, token: str) -> bool:
+    """Whether `token` is one of the tokenizer's tokens (one lookup: `get_vocab()` builds a dict of the whole
+    vocabulary, tens of milliseconds on every request that asked)."""
+    to_id = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if to_id is None:
+        return False
+    token_id = to_id(token)
+    return token_id is not None and token_id != getattr(tokenizer, "unk_token_id", None)
 
 
 @dataclass(slots=True)
