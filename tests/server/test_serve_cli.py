@@ -15,7 +15,7 @@ from mcp_servers import toy_stdio_config
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tiny import MODEL_NAME, free_port, make_state, wait_healthy
+from tiny import MODEL_NAME, build_llama, free_port, make_state, wait_healthy
 
 runner = CliRunner()
 
@@ -99,6 +99,22 @@ def test_banner(async_engine, monkeypatch):
                  "API key required"]:
         assert part in text, part
     assert "paged" in text and "Weights" not in text
+    assert "Speculative" not in text
+
+
+def test_banner_names_the_draft_model(tokenizer, monkeypatch):
+    from tfserve import Engine
+    from tfserve.cli import output
+    from tfserve.cli.serve import print_banner
+    from tfserve.engine.async_engine import AsyncEngine
+
+    llama = build_llama(tokenizer)
+    engine = Engine(llama, tokenizer, num_blocks=64, speculative="draft", speculative_model="tiny-draft",
+                    num_speculative_tokens=3, draft_model=llama)
+    capture = Console(file=io.StringIO(), width=120, force_terminal=False)
+    monkeypatch.setattr(output, "console", capture)
+    print_banner(make_state(AsyncEngine(engine)), "http://127.0.0.1:8000", has_api_key=False)
+    assert "draft tiny-draft (float32), up to 3 tokens a step" in capture.file.getvalue()
 
 
 def test_banner_states_the_quantization(async_engine, monkeypatch):

@@ -400,6 +400,13 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
     table.add_row("Context", f"{engine.max_model_len} tokens")
+    config, draft = engine.config, engine.runner.draft
+    if config.speculative == "ngram":
+        table.add_row("Speculative", f"n-gram lookup, up to {config.num_speculative_tokens} tokens a step")
+    elif draft is not None:
+        formats = "/".join(sorted(getattr(draft.runner.forward, "weight_formats", None) or {"float32": 1}))
+        table.add_row("Speculative", f"draft {config.speculative_model or 'model'} ({formats}), up to "
+                                     f"{config.num_speculative_tokens} tokens a step, KV {decimal(draft.kv_cache_bytes)}")
     table.add_row("URL", f"{url}/v1" + ("  (API key required)" if has_api_key else ""))
     console.print(Panel(table, title="tfserve serve", expand=False))
     console.print(f"Health: {url}/health   Metrics: {url}/metrics   Ctrl+C drains and stops.")
