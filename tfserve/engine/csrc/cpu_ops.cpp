@@ -161,10 +161,14 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   }
   while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_seqs);
   bounds.back() = num_seqs;
-  at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
+  // Sequences [seq_begin, seq_end), KV heads [kv_begin, kv_end) of each (and their query heads).
+  auto run = [&](int64_t seq_begin, int64_t seq_end, int64_t kv_begin, int64_t kv_end) {
     std::vector<float> scores(group * L), acc_buf(num_heads * D), m(num_heads), l(num_heads);
-    BlockCursor cursor{block_tables, context_lens, max_blocks, block_size, sliding_window,
-                       bounds[first_part], bounds[last_part]};
+    // prefetched a row at a time, all its KV heads: where a thread has only some, the hardware's stride
+    // prefetcher follows its part of each row
+    const bool prefetch = kv_begin == 0 && kv_end == num_kv_heads;
+    BlockCursor cursor{block_tables, context_lens, max_blocks, block_size, sliding_window, seq_begin,
+                       prefetch ? seq_end : seq_begin};
     // The prefetch stream: [pf_k, pf_k + pf_bytes) of keys and the same range of values.
     const char *pf_k = nullptr, *pf_v = nullptr;
     int64_t pf_bytes = 0;
@@ -185,7 +189,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
     refill();
     const int64_t lines_per_row = (token_stride * static_cast<int64_t>(sizeof(float)) + 63) / 64;
 
-    for (int64_t seq = bounds[first_part]; seq < bounds[last_part]; ++seq) {
+    for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
       const int64_t ctx = context_lens[seq];
       const int64_t first = window_start(ctx, sliding_window);
       const int64_t* table = block_tables + seq * max_blocks;
@@ -201,14 +205,14 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
         const float* vb = v_cache + table[b] * block_stride;
         for (int64_t lo = block_lo; lo < block_hi; lo += L) {
           const int64_t hi = std::min(block_hi, lo + L);
-          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
             const int64_t h0 = kvh * group;
             // scores[g * L + i]: query head h0 + g against token lo + i; lanes past `hi` stay -inf
             for (int64_t g = 0; g < group; ++g)
               std::fill(scores.begin() + g * L + (hi - lo), scores.begin() + (g + 1) * L,
                         -std::numeric_limits<float>::infinity());
             for (int64_t i = lo; i < hi; ++i) {
-              if (kvh == 0) {  // one row's worth per row computed keeps the stream kAhead blocks ahead
+              if (prefetch && kvh == 0) {  // one row's worth per row computed keeps the stream kAhead blocks ahead
                 if (pf_bytes <= 0) refill();
                 prefetch_lines(lines_per_row);
               }
@@ -249,10 +253,26 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
         }
       }
       float* o = out + seq * num_heads * D;
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = kv_begin * group; h < kv_end * group; ++h) {
         const Vec inv = Vec::set1(1.f / l[h]);
         for (int j = 0; j < V; ++j) (Vec::load(acc_buf.data() + h * D + L * j) * inv).store(o + h * D + L * j);
       }
+    }
+  };
+  // Fewer sequences than threads (one stream): each sequence's KV heads are shared out among threads as well.
+  // Every head is computed the same way whoever computes it, so a sequence's result never depends on that.
+  const int64_t threads = at::get_num_threads();
+  const int64_t kv_parts = num_seqs < threads ? std::min(num_kv_heads, threads / num_seqs) : 1;
+  if (kv_parts == 1) {
+    at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
+      run(bounds[first_part], bounds[last_part], 0, num_kv_heads);
+    });
+    return;
+  }
+  at::parallel_for(0, num_seqs * kv_parts, 1, [&](int64_t first_item, int64_t last_item) {
+    for (int64_t item = first_item; item < last_item; ++item) {
+      const int64_t seq = item / kv_parts, part = item % kv_parts;
+      run(seq, seq + 1, part * num_kv_heads / kv_parts, (part + 1) * num_kv_heads / kv_parts);
     }
   });
 }
