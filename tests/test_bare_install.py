@@ -58,23 +58,56 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
     pytest.fail(f"no healthy server after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
 
 
+class _Started:
+    """The README command, started: its process, port, log."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        venv = tmp_path / "venv"
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        command = readme_first_command()
+        self.port = README_PORT if _port_free(README_PORT) else _free_port()
+        if self.port != README_PORT:
+            command += f" --port {self.port}"
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(("TFSERVE_", "VIRTUAL_ENV", "PYTHON", "PYENV"))}
+        env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
+                   TFSERVE_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+        self.log = tmp_path / "serve.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+_early: _Started | None = None
+
+
+def start_early(tmp_path: Path) -> None:
+    """Start the README command when the session starts (tests/conftest.py): its install, pull and kernel build
+    take minutes, mostly on one core, and run beside the tests before this one (most of them one thread)."""
+    global _early
+    _early = _Started(tmp_path)
+
+
+def stop_early() -> None:
+    if _early is not None:
+        _early.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_bare_install_serves_the_default_model(tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    command = readme_first_command()
-    port = README_PORT if _port_free(README_PORT) else _free_port()
-    if port != README_PORT:
-        command += f" --port {port}"
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("TFSERVE_", "VIRTUAL_ENV", "PYTHON", "PYENV"))}
-    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
-               TFSERVE_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    started = _early or _Started(tmp_path)
+    proc, port, log = started.proc, started.port, started.log
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log, timeout_s=1200)
@@ -94,10 +127,5 @@ def test_bare_install_serves_the_default_model(tmp_path):
         for stage in ("Downloading", "Verifying", "Converting", "Building tfserve's CPU kernels", "Loading"):
             assert stage in text, text[-4000:]
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        started.stop()
     assert proc.returncode == 0, log.read_text()[-4000:]
