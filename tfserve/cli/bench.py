@@ -79,8 +79,7 @@ def offline(
             from tfserve.engine.engine import Engine
 
             config = engine_config_from_flags({"max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
-                                               "speculative": speculative or ("draft" if speculative_model else None),
-                                               "speculative_model": speculative_model,
+                                               "speculative": speculative, "speculative_model": speculative_model,
                                                "num_speculative_tokens": num_speculative_tokens,
                                                "tensor_parallel_size": tensor_parallel_size})
             ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,

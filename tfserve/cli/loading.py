@@ -5,10 +5,13 @@ from __future__ import annotations
 
 
 def engine_config_from_flags(engine_kwargs: dict):
-    """The one EngineConfig the flags describe; a bad value is one line naming the flag."""
+    """The one EngineConfig the flags describe (a draft model named alone implies speculative draft); a bad
+    value is one line naming the flag."""
     from tfserve.config import EngineConfig
     from tfserve.errors import TfserveError
 
+    if engine_kwargs.get("speculative_model") and not engine_kwargs.get("speculative"):
+        engine_kwargs = {**engine_kwargs, "speculative": "draft"}
     try:
         config = EngineConfig(**engine_kwargs)
     except ValueError as exc:

@@ -299,8 +299,7 @@ def serve(
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
-        "speculative": speculative or ("draft" if speculative_model else None),
-        "speculative_model": speculative_model, "num_speculative_tokens": num_speculative_tokens,
+        "speculative": speculative, "speculative_model": speculative_model, "num_speculative_tokens": num_speculative_tokens,
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
         "distributed_timeout_s": distributed_timeout, "nnodes": nnodes}
     engine_config = engine_config_from_flags(engine_kwargs)

@@ -55,9 +55,8 @@ class Engine:
         if config.speculative == "draft":
             if draft_model is None:
                 raise ValueError("speculative draft needs a draft model (speculative_model, or draft_model=)")
-            if tensor_parallel is not None or self.vision is not None:
-                raise ValueError("a draft model proposes for one-process text models only (not with tensor "
-                                 "parallelism or images)")
+            if self.vision is not None:  # (tensor parallelism: EngineConfig refuses it)
+                raise ValueError("a draft model proposes for text models only, not with images")
             self.runner.draft = DraftModel(draft_model, config, self.runner.num_blocks, self.vocab_size,
                                            draft_gguf_file)
             propose = _draft_places
@@ -122,9 +121,7 @@ class Engine:
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
         draft, draft_gguf = None, None
-        if config.speculative == "draft":
-            if config.speculative_model is None:
-                raise ValueError("speculative draft needs speculative_model: the draft model, as --model takes it")
+        if config.speculative == "draft" and config.speculative_model is not None:  # (without: Engine says so)
             # as its own files say, whatever --dtype the served model has: a GGUF draft runs its blocks
             _, draft_kwargs = _load_plan(config, "auto", device, quantization, attn_implementation, trust_remote_code)
             draft = load_model(config.speculative_model, progress=progress, **draft_kwargs)

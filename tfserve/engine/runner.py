@@ -102,7 +102,6 @@ class ModelRunner:
         image_rows: list[int] = []  # packed indices of image tokens, and the encoder rows that fill them
         image_features: list[tuple[Any, list[int]]] = []
         segments: list[tuple[Request, int, int]] = []  # each request's positions [start, end), in packed order
-        size = self.block_size
         for request, num_new in zip(plan.requests, plan.num_new_tokens):
             start = request.num_computed_tokens
             end = start + num_new
@@ -124,8 +123,7 @@ class ModelRunner:
             else:
                 input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
-            blocks = request.block_ids
-            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            slots.extend(self._slots(request, start, end))
             if end == request.num_tokens:
                 sample_index.append(len(input_ids) - 1)
                 samplers.append(request)
@@ -190,14 +188,13 @@ class ModelRunner:
         request's own slots, and return the greedy token after each chunk's last among the first `vocab_size`:
         a draft model's step (engine/draft.py). One-token chunks go first, as decodes."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) > 1)
-        size = self.block_size
         input_ids, positions, slots, last = [], [], [], []
         for i in order:
             request, tokens, start = chunks[i]
             end = start + len(tokens)
             input_ids.extend(tokens)
             positions.extend(range(start, end))
-            slots.extend(request.block_ids[p // size] * size + p % size for p in range(start, end))
+            slots.extend(self._slots(request, start, end))
             last.append(len(input_ids) - 1)
         decodes = [(chunks[i][0], chunks[i][2]) for i in order if len(chunks[i][1]) == 1]
         prefills = [(chunks[i][0], chunks[i][2], len(chunks[i][1])) for i in order if len(chunks[i][1]) > 1]
@@ -210,6 +207,11 @@ class ModelRunner:
         for i, token in zip(order, choices):
             tokens[i] = token
         return tokens
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        """The KV cache slots of the request's positions [start, end)."""
+        size, blocks = self.block_size, request.block_ids
+        return [blocks[p // size] * size + p % size for p in range(start, end)]
 
     def _decode_group(self, rows: list[tuple[Request, int]]) -> AttentionGroup:
         """Metadata for the step's first tokens, one query each: `rows` of (request, position)."""

@@ -150,7 +150,8 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
   // Split the sequences into one contiguous run per thread with about equal context each.
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  const int64_t threads = at::get_num_threads();
+  const int64_t num_threads = std::min(threads, num_seqs);
   std::vector<int64_t> bounds{0};
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total += context_lens[s];
@@ -261,7 +262,6 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   };
   // Fewer sequences than threads (one stream): each sequence's KV heads are shared out among threads as well.
   // Every head is computed the same way whoever computes it, so a sequence's result never depends on that.
-  const int64_t threads = at::get_num_threads();
   const int64_t kv_parts = num_seqs < threads ? std::min(num_kv_heads, threads / num_seqs) : 1;
   if (kv_parts == 1) {
     at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
