@@ -43,32 +43,40 @@ def test_decode_kernel_matches_torch_path(ops, num_heads, num_kv_heads, head_dim
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2), (4, 4), (8, 1)])
-def test_one_sequence_shares_its_kv_heads_among_threads_with_the_same_bits(ops, num_heads, num_kv_heads):
-    """With fewer sequences than threads each sequence's KV heads are split among the threads: the result is
-    the torch path's, and bit for bit the one the same sequence gets in a batch (one thread per sequence)."""
+@pytest.mark.parametrize("sliding_window", [None, 200])
+def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count(ops, num_heads, num_kv_heads,
+                                                                                 sliding_window):
+    """The work is cut into (partition of a context, KV head) items shared among the threads, and a long
+    context's partitions are merged at the end: the result is the torch path's, and bit for bit what the same
+    sequence gets alone, in a batch, on one thread or two."""
     gen = torch.Generator().manual_seed(1)
-    head_dim, block_size, num_blocks = 64, 16, 64
+    head_dim, block_size, num_blocks = 64, 16, 128
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    lens = [300, 5, 77, 160]
+    lens = [300, 5, 77, 160, 1000, 128, 129]  # 1000: 8 partitions; 128/129: one, and one more by one token
     tables = [torch.randperm(num_blocks, generator=gen)[: -(-n // block_size)].tolist() for n in lens]
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
+    window = sliding_window or -1
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        batch = ops.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens), scale, -1, 0.0)
+        torch.set_num_threads(2)
+        batch = ops.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens), scale, window, 0.0)
         for i, n in enumerate(lens):  # alone: fewer sequences than threads
             alone = ops.paged_decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache, block_tables[i:i + 1],
-                                               torch.tensor([n]), scale, -1, 0.0)
+                                               torch.tensor([n]), scale, window, 0.0)
             assert torch.equal(alone[0], batch[i]), n
+        torch.set_num_threads(1)
+        one_thread = ops.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens), scale,
+                                                window, 0.0)
+        assert torch.equal(one_thread, batch)
     finally:
         torch.set_num_threads(previous)
     group = AttentionGroup(start=0, end=len(lens), block_tables=block_tables,
                            query_positions=torch.tensor([[n - 1] for n in lens]), key_lens=torch.tensor(lens),
                            pad_index=None, unpad_index=None)
     expected = _group_attention(q.transpose(0, 1).contiguous(), k_cache, v_cache, group, num_heads // num_kv_heads,
-                                scale, None, block_size, None)
+                                scale, sliding_window, block_size, None)
     torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -101,42 +102,16 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   });
 }
 
-// The rows of block `b` that a sequence attending to tokens [first, ctx) uses: [lo, hi) within the block.
-static inline void block_rows(int64_t first, int64_t ctx, int64_t b, int64_t block_size, int64_t& lo, int64_t& hi) {
-  lo = std::max(first, b * block_size) - b * block_size;
-  hi = std::min(ctx, (b + 1) * block_size) - b * block_size;
-}
+// Tokens per partition: the float32 kernel's unit of work is one KV head of one partition of a sequence's
+// context (flash-decoding's split), so one long sequence keeps every thread busy, and partitions are cut at
+// fixed positions, so a sequence's result does not depend on its batch or on the thread count.
+constexpr int64_t kPartition = 128;
 
-// Where a thread's reads will be a few blocks from now: its sequences' blocks in the order it visits them.
-// Each block's rows in use are one contiguous range of keys and one of values; the kernel asks for them a
-// few lines at a time as it works, so that loads are in flight all the while without flooding the queues.
-struct BlockCursor {
-  const int64_t *block_tables, *context_lens;
-  int64_t max_blocks, block_size, sliding_window, seq, seq_end, block = -1, last_block = -1;
-
-  // Move to the next block; false past the thread's last sequence. Sets the block's row range.
-  bool next(int64_t& lo, int64_t& hi, int64_t& block_id) {
-    while (block >= last_block) {
-      if (block >= 0) ++seq;
-      if (seq >= seq_end) return false;
-      const int64_t ctx = context_lens[seq];
-      const int64_t first = window_start(ctx, sliding_window);
-      block = first / block_size - 1;
-      last_block = (ctx - 1) / block_size;
-      if (block >= last_block) { block = last_block; continue; }  // (an empty sequence)
-    }
-    ++block;
-    const int64_t ctx = context_lens[seq];
-    block_rows(window_start(ctx, sliding_window), ctx, block, block_size, lo, hi);
-    block_id = block_tables[seq * max_blocks + block];
-    return true;
-  }
-};
-
-// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON), one pass over the context with an
-// online softmax (flash-decoding): per chunk of up to Vec::N tokens, a vector of scores per head, a running
-// max and sum, values accumulated in registers. Each key and value row is loaded once and used by every query
-// head of its KV head. V = head_dim / Vec::N.
+// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON). Per work item (a sequence, a partition
+// of its context, a KV head), two passes over its rows: the scores of Vec::N tokens at a time for each query
+// head of the KV head (Vec::N independent dot products, summed across lanes at once: no dependent chain of
+// multiply-adds per token), an exact softmax over the partition, then the values weighted in registers.
+// A sequence of several partitions has them merged in order at the end (log-sum-exp). V = head_dim / Vec::N.
 template <int V>
 static void decode_kernel_vec(const float* q, const float* k_cache, const float* v_cache,
                               const int64_t* block_tables, const int64_t* context_lens, float* out,
@@ -145,136 +120,149 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   using tfs::Vec;
   constexpr int64_t L = Vec::N;  // tokens per chunk
   constexpr int64_t D = V * L;
-  constexpr int64_t kAhead = 2;  // blocks between the one computed and the one asked for
+  constexpr int64_t P = kPartition;
+  static_assert(P % L == 0, "partitions are whole chunks");
+  constexpr int64_t kAhead = 2 * L;  // tokens between the chunk computed and the rows asked for
+  constexpr int64_t kLines = (D * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // cache lines per head row
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  // Split the sequences into one contiguous run per thread with about equal context each.
-  const int64_t threads = at::get_num_threads();
-  const int64_t num_threads = std::min(threads, num_seqs);
-  std::vector<int64_t> bounds{0};
-  int64_t total = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) total += context_lens[s];
-  int64_t running = 0;
-  for (int64_t s = 0; s < num_seqs && static_cast<int64_t>(bounds.size()) < num_threads; ++s) {
-    running += context_lens[s];
-    if (running * num_threads >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(s + 1);
-  }
-  while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_seqs);
-  bounds.back() = num_seqs;
-  // Sequences [seq_begin, seq_end), KV heads [kv_begin, kv_end) of each (and their query heads).
-  auto run = [&](int64_t seq_begin, int64_t seq_end, int64_t kv_begin, int64_t kv_end) {
-    std::vector<float> scores(group * L), acc_buf(num_heads * D), m(num_heads), l(num_heads);
-    // prefetched a row at a time, all its KV heads: where a thread has only some, the hardware's stride
-    // prefetcher follows its part of each row
-    const bool prefetch = kv_begin == 0 && kv_end == num_kv_heads;
-    BlockCursor cursor{block_tables, context_lens, max_blocks, block_size, sliding_window, seq_begin,
-                       prefetch ? seq_end : seq_begin};
-    // The prefetch stream: [pf_k, pf_k + pf_bytes) of keys and the same range of values.
-    const char *pf_k = nullptr, *pf_v = nullptr;
-    int64_t pf_bytes = 0;
-    auto refill = [&] {
-      int64_t lo, hi, id;
-      if (!cursor.next(lo, hi, id)) { pf_bytes = 0; return; }
-      pf_k = reinterpret_cast<const char*>(k_cache + id * block_stride + lo * token_stride);
-      pf_v = reinterpret_cast<const char*>(v_cache + id * block_stride + lo * token_stride);
-      pf_bytes = (hi - lo) * token_stride * static_cast<int64_t>(sizeof(float));
-    };
-    auto prefetch_lines = [&](int64_t lines) {
-      for (; lines > 0 && pf_bytes > 0; --lines, pf_bytes -= 64, pf_k += 64, pf_v += 64) {
-        __builtin_prefetch(pf_k);
-        __builtin_prefetch(pf_v);
-      }
-    };
-    for (int64_t i = 0; i < kAhead; ++i) { refill(); prefetch_lines(1 << 30); }
-    refill();
-    const int64_t lines_per_row = (token_stride * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
 
-    for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
-      const int64_t ctx = context_lens[seq];
-      const int64_t first = window_start(ctx, sliding_window);
-      const int64_t* table = block_tables + seq * max_blocks;
-      const float* q_seq = q + seq * num_heads * D;
-      std::fill(acc_buf.begin(), acc_buf.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t last_block = (ctx - 1) / block_size;
-      for (int64_t b = first / block_size; b <= last_block; ++b) {
-        int64_t block_lo, block_hi;
-        block_rows(first, ctx, b, block_size, block_lo, block_hi);
-        const float* kb = k_cache + table[b] * block_stride;
-        const float* vb = v_cache + table[b] * block_stride;
-        for (int64_t lo = block_lo; lo < block_hi; lo += L) {
-          const int64_t hi = std::min(block_hi, lo + L);
-          for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
-            const int64_t h0 = kvh * group;
-            // scores[g * L + i]: query head h0 + g against token lo + i; lanes past `hi` stay -inf
-            for (int64_t g = 0; g < group; ++g)
-              std::fill(scores.begin() + g * L + (hi - lo), scores.begin() + (g + 1) * L,
-                        -std::numeric_limits<float>::infinity());
-            for (int64_t i = lo; i < hi; ++i) {
-              if (prefetch && kvh == 0) {  // one row's worth per row computed keeps the stream kAhead blocks ahead
-                if (pf_bytes <= 0) refill();
-                prefetch_lines(lines_per_row);
-              }
-              const float* k = kb + i * token_stride + kvh * D;
-              Vec kv[V];
-              for (int j = 0; j < V; ++j) kv[j] = Vec::load(k + L * j);
-              for (int64_t g = 0; g < group; ++g) {
-                const float* qh = q_seq + (h0 + g) * D;
-                Vec s = Vec::load(qh) * kv[0];
-                for (int j = 1; j < V; ++j) s = fma(Vec::load(qh + L * j), kv[j], s);
-                float x = s.sum() * scale;
-                if (softcap > 0) x = std::tanh(x / softcap) * softcap;
-                scores[g * L + (i - lo)] = x;
-              }
-            }
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t h = h0 + g;
-              float* pg = scores.data() + g * L;
-              const Vec sc = Vec::load(pg);
-              const float mx = std::max(m[h], sc.max());
-              const float alpha = std::exp(m[h] - mx);  // 0 on the first chunk (m = -inf)
-              tfs::exp(sc - Vec::set1(mx)).store(pg);
-              std::fill(pg + (hi - lo), pg + L, 0.f);
-              l[h] = l[h] * alpha + Vec::load(pg).sum();
-              m[h] = mx;
-              float* a = acc_buf.data() + h * D;
-              Vec av[V];
-              const Vec al = Vec::set1(alpha);
-              for (int j = 0; j < V; ++j) av[j] = Vec::load(a + L * j) * al;
-              for (int64_t i = lo; i < hi; ++i) {
-                const float* v = vb + i * token_stride + kvh * D;
-                const Vec pi = Vec::set1(pg[i - lo]);
-                for (int j = 0; j < V; ++j) av[j] = fma(pi, Vec::load(v + L * j), av[j]);
-              }
-              for (int j = 0; j < V; ++j) av[j].store(a + L * j);
-            }
-          }
-        }
+  // Partitions: the ones of sequence s are [part_begin[s], part_begin[s + 1]); part_seq maps back.
+  std::vector<int64_t> part_begin(num_seqs + 1, 0), part_seq;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t ctx = context_lens[s], first = window_start(ctx, sliding_window);
+    const int64_t parts = ctx > first ? (ctx - 1) / P - first / P + 1 : 0;
+    part_begin[s + 1] = part_begin[s] + parts;
+    part_seq.insert(part_seq.end(), parts, s);
+  }
+  const int64_t num_parts = part_begin[num_seqs];
+  // Each partition's softmax max, sum and weighted values per query head, for sequences of several.
+  std::unique_ptr<float[]> part_m(new float[num_parts * num_heads]), part_l(new float[num_parts * num_heads]);
+  std::unique_ptr<float[]> part_acc(new float[num_parts * num_heads * D]);
+  auto rows_of = [&](int64_t part, int64_t& seq, int64_t& a, int64_t& b) {
+    seq = part_seq[part];
+    const int64_t ctx = context_lens[seq], first = window_start(ctx, sliding_window);
+    const int64_t p = first / P + (part - part_begin[seq]);
+    a = std::max(first, p * P);
+    b = std::min(ctx, (p + 1) * P);
+  };
+
+  auto item = [&](int64_t part, int64_t kvh, float* scores) {
+    int64_t seq, a, b;
+    rows_of(part, seq, a, b);
+    const int64_t n = b - a, padded = (n + L - 1) / L * L;
+    const int64_t* table = block_tables + seq * max_blocks;
+    // Row offsets of the partition's tokens in the caches (one division per partition, not per row).
+    int64_t rows[P];
+    for (int64_t t = a, blk = a / block_size, off = a % block_size; t < b; ++t) {
+      rows[t - a] = table[blk] * block_stride + off * token_stride + kvh * D;
+      if (++off == block_size) { off = 0; ++blk; }
+    }
+    auto row = [&](const float* cache, int64_t t) { return cache + rows[t - a]; };
+    auto prefetch = [&](int64_t t) {
+      const char* pk = reinterpret_cast<const char*>(row(k_cache, t));
+      const char* pv = reinterpret_cast<const char*>(row(v_cache, t));
+      for (int64_t line = 0; line < kLines; ++line) {
+        __builtin_prefetch(pk + 64 * line);
+        __builtin_prefetch(pv + 64 * line);
       }
-      float* o = out + seq * num_heads * D;
-      for (int64_t h = kv_begin * group; h < kv_end * group; ++h) {
-        const Vec inv = Vec::set1(1.f / l[h]);
-        for (int j = 0; j < V; ++j) (Vec::load(acc_buf.data() + h * D + L * j) * inv).store(o + h * D + L * j);
+    };
+    for (int64_t t = a; t < std::min(b, a + kAhead); ++t) prefetch(t);
+    const float* q_seq = q + (seq * num_heads + kvh * group) * D;
+    for (int64_t t0 = a; t0 < b; t0 += L) {
+      for (int64_t t = t0 + kAhead; t < std::min(b, t0 + kAhead + L); ++t) prefetch(t);
+      const float* k[L];
+      for (int64_t i = 0; i < L; ++i) k[i] = row(k_cache, std::min(t0 + i, b - 1));
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qh = q_seq + g * D;
+        Vec acc[L];
+        const Vec q0 = Vec::load(qh);
+        for (int64_t i = 0; i < L; ++i) acc[i] = q0 * Vec::load(k[i]);
+        for (int j = 1; j < V; ++j) {
+          const Vec qj = Vec::load(qh + L * j);
+          for (int64_t i = 0; i < L; ++i) acc[i] = fma(qj, Vec::load(k[i] + L * j), acc[i]);
+        }
+        (tfs::sums(acc) * Vec::set1(scale)).store(scores + g * P + (t0 - a));
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
+      float* s = scores + g * P;
+      if (softcap > 0)
+        for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
+      std::fill(s + n, s + padded, neg_inf);
+      Vec mv = Vec::set1(neg_inf);
+      for (int64_t i = 0; i < padded; i += L) mv = max(mv, Vec::load(s + i));
+      const float mx = mv.max();
+      Vec lv = Vec::zero();
+      for (int64_t i = 0; i < padded; i += L) {
+        const Vec e = tfs::exp(Vec::load(s + i) - Vec::set1(mx));
+        e.store(s + i);
+      }
+      std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
+      for (int64_t i = 0; i < padded; i += L) lv = lv + Vec::load(s + i);
+      const float l = lv.sum();
+      const bool alone = part_begin[seq + 1] - part_begin[seq] == 1;
+      float* o = alone ? out + (seq * num_heads + h) * D : part_acc.get() + (part * num_heads + h) * D;
+      const float inv = alone ? 1.f / l : 1.f;
+      for (int j0 = 0; j0 < V; j0 += 8) {  // at most 8 vectors of values in registers at a time
+        const int jn = std::min(V - j0, 8);
+        Vec acc[8];
+        for (int j = 0; j < jn; ++j) acc[j] = Vec::zero();
+        for (int64_t t = a; t < b; ++t) {
+          const float* v = row(v_cache, t) + L * j0;
+          const Vec p = Vec::set1(s[t - a]);
+          for (int j = 0; j < jn; ++j) acc[j] = fma(p, Vec::load(v + L * j), acc[j]);
+        }
+        for (int j = 0; j < jn; ++j) (acc[j] * Vec::set1(inv)).store(o + L * (j0 + j));
+      }
+      if (!alone) {
+        part_m[part * num_heads + h] = mx;
+        part_l[part * num_heads + h] = l;
       }
     }
   };
-  // Fewer sequences than threads (one stream): each sequence's KV heads are shared out among threads as well.
-  // Every head is computed the same way whoever computes it, so a sequence's result never depends on that.
-  const int64_t kv_parts = num_seqs < threads ? std::min(num_kv_heads, threads / num_seqs) : 1;
-  if (kv_parts == 1) {
-    at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
-      run(bounds[first_part], bounds[last_part], 0, num_kv_heads);
-    });
-    return;
+
+  // Items in order (partition, KV head), split into one contiguous run per thread of about equal rows.
+  const int64_t num_items = num_parts * num_kv_heads;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> cost(num_items + 1, 0);
+  for (int64_t i = 0; i < num_items; ++i) {
+    int64_t seq, a, b;
+    rows_of(i / num_kv_heads, seq, a, b);
+    cost[i + 1] = cost[i] + (b - a) + L;  // rows, and a chunk's worth for the item's fixed work
   }
-  at::parallel_for(0, num_seqs * kv_parts, 1, [&](int64_t first_item, int64_t last_item) {
-    for (int64_t item = first_item; item < last_item; ++item) {
-      const int64_t seq = item / kv_parts, part = item % kv_parts;
-      run(seq, seq + 1, part * num_kv_heads / kv_parts, (part + 1) * num_kv_heads / kv_parts);
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+    std::vector<float> scores(group * P);
+    for (int64_t t = first_thread; t < last_thread; ++t) {
+      const int64_t lo = std::lower_bound(cost.begin(), cost.end(), cost.back() * t / threads) - cost.begin();
+      const int64_t hi = std::lower_bound(cost.begin(), cost.end(), cost.back() * (t + 1) / threads) - cost.begin();
+      for (int64_t i = lo; i < hi; ++i) item(i / num_kv_heads, i % num_kv_heads, scores.data());
     }
   });
+
+  // Sequences of several partitions: their results merged in partition order.
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t p0 = part_begin[seq], p1 = part_begin[seq + 1];
+    if (p1 - p0 < 2) continue;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float mx = neg_inf;
+      for (int64_t p = p0; p < p1; ++p) mx = std::max(mx, part_m[p * num_heads + h]);
+      float l = 0.f;
+      Vec acc[V];
+      for (int j = 0; j < V; ++j) acc[j] = Vec::zero();
+      for (int64_t p = p0; p < p1; ++p) {
+        const float w = std::exp(part_m[p * num_heads + h] - mx);
+        l += w * part_l[p * num_heads + h];
+        const float* pa = part_acc.get() + (p * num_heads + h) * D;
+        for (int j = 0; j < V; ++j) acc[j] = fma(Vec::set1(w), Vec::load(pa + L * j), acc[j]);
+      }
+      float* o = out + (seq * num_heads + h) * D;
+      for (int j = 0; j < V; ++j) (acc[j] * Vec::set1(1.f / l)).store(o + L * j);
+    }
+  }
 }
 
 // The vector kernel where it applies (float32, head_dim = Vec::N times 1, 2, 4, 8 or 16); false where not.

@@ -132,6 +132,23 @@ struct Vec {  // plain C++; the compiler vectorises what it can
 };
 #endif
 
+// Lane i of the result is a[i].sum(), for Vec::N vectors: the scores of Vec::N tokens from their dot
+// products' partial sums, in a few shuffles where the ISA has pairwise adds (each lane's order is fixed).
+inline Vec sums(const Vec* a) {
+#if TFS_AVX2
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0].v, a[1].v), _mm256_hadd_ps(a[2].v, a[3].v));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4].v, a[5].v), _mm256_hadd_ps(a[6].v, a[7].v));
+  // s0123: a0..a3's sums of lanes 0-3, then of lanes 4-7; s4567 the same for a4..a7
+  return {_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31))};
+#elif TFS_NEON
+  return {vpaddq_f32(vpaddq_f32(a[0].v, a[1].v), vpaddq_f32(a[2].v, a[3].v))};
+#else
+  alignas(64) float s[Vec::N];
+  for (int i = 0; i < Vec::N; ++i) s[i] = a[i].sum();
+  return Vec::load(s);
+#endif
+}
+
 // exp on every lane: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (about 1 ulp).
 // For x <= 0 (softmax after subtracting the max); lanes below -87 give a tiny positive number, not 0:
 // callers zero the lanes they do not use.
