@@ -129,6 +129,8 @@ inline float group_weight(const uint8_t* gb, QType t, int64_t c, int64_t k) {
 
 // y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nb group blocks). The activations are
 // int8 blocks (QuantRows) of rows r0..r0+R. y: row stride ldy.
+constexpr int64_t kAheadBytes = 2048;  // about 13 group blocks: as many loads in flight as the memory needs
+
 template <bool kFour, int R>
 static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows& xq, int64_t r0, int64_t k,
                               float* y, int64_t ldy, int64_t cols) {
@@ -139,6 +141,8 @@ static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows&
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* gb = group + b * gbb;
+    // the blocks are read front to back (and the next group's follow): ask for the bytes kAheadBytes on
+    for (int64_t line = 0; line < gbb; line += 64) __builtin_prefetch(gb + kAheadBytes + line);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
     __m256i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
