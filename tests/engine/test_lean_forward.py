@@ -92,3 +92,25 @@ def test_the_engine_leaves_the_callers_model_as_it_was():
     for module in model.modules():
         assert "forward" not in vars(module)
         assert not [name for name in vars(module) if name.startswith("_tfserve")]
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "dynamic", "factor": 2.0}])
+def test_rotary_table_gives_the_modules_own_bits_at_any_position(scaling):
+    """cos/sin looked up in the table (grown past its first size) are what the model's rotary module computes
+    for the same positions; a scaling that depends on the sequence length is computed every step instead."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{**SIZES, "rope_scaling": scaling}))
+    rope = lean._RopeTable(rotary)
+    assert rope.static == (scaling is None or scaling["rope_type"] != "dynamic")
+    x = torch.randn(5, SIZES["hidden_size"])
+    for positions in ([0, 1, 2, 3, 4], [1023, 5, 7, 1500, 3000], [17]):
+        p = torch.tensor(positions)
+        cos, sin = rope(x[: len(positions)], p)
+        want_cos, want_sin = rotary(x[None, : len(positions)], p[None])
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), positions
+    if rope.static:
+        assert rope.cos.shape[0] >= 3001

@@ -85,6 +85,7 @@ class LeanForward:
             for l, window in zip(self.layers, self.windows)
         ]))
         self.lm_head = linear(model.lm_head)
+        self.rope = _RopeTable(model.model.rotary_emb)
         formats = Counter()
         for projection in (*(p for column in self._layers[1:5] for p in column), self.lm_head):
             formats.update(projection.labels)
@@ -131,8 +132,7 @@ class LeanForward:
         tp = self.tp
         x = model.model.embed_tokens(input_ids) if tp is None else tp.embed(model.model.embed_tokens, input_ids)
         # [num_tokens, hidden]
-        cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, num_tokens, head_dim]
-        cos, sin = cos[0], sin[0]
+        cos, sin = self.rope(x, positions)  # [num_tokens, head_dim]
         residual = None  # the last block's output, added to x by the next norm
         for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, window,
              (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
@@ -190,6 +190,31 @@ class _Projection:
         if self.sizes is None:
             return [linear.label for linear in self.linears]
         return [self.linears[0].label] * len(self.sizes)
+
+
+class _RopeTable:
+    """`rope(x, positions) -> (cos, sin)`, [num_tokens, head_dim] each, as the model's rotary embedding computes
+    them: where they depend on the position alone (not on the sequence length, as dynamic scaling does), looked
+    up in a table the module filled once for positions 0..n (grown as positions grow), not recomputed every step.
+    Every entry is the module's own arithmetic for that position (one product and its cosine or sine), so the
+    values are the same bits."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        self.rotary = rotary
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        self.static = "dynamic" not in rope_type and rope_type != "longrope"
+        self.cos = self.sin = None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.static:
+            cos, sin = self.rotary(x[None], positions[None])
+            return cos[0], sin[0]
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if self.cos is None or needed > self.cos.shape[0]:
+            size = max(needed, 2 * (self.cos.shape[0] if self.cos is not None else 1024))
+            cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None])
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
 class _Attention:
