@@ -133,3 +133,112 @@ def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():
     prompt = list(range(16))
     assert router.pick(prompt, loads=[0, 0]) == 0
     assert router.pick(prompt, loads=[DEAD, 0]) == 1
+
+
+def test_a_prefix_held_by_a_replica_since_retired_counts_as_unseen():
+    router = Router(num_replicas=3, block_size=4, slack=2)
+    prompt = list(range(16))
+    assert router.pick(prompt, loads=[5, 5, 0]) == 2
+    assert router.pick(prompt, loads=[0, 1]) == 0  # replica 2 is gone: the least busy
+
+
+def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
+    """Up: the new replicas take requests. Down: the retiring one takes no new request, and is stopped only
+    after the one it holds has finished."""
+    from tiny import build_engine, build_tokenizer
+
+    from tfserve import SamplingParams
+    from tfserve.distributed.replicas import Replica, ReplicaSpec, ReplicatedEngine, _failed
+
+    class Held(Replica):  # keeps what it is sent until the test finishes it
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index, self.held, self.stopped = index, [], False
+
+        def _submit(self, requests: list) -> None:
+            self.held += requests
+
+        def finish(self) -> None:
+            self._dispatch([_failed(request.request_id, "done") for request in self.held])
+
+        def abort(self, request_id: str) -> None:
+            pass
+
+        def stop(self, timeout: float = 10.0) -> None:
+            self.stopped = True
+
+    engine = build_engine(build_tokenizer(), num_blocks=64)
+    replicated = ReplicatedEngine(engine, [], ReplicaSpec("tiny", {}, engine.config, 1))
+    replicated._start_remote = Held
+    replicated.start()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def run(prompt):
+        request = engine.make_requests(prompt, params)[0]
+        return [output async for output in replicated.generate_request(request)]
+
+    async def main():
+        assert (await replicated.scale(3))["num_replicas"] == 3
+        one, two = replicated.remotes
+        first = [asyncio.create_task(run([10 * i + 1] * 8)) for i in range(3)]  # new prefixes: 0, 1, 2 in turn
+        await asyncio.sleep(0.1)
+        assert len(one.held) == len(two.held) == 1
+        retiring = asyncio.create_task(replicated.scale(2))
+        await asyncio.sleep(0.2)
+        assert not retiring.done() and not two.stopped
+        assert replicated.describe()["replicas"][2]["state"] == "retiring"
+        later = [asyncio.create_task(run([50 + i] * 8)) for i in range(3)]
+        await asyncio.sleep(0.1)
+        assert len(two.held) == 1  # nothing new for the retiring replica
+        one.finish()
+        two.finish()
+        state = await retiring
+        assert state["num_replicas"] == 2 and two.stopped and not one.stopped
+        one.finish()  # what it took meanwhile
+        return await asyncio.gather(*first, *later)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        replicated.stop()
+    assert all(outputs[-1].finished for outputs in results)
+    with pytest.raises(ValueError, match="at least 1"):
+        asyncio.run(replicated.scale(0))
+
+
+@pytest.mark.slow
+def test_a_replica_process_added_at_run_time_serves_and_stops_when_retired(tmp_path):
+    from test_tensor_parallel import save_model
+    from tfserve import Engine, SamplingParams
+    from tfserve.config import EngineConfig
+    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+
+    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
+    config = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=8)
+    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[5] * 8 + [9], [60] * 8 + [9], [70] * 8 + [9]]
+
+    async def run(prompt):
+        request = replicated.engine.make_requests(prompt, params)[0]
+        return [output async for output in replicated.generate_request(request)]
+
+    async def main():
+        grown = await replicated.scale(3)
+        results = [await run(prompt) for prompt in prompts]  # new prefixes: replicas 0, 1, 2 in turn
+        added = replicated.remotes[-1]
+        shrunk = await replicated.scale(1)
+        return grown, results, added, shrunk, await run(prompts[0])
+
+    try:
+        grown, results, added, shrunk, again = asyncio.run(main())
+    finally:
+        replicated.stop()
+    assert grown["num_replicas"] == 3 and [r["num_routed"] for r in grown["replicas"]] == [0, 0, 0]
+    whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
+    for outputs, expected in zip(results, whole.values()):
+        assert [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
+    assert shrunk["num_replicas"] == 1
+    added.process.join(10)
+    assert not added.process.is_alive()
+    assert [t for o in again for t in o.delta_tokens] == list(whole.values())[0].generated_tokens

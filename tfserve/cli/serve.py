@@ -150,7 +150,7 @@ def serve(
     max_queued: Annotated[int, typer.Option(min=0, help="Sequences waiting for their first token, at most; more get "
                                                         "429 (0: no limit).", rich_help_panel=SERVER)] = 1024,
     api_key: Annotated[str | None, typer.Option(envvar="TFSERVE_API_KEY", show_envvar=True,
-                                                help="Require `Authorization: Bearer KEY` on /v1/* (/health stays open).",
+                                                help="Require `Authorization: Bearer KEY` on /v1/* and /admin/* (/health stays open).",
                                                 rich_help_panel=SERVER)] = None,
     cors_allow_origins: Annotated[list[str] | None, typer.Option(
         help="Origin browsers may call from (repeatable; * for any).", rich_help_panel=SERVER)] = None,

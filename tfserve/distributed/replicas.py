@@ -10,6 +10,7 @@ never seen goes to the least busy.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -234,18 +235,21 @@ class Router:
         self._turn = 0  # where the search for the least busy starts: equals take turns
 
     def pick(self, prompt_token_ids: list[int], loads: list[int]) -> int:
+        """The replica for a prompt among len(loads) (the count may change between calls: a prefix last served
+        by a replica since removed counts as unseen)."""
         keys = self._prefix_keys(prompt_token_ids)
-        order = [(self._turn + i) % self.num_replicas for i in range(self.num_replicas)]
+        self.num_replicas = count = len(loads)
+        order = [(self._turn + i) % count for i in range(count)]
         least = min(order, key=lambda i: loads[i])
         choice = least
         for key in reversed(keys):  # the longest prefix seen before
             holder = self._last.get(key)
-            if holder is not None:
+            if holder is not None and holder < count:
                 if loads[holder] <= loads[least] * self.ratio + self.slack:
                     choice = holder
                 break
         if choice == least:
-            self._turn = (least + 1) % self.num_replicas
+            self._turn = (least + 1) % count
         for key in keys:
             self._last[key] = choice
             self._last.move_to_end(key)
@@ -268,30 +272,107 @@ class Router:
 
 class ReplicatedEngine(AsyncEngine):
     """An AsyncEngine over `engine` (replica 0, in this process) and the remote replicas: every request is
-    validated by replica 0's engine as usual, then routed."""
+    validated by replica 0's engine as usual, then routed. `scale(n)` adds replicas (started as the first were,
+    from `spec`) or retires the last ones (no new requests, then stopped once their requests finish)."""
 
-    def __init__(self, engine, remotes: list[Replica]) -> None:
+    def __init__(self, engine, remotes: list[Replica], spec: ReplicaSpec | None = None,
+                 ray_address: str | None = None) -> None:
         super().__init__(engine)
         self.remotes = remotes
+        self.spec, self.ray_address = spec, ray_address
         self.router = Router(1 + len(remotes), engine.config.block_size)
         self.num_routed = [0] * (1 + len(remotes))
         self.in_flight = [0] * (1 + len(remotes))  # requests routed and not finished, on the event loop's count
+        self.retiring: set[int] = set()  # replicas that take no new requests (being scaled away)
+        self.starting = 0  # replicas being started by scale()
+        self._scaling: asyncio.Lock | None = None
 
     @property
     def loads(self) -> list[int]:
-        """Requests in flight on each replica, as the router weighs them (a dead replica never wins)."""
-        dead = [False] + [remote.error is not None for remote in self.remotes]
-        return [DEAD if gone else n for n, gone in zip(self.in_flight, dead)]
+        """Requests in flight on each replica, as the router weighs them (a dead or retiring one never wins)."""
+        out = [False] + [remote.error is not None for remote in self.remotes]
+        out = [gone or index in self.retiring for index, gone in enumerate(out)]
+        return [DEAD if gone else n for n, gone in zip(self.in_flight, out)]
+
+    def describe(self) -> dict[str, Any]:
+        """The replicas as `GET /admin/replicas` shows them."""
+        states = ["ready"] + ["dead" if remote.error is not None else "ready" for remote in self.remotes]
+        replicas = [{"index": index, "state": "retiring" if index in self.retiring else state,
+                     "num_in_flight": self.in_flight[index], "num_routed": self.num_routed[index]}
+                    for index, state in enumerate(states)]
+        return {"num_replicas": len(replicas), "num_starting": self.starting, "replicas": replicas}
+
+    async def scale(self, num_replicas: int, drain_timeout: float = 600.0) -> dict[str, Any]:
+        """Run `num_replicas` replicas: start the missing ones (each loads the model, as at start-up; routed to
+        once ready), or retire the last ones (they take no new requests and stop when theirs are done, or after
+        `drain_timeout` seconds, which fails what is left). One change at a time; returns `describe()`."""
+        if num_replicas < 1:
+            raise ValueError("num_replicas must be at least 1 (replica 0 is the server's own engine)")
+        if self.spec is None:
+            raise ValueError("these replicas cannot be scaled (no start-up spec)")
+        self._scaling = self._scaling or asyncio.Lock()
+        async with self._scaling:
+            current = 1 + len(self.remotes)
+            if num_replicas > current:
+                await self._add(num_replicas - current)
+            elif num_replicas < current:
+                await self._retire(list(range(num_replicas, current)), drain_timeout)
+        return self.describe()
+
+    async def _add(self, count: int) -> None:
+        self.starting = count
+        try:
+            for _ in range(count):
+                index = 1 + len(self.remotes)
+                remote = await asyncio.to_thread(self._start_remote, index)
+                self.remotes.append(remote)
+                self.in_flight.append(0)
+                self.num_routed.append(0)
+                self.starting -= 1
+                logger.info("replica %d is serving", index)
+        finally:
+            self.starting = 0
+
+    def _start_remote(self, index: int) -> Replica:
+        if self.ray_address is not None:
+            from tfserve.distributed.ray_replicas import RayReplica
+
+            remote: Replica = RayReplica(index, self.spec)
+        else:
+            remote = RemoteReplica(index, self.spec)
+        try:
+            remote.wait_ready(timeout=600)
+        except BaseException:
+            remote.stop(timeout=0)
+            raise
+        return remote
+
+    async def _retire(self, indices: list[int], drain_timeout: float) -> None:
+        self.retiring.update(indices)
+        try:
+            deadline = asyncio.get_running_loop().time() + drain_timeout
+            while any(self.in_flight[i] for i in indices) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            retired = self.remotes[indices[0] - 1:]
+            del self.remotes[indices[0] - 1:], self.in_flight[indices[0]:], self.num_routed[indices[0]:]
+            for remote in retired:  # what is still running on them (past the timeout) fails with this
+                remote._fail_all(f"replica {remote.index} was scaled away")
+                await asyncio.to_thread(remote.stop)
+                logger.info("replica %d stopped", remote.index)
+        finally:
+            self.retiring.difference_update(indices)
 
     async def generate_request(self, request):
         index = self.router.pick(request.prompt_token_ids, self.loads)
+        replica = self.manager if index == 0 else self.remotes[index - 1]
         self.num_routed[index] += 1
         self.in_flight[index] += 1
         try:
-            async for output in self._stream(self.manager if index == 0 else self.remotes[index - 1], request):
+            async for output in self._stream(replica, request):
                 yield output
         finally:
-            self.in_flight[index] -= 1
+            if index < len(self.in_flight):  # (a replica retired past its drain timeout is gone from the lists)
+                self.in_flight[index] -= 1
 
     def replica_stats(self) -> list[dict[str, float]]:
         """Each replica's counters (a remote one's as of its last report), and requests routed to it."""
@@ -329,4 +410,4 @@ def start_replicas(spec: ReplicaSpec, local: Callable[[], Any], ray_address: str
         for remote in remotes:
             remote.stop(timeout=0)
         raise
-    return ReplicatedEngine(engine, remotes).start()
+    return ReplicatedEngine(engine, remotes, spec, ray_address).start()

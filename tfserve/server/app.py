@@ -12,7 +12,7 @@ import aiohttp_cors
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from tfserve.server import audio, chat, completions, health, models, responses
+from tfserve.server import admin, audio, chat, completions, health, models, responses
 from tfserve.server.errors import ApiError
 from tfserve.server.generation import USAGE
 from tfserve.server.residency import LEASE
@@ -53,6 +53,8 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     app.router.add_get("/v1/models/{model_id:.+}", models.get_model)
     app.router.add_get("/health", health.health)
     app.router.add_get("/metrics", health.metrics)
+    app.router.add_get("/admin/replicas", admin.get_replicas)
+    app.router.add_post("/admin/replicas", admin.set_replicas)
     if cors_allow_origins:
         options = aiohttp_cors.ResourceOptions(allow_credentials=True, expose_headers="*", allow_headers="*",
                                                allow_methods="*")
@@ -124,9 +126,10 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler) -> web.StreamResponse:
-    """With an API key, /v1/* needs `Authorization: Bearer KEY`; /health, /metrics and CORS preflights do not."""
+    """With an API key, /v1/* and /admin/* need `Authorization: Bearer KEY`; /health, /metrics and CORS
+    preflights do not."""
     api_key = request.app[API_KEY]
-    if api_key and request.path.startswith("/v1/") and request.method != "OPTIONS":
+    if api_key and request.path.startswith(("/v1/", "/admin/")) and request.method != "OPTIONS":
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         # aiohttp keeps header bytes that are not UTF-8 as surrogates: encode them back rather than fail
         token_bytes = token.strip().encode("utf-8", "surrogateescape")
