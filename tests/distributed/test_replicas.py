@@ -11,9 +11,32 @@ import pytest
 
 from tfserve.distributed.replicas import Router
 
+PARAMS = dict(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _tiny_replicas(tmp_path, num_blocks: int, **start):
+    """Two replicas of a saved tiny Llama (replica 1 a process; a Ray actor with ray_address=):
+    (path, config, the ReplicatedEngine)."""
+    from test_tensor_parallel import save_model
+    from tfserve import Engine
+    from tfserve.config import EngineConfig
+    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+
+    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
+    config = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8)
+    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config),
+                                **start)
+    return path, config, replicated
+
+
+async def _stream(replicated, prompt, params):
+    """One request's outputs through the replicas' router."""
+    request = replicated.engine.make_requests(prompt, params)[0]
+    return [output async for output in replicated.generate_request(request)]
+
 
 def test_a_repeated_prefix_goes_back_to_the_replica_that_served_it():
-    router = Router(num_replicas=2, block_size=4, slack=2)
+    router = Router(block_size=4, slack=2)
     system = list(range(100, 116))  # four full blocks
     first = router.pick(system + [1, 2], loads=[0, 0])
     assert first == 0  # unseen: the least busy (the first of equals)
@@ -24,7 +47,7 @@ def test_a_repeated_prefix_goes_back_to_the_replica_that_served_it():
 
 
 def test_a_much_busier_holder_loses_the_prefix_to_the_least_busy():
-    router = Router(num_replicas=2, block_size=4, slack=2)
+    router = Router(block_size=4, slack=2)
     prompt = list(range(16))
     assert router.pick(prompt, loads=[0, 0]) == 0
     assert router.pick(prompt, loads=[3, 0]) == 1  # 3 > 0 + slack: moved, and now remembered there
@@ -32,7 +55,7 @@ def test_a_much_busier_holder_loses_the_prefix_to_the_least_busy():
 
 
 def test_the_longest_shared_prefix_decides():
-    router = Router(num_replicas=3, block_size=2, slack=10)
+    router = Router(block_size=2, slack=10)
     router.pick([1, 2, 3, 4], loads=[0, 5, 5])  # blocks (1, 2) and (3, 4) -> replica 0
     router.pick([1, 2, 9, 9], loads=[5, 0, 5])  # shares the first block: replica 0 holds it (within slack)
     assert router.pick([1, 2, 9, 9, 7], loads=[0, 0, 0]) == 0
@@ -42,27 +65,19 @@ def test_the_longest_shared_prefix_decides():
 
 @pytest.mark.slow
 def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
-    from test_tensor_parallel import save_model
     from tfserve import Engine, SamplingParams
-    from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import STATS_INTERVAL_S, ReplicaSpec, start_replicas
+    from tfserve.distributed.replicas import STATS_INTERVAL_S
 
-    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
-    config = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8)
-    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config))
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    path, config, replicated = _tiny_replicas(tmp_path, num_blocks=256)
+    params = SamplingParams(**PARAMS)
     families = [[10 + f] * 16 for f in range(4)]  # four shared 16-token prefixes (four blocks each)
     rng = random.Random(0)
     prompts = [family + [rng.randrange(20, 300) for _ in range(3)] for family in families for _ in range(4)]
 
-    async def run(prompt):
-        request = replicated.engine.make_requests(prompt, params)[0]
-        return [output async for output in replicated.generate_request(request)]
-
     async def main():
         results = []
         for prompt in prompts:  # one at a time: each sees the replicas' state after the last
-            results.append(await run(prompt))
+            results.append(await _stream(replicated, prompt, params))
         return results
 
     try:
@@ -85,26 +100,16 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
 def test_replicas_as_ray_actors_stream_the_same_tokens(tmp_path):
     """A local Ray cluster: replica 1 is an actor; streamed outputs equal one engine's."""
     ray = pytest.importorskip("ray")
-    from test_tensor_parallel import save_model
     from tfserve import Engine, SamplingParams
-    from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
 
-    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
-    config = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=8)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config),
-                                    ray_address="local")
-        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        path, config, replicated = _tiny_replicas(tmp_path, num_blocks=128, ray_address="local")
+        params = SamplingParams(**PARAMS)
         prompts = [[5] * 8 + [9], [60] * 8 + [9]]  # new prefixes: replica 0, then the actor
 
-        async def run(prompt):
-            request = replicated.engine.make_requests(prompt, params)[0]
-            return [output async for output in replicated.generate_request(request)]
-
         async def main():
-            return [await run(prompt) for prompt in prompts]
+            return [await _stream(replicated, prompt, params) for prompt in prompts]
 
         try:
             results = asyncio.run(main())
@@ -129,14 +134,14 @@ def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():
     outputs = []
     replica.add_requests([Request("r1", [1, 2, 3], SamplingParams(max_tokens=2))], sink=outputs.append)
     assert outputs[0].finished and outputs[0].error == "replica 1 exited (code -9)"
-    router = Router(num_replicas=2, block_size=4, slack=2)
+    router = Router(block_size=4, slack=2)
     prompt = list(range(16))
     assert router.pick(prompt, loads=[0, 0]) == 0
     assert router.pick(prompt, loads=[DEAD, 0]) == 1
 
 
 def test_a_prefix_held_by_a_replica_since_retired_counts_as_unseen():
-    router = Router(num_replicas=3, block_size=4, slack=2)
+    router = Router(block_size=4, slack=2)
     prompt = list(range(16))
     assert router.pick(prompt, loads=[5, 5, 0]) == 2
     assert router.pick(prompt, loads=[0, 1]) == 0  # replica 2 is gone: the least busy
@@ -173,9 +178,8 @@ def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
     replicated.start()
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
-    async def run(prompt):
-        request = engine.make_requests(prompt, params)[0]
-        return [output async for output in replicated.generate_request(request)]
+    def run(prompt):
+        return _stream(replicated, prompt, params)
 
     async def main():
         assert (await replicated.scale(3))["num_replicas"] == 3
@@ -208,27 +212,18 @@ def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
 
 @pytest.mark.slow
 def test_a_replica_process_added_at_run_time_serves_and_stops_when_retired(tmp_path):
-    from test_tensor_parallel import save_model
     from tfserve import Engine, SamplingParams
-    from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
 
-    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
-    config = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=8)
-    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config))
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    path, config, replicated = _tiny_replicas(tmp_path, num_blocks=128)
+    params = SamplingParams(**PARAMS)
     prompts = [[5] * 8 + [9], [60] * 8 + [9], [70] * 8 + [9]]
-
-    async def run(prompt):
-        request = replicated.engine.make_requests(prompt, params)[0]
-        return [output async for output in replicated.generate_request(request)]
 
     async def main():
         grown = await replicated.scale(3)
-        results = [await run(prompt) for prompt in prompts]  # new prefixes: replicas 0, 1, 2 in turn
+        results = [await _stream(replicated, prompt, params) for prompt in prompts]  # replicas 0, 1, 2 in turn
         added = replicated.remotes[-1]
         shrunk = await replicated.scale(1)
-        return grown, results, added, shrunk, await run(prompts[0])
+        return grown, results, added, shrunk, await _stream(replicated, prompts[0], params)
 
     try:
         grown, results, added, shrunk, again = asyncio.run(main())

@@ -229,8 +229,8 @@ class Router:
     the least busy (more than `ratio` times its requests in flight plus `slack`); else the least busy (equals
     taken in turn)."""
 
-    def __init__(self, num_replicas: int, block_size: int, slack: int = 2, ratio: float = 1.5) -> None:
-        self.num_replicas, self.block_size, self.slack, self.ratio = num_replicas, block_size, slack, ratio
+    def __init__(self, block_size: int, slack: int = 2, ratio: float = 1.5) -> None:
+        self.block_size, self.slack, self.ratio = block_size, slack, ratio
         self._last: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
         self._turn = 0  # where the search for the least busy starts: equals take turns
 
@@ -238,7 +238,7 @@ class Router:
         """The replica for a prompt among len(loads) (the count may change between calls: a prefix last served
         by a replica since removed counts as unseen)."""
         keys = self._prefix_keys(prompt_token_ids)
-        self.num_replicas = count = len(loads)
+        count = len(loads)
         order = [(self._turn + i) % count for i in range(count)]
         least = min(order, key=lambda i: loads[i])
         choice = least
@@ -280,26 +280,28 @@ class ReplicatedEngine(AsyncEngine):
         super().__init__(engine)
         self.remotes = remotes
         self.spec, self.ray_address = spec, ray_address
-        self.router = Router(1 + len(remotes), engine.config.block_size)
+        self.router = Router(engine.config.block_size)
         self.num_routed = [0] * (1 + len(remotes))
         self.in_flight = [0] * (1 + len(remotes))  # requests routed and not finished, on the event loop's count
         self.retiring: set[int] = set()  # replicas that take no new requests (being scaled away)
         self.starting = 0  # replicas being started by scale()
         self._scaling: asyncio.Lock | None = None
 
+    def states(self) -> list[str]:
+        """Each replica's state: ready, dead (its process or actor failed) or retiring (being scaled away)."""
+        dead = [False] + [remote.error is not None for remote in self.remotes]
+        return ["retiring" if index in self.retiring else "dead" if gone else "ready"
+                for index, gone in enumerate(dead)]
+
     @property
     def loads(self) -> list[int]:
         """Requests in flight on each replica, as the router weighs them (a dead or retiring one never wins)."""
-        out = [False] + [remote.error is not None for remote in self.remotes]
-        out = [gone or index in self.retiring for index, gone in enumerate(out)]
-        return [DEAD if gone else n for n, gone in zip(self.in_flight, out)]
+        return [n if state == "ready" else DEAD for n, state in zip(self.in_flight, self.states())]
 
     def describe(self) -> dict[str, Any]:
         """The replicas as `GET /admin/replicas` shows them."""
-        states = ["ready"] + ["dead" if remote.error is not None else "ready" for remote in self.remotes]
-        replicas = [{"index": index, "state": "retiring" if index in self.retiring else state,
-                     "num_in_flight": self.in_flight[index], "num_routed": self.num_routed[index]}
-                    for index, state in enumerate(states)]
+        replicas = [{"index": index, "state": state, "num_in_flight": self.in_flight[index],
+                     "num_routed": self.num_routed[index]} for index, state in enumerate(self.states())]
         return {"num_replicas": len(replicas), "num_starting": self.starting, "replicas": replicas}
 
     async def scale(self, num_replicas: int, drain_timeout: float = 600.0) -> dict[str, Any]:
@@ -334,12 +336,7 @@ class ReplicatedEngine(AsyncEngine):
             self.starting = 0
 
     def _start_remote(self, index: int) -> Replica:
-        if self.ray_address is not None:
-            from tfserve.distributed.ray_replicas import RayReplica
-
-            remote: Replica = RayReplica(index, self.spec)
-        else:
-            remote = RemoteReplica(index, self.spec)
+        remote = new_replica(index, self.spec, self.ray_address)
         try:
             remote.wait_ready(timeout=600)
         except BaseException:
@@ -388,6 +385,16 @@ class ReplicatedEngine(AsyncEngine):
             remote.stop()
 
 
+def new_replica(index: int, spec: ReplicaSpec, ray_address: str | None = None) -> Replica:
+    """Replica `index` starting: a process of this machine, or a Ray actor where `ray_address` is given (the
+    cluster already connected)."""
+    if ray_address is not None:
+        from tfserve.distributed.ray_replicas import RayReplica
+
+        return RayReplica(index, spec)
+    return RemoteReplica(index, spec)
+
+
 def start_replicas(spec: ReplicaSpec, local: Callable[[], Any], ray_address: str | None = None) -> ReplicatedEngine:
     """Start replicas 1..N-1 (each loads the model in its process, or as a Ray actor on the cluster at
     `ray_address` ("local": a cluster of this machine), while `local()` loads replica 0's engine here), and the
@@ -395,12 +402,10 @@ def start_replicas(spec: ReplicaSpec, local: Callable[[], Any], ray_address: str
     import torch
 
     if ray_address is not None:
-        from tfserve.distributed.ray_replicas import RayReplica, connect
+        from tfserve.distributed.ray_replicas import connect
 
         connect(ray_address)
-        remotes: list = [RayReplica(index, spec) for index in range(1, spec.num_replicas)]
-    else:
-        remotes = [RemoteReplica(index, spec) for index in range(1, spec.num_replicas)]
+    remotes = [new_replica(index, spec, ray_address) for index in range(1, spec.num_replicas)]
     try:
         torch.set_num_threads(replica_threads(spec.num_replicas))
         engine = local()

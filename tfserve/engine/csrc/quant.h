@@ -127,10 +127,10 @@ inline float group_weight(const uint8_t* gb, QType t, int64_t c, int64_t k) {
   return d * static_cast<float>(q) + half_to_float(h[kGroup + c]);
 }
 
-// y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nb group blocks). The activations are
-// int8 blocks (QuantRows) of rows r0..r0+R. y: row stride ldy.
 constexpr int64_t kAheadBytes = 2048;  // about 13 group blocks: as many loads in flight as the memory needs
 
+// y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nb group blocks). The activations are
+// int8 blocks (QuantRows) of rows r0..r0+R. y: row stride ldy.
 template <bool kFour, int R>
 static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows& xq, int64_t r0, int64_t k,
                               float* y, int64_t ldy, int64_t cols) {
