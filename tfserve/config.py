@@ -30,6 +30,9 @@ class EngineConfig:
     # how a step's packed tokens become logits (engine/backends): "auto" picks the lean forward where it
     # applies, "hf" the model's own forward, "lean" insists on the lean forward (an error where it cannot run)
     forward_backend: str = field(default_factory=lambda: _env_default("TFSERVE_LEAN_FORWARD", "auto", "hf"))
+    # torch.compile the model's own forward (engine/backends/compiled.py) where it runs, i.e. where the lean
+    # forward does not; compiled at load time
+    compile: bool = False
     cpu_kernels: bool = field(default_factory=lambda: _env_default("TFSERVE_CPU_KERNELS", True, False))
     pack_weights: bool | None = None  # panel-packed float32 linear weights (lean forward, CPU); None: where they help
     # how the lean forward holds linear weights on CPU (engine/cpu_linear.py): float32, float16, bfloat16 (16-bit

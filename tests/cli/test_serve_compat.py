@@ -135,12 +135,18 @@ def test_continuous_batching_is_accepted_with_one_note(served):
 
 
 @pytest.mark.parametrize("flag,note", [
-    ("--compile", "torch.compile"), ("--cb-use-cuda-graph", "CUDA graphs"), ("--input-validation", "validates"),
+    ("--cb-use-cuda-graph", "CUDA graphs"), ("--input-validation", "validates"),
     ("--non-blocking", "foreground"), ("--use-bnb-nested-quant", "bitsandbytes"),
 ])
 def test_flags_without_effect_say_so_in_one_line(served, flag, note):
     output = ok(served(flag))["result"].output
     assert [line for line in output.splitlines() if note in line][0].startswith("Note: ")
+
+
+def test_compile_reaches_the_engine(served):
+    assert ok(served("--compile"))["engine_kwargs"].compile is True
+    assert ok(served())["engine_kwargs"].compile is False
+    assert "torch.compile" not in ok(served("--compile"))["result"].output  # no note: it is not ignored
 
 
 def test_decision_config_is_accepted(served):

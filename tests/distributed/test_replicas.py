@@ -14,9 +14,9 @@ from tfserve.distributed.replicas import Router
 PARAMS = dict(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def _tiny_replicas(tmp_path, num_blocks: int, **start):
-    """Two replicas of a saved tiny Llama (replica 1 a process; a Ray actor with ray_address=):
-    (path, config, the ReplicatedEngine)."""
+def _tiny_replicas(tmp_path, num_blocks: int):
+    """Two replicas of a saved tiny Llama (replica 1 a process): (path, config, the ReplicatedEngine). (Ray actors:
+    test_serve_distributed.py.)"""
     from test_tensor_parallel import save_model
     from tfserve import Engine
     from tfserve.config import EngineConfig
@@ -24,8 +24,7 @@ def _tiny_replicas(tmp_path, num_blocks: int, **start):
 
     path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
     config = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8)
-    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config),
-                                **start)
+    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config))
     return path, config, replicated
 
 
@@ -94,34 +93,6 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
     hits = sum(s["prefix_cache_hit_tokens"] for s in stats)
     # each family's first request misses; the other three find its 16 tokens (random routing: about half)
     assert hits == 4 * 3 * 16
-
-
-@pytest.mark.slow
-def test_replicas_as_ray_actors_stream_the_same_tokens(tmp_path):
-    """A local Ray cluster: replica 1 is an actor; streamed outputs equal one engine's."""
-    ray = pytest.importorskip("ray")
-    from tfserve import Engine, SamplingParams
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        path, config, replicated = _tiny_replicas(tmp_path, num_blocks=128, ray_address="local")
-        params = SamplingParams(**PARAMS)
-        prompts = [[5] * 8 + [9], [60] * 8 + [9]]  # new prefixes: replica 0, then the actor
-
-        async def main():
-            return [await _stream(replicated, prompt, params) for prompt in prompts]
-
-        try:
-            results = asyncio.run(main())
-            stats = replicated.replica_stats()
-        finally:
-            replicated.stop()
-    finally:
-        ray.shutdown()
-    whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
-    for outputs, expected in zip(results, whole.values()):
-        assert [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
-    assert [s["num_routed"] for s in stats] == [1, 1]
 
 
 def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():

@@ -119,9 +119,12 @@ def test_two_replicas_serve_a_stream_and_label_their_metrics(tmp_path):
 
 
 def test_a_local_ray_cluster_with_two_replicas_serves_a_streamed_chat(tmp_path):
-    """`--data-parallel-size 2 --ray local`: replica 1 is a Ray actor and streams a chat completion."""
+    """`--data-parallel-size 2 --ray local`: replica 1 is a Ray actor; it streams a chat completion and gives the
+    same greedy tokens as one engine in this process."""
     pytest.importorskip("ray")
     from tiny import build_llama, build_tokenizer
+
+    from tfserve import Engine, SamplingParams
 
     tokenizer = build_tokenizer()
     path = tmp_path / "tiny-chat"
@@ -137,10 +140,15 @@ def test_a_local_ray_cluster_with_two_replicas_serves_a_streamed_chat(tmp_path):
         chunks = list(stream)
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        prompts = [[60] * 8 + [9], [70] * 8 + [9]]  # new prefixes again: replica 0, then the actor
+        texts = [client.completions.create(model="tiny-chat", prompt=p, max_tokens=8, temperature=0).choices[0].text
+                 for p in prompts]
         metrics = server.get("/metrics")
         output = server.stop()
     assert server.process.returncode == 0, output
-    assert 'tfserve_replica_num_routed{replica="1"} 1.0' in metrics
+    assert 'tfserve_replica_num_routed{replica="1"} 2.0' in metrics
+    whole = Engine.from_pretrained(str(path)).generate_batch(prompts, SamplingParams(max_tokens=8, temperature=0))
+    assert texts == [o.text for o in whole.values()]  # the actor's tokens are one engine's
 
 
 def test_torchrun_starts_every_rank_and_rank_0_serves(tmp_path):

@@ -13,7 +13,7 @@ import typer
 
 from tfserve.cli import bench_audio
 from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
-                                 TensorParallelOpt)
+                                 TensorParallelOpt, CompileOpt)
 from tfserve.cli.output import console, err_console
 from tfserve.errors import TfserveError
 
@@ -54,6 +54,7 @@ def offline(
     num_speculative_tokens: Annotated[int, typer.Option(
         "--num-speculative-tokens", min=1, max=16, help="Tokens proposed per step with --speculative.")] = 4,
     tensor_parallel_size: TensorParallelOpt = 1,
+    compile_model: CompileOpt = False,
     output_json: OutputJsonOpt = None,
 ) -> None:
     """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
@@ -81,7 +82,8 @@ def offline(
             config = engine_config_from_flags({"max_num_seqs": max_num_seqs, "max_batch_tokens": max_batch_tokens,
                                                "speculative": speculative, "speculative_model": speculative_model,
                                                "num_speculative_tokens": num_speculative_tokens,
-                                               "tensor_parallel_size": tensor_parallel_size})
+                                               "tensor_parallel_size": tensor_parallel_size,
+                                               "compile": compile_model})
             ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,
                                           quantization=quantization.value, progress=progress)
             loaded = SimpleNamespace(model=ours.model, tokenizer=ours.tokenizer, name=ours.model_name)

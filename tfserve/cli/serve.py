@@ -17,7 +17,7 @@ import typer
 from tfserve.cli import serve_compat as compat
 from tfserve.cli.loading import engine_config_from_flags, load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
-                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt)
+                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, compile_help)
 from tfserve.cli.serve_compat import Reasoning
 from tfserve.distributed.workers import torchrun_rank
 from tfserve.errors import TfserveError
@@ -120,6 +120,8 @@ def serve(
              "directory, a .gguf file or a cached hub id.", rich_help_panel=ENGINE, show_default=False)] = None,
     num_speculative_tokens: Annotated[int, typer.Option(
         min=1, max=16, help="Tokens proposed per step with --speculative.", rich_help_panel=ENGINE)] = 4,
+    compile_model: Annotated[bool, typer.Option(
+        "--compile/--no-compile", help=compile_help, rich_help_panel=ENGINE)] = False,
     tensor_parallel_size: TensorParallelOpt = 1,
     distributed_init_method: Annotated[str | None, typer.Option(
         help="The ranks' rendezvous, tcp://HOST:PORT (default: a free local port).", rich_help_panel=DISTRIBUTED,
@@ -240,7 +242,6 @@ def serve(
         callback=_fraction, show_default=False, rich_help_panel=compat.COMPAT,
         help="Same as --kv-cache-memory FRACTION: the KV cache as a fraction of free memory.")] = None,
     cb_use_cuda_graph: compat.CbUseCudaGraphOpt = None,
-    compile_model: compat.CompileOpt = None,
     decision_config: compat.DecisionConfigOpt = None,
     input_validation: compat.InputValidationOpt = False,
     non_blocking: compat.NonBlockingOpt = False,
@@ -281,7 +282,7 @@ def serve(
 
     force_model = _pinned_model(model_arg, force_model)
     for line in compat.notes({
-        "continuous_batching": continuous_batching, "compile": compile_model, "cb_use_cuda_graph": cb_use_cuda_graph,
+        "continuous_batching": continuous_batching, "cb_use_cuda_graph": cb_use_cuda_graph,
         "decision_config": decision_config, "input_validation": input_validation, "non_blocking": non_blocking,
         "bnb_4bit_quant_type": bnb_4bit_quant_type, "use_bnb_nested_quant": use_bnb_nested_quant,
         "model_timeout": model_timeout, "force_model": force_model}):
@@ -301,7 +302,7 @@ def serve(
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
         "speculative": speculative, "speculative_model": speculative_model, "num_speculative_tokens": num_speculative_tokens,
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
-        "distributed_timeout_s": distributed_timeout, "nnodes": nnodes}
+        "distributed_timeout_s": distributed_timeout, "nnodes": nnodes, "compile": compile_model}
     engine_config = engine_config_from_flags(engine_kwargs)
     if ray is not None and data_parallel_size == 1:
         raise TfserveError("--ray places engine replicas: give --data-parallel-size 2 or more")

@@ -75,9 +75,6 @@ ContinuousBatchingOpt = Annotated[bool | None, typer.Option(
 CbUseCudaGraphOpt = Annotated[bool | None, typer.Option(
     "--cb-use-cuda-graph/--no-cb-use-cuda-graph", show_default=False, rich_help_panel=COMPAT,
     help="Accepted with a note: tfserve does not capture CUDA graphs.")]
-CompileOpt = Annotated[bool | None, typer.Option(
-    "--compile/--no-compile", show_default=False, rich_help_panel=COMPAT,
-    help="Accepted with a note: tfserve runs the model eagerly (torch.compile is not used).")]
 DecisionConfigOpt = Annotated[str | None, typer.Option(
     metavar="PATH", show_default=False, rich_help_panel=COMPAT,
     help="Accepted with a note: tfserve has no /v1/systemone endpoint to configure.")]
@@ -143,8 +140,6 @@ def notes(values: dict[str, Any]) -> list[str]:
     if values["continuous_batching"] is not None:
         lines.append("continuous batching is always on in tfserve"
                      + ("; --no-continuous-batching has no effect" if not values["continuous_batching"] else ""))
-    if values["compile"]:
-        lines.append("--compile has no effect: tfserve runs the model eagerly (no torch.compile)")
     if values["cb_use_cuda_graph"]:
         lines.append("--cb-use-cuda-graph has no effect: tfserve does not capture CUDA graphs")
     if values["decision_config"]:

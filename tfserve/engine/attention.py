@@ -136,6 +136,9 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if torch.compiler.is_compiling():  # one opaque op in the compiled graph; it reads the step's metadata when run
+        return torch.ops.tfserve.paged_attention(query, key, value, module.layer_idx, scaling or 0.0,
+                                                 sliding_window or 0, softcap or 0.0), None
     meta = _metadata
     if meta is None:  # the model used outside an engine step (e.g. `model.generate`): plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -147,7 +150,30 @@ def paged_attention_forward(
                                            dropout=dropout, softcap=softcap, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    return _paged_attention(meta, module.layer_idx, query, key, value, scaling, sliding_window, softcap), None
+
+
+@torch.library.custom_op("tfserve::paged_attention", mutates_args=())
+def _compiled_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                              scaling: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    """`paged_attention_forward` as torch.compile sees it (0 stands for None): the step's metadata and the
+    layer's cache are read when it runs, so one compiled graph serves every step. (It writes the cache, which is
+    not an argument: the graph keeps it because its output is used, in layer order because each layer's query
+    depends on the one before.)"""
+    return _paged_attention(_metadata, layer_idx, query, key, value, scaling or None, sliding_window or None,
+                            softcap or None)
+
+
+@_compiled_paged_attention.register_fake
+def _(query, key, value, layer_idx, scaling, sliding_window, softcap):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value, scaling, sliding_window,
+                     softcap) -> torch.Tensor:
+    """Write the step's keys and values into layer `layer_idx`'s cache, then attend: [1, num_tokens, num_heads,
+    head_dim]."""
+    k_cache, v_cache = meta.kv_caches[layer_idx]
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
@@ -158,7 +184,7 @@ def paged_attention_forward(
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_values)
 
     if meta.flash:
-        return _flash_attention(query, k_cache, v_cache, meta, scaling, sliding_window, softcap), None
+        return _flash_attention(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
     out = query.new_empty(num_tokens, num_heads, head_dim)
     group_size = num_heads // num_kv_heads
     for group in meta.groups:  # at most two: decodes, prefills
@@ -171,7 +197,7 @@ def paged_attention_forward(
         out[group.start : group.end] = _group_attention(
             q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
         )
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _flash_attention(query, k_cache, v_cache, meta: AttentionMetadata, scaling, sliding_window,

@@ -8,6 +8,7 @@ business (engine/backends), picked once here from the EngineConfig.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRA
 from tfserve.engine import attention, kernels
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
 from tfserve.engine.backends import select_backend
+from tfserve.engine.backends.compiled import CompiledForward
 from tfserve.engine.prompt_logprobs import positions_to_score, score
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
@@ -60,6 +62,13 @@ class ModelRunner:
         self.forward = select_backend(model, config, self.cpu_ops, tp)
         self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
         self.draft: Any = None  # engine.draft.DraftModel: fills the proposals' places before each step (set by Engine)
+        if isinstance(self.forward, CompiledForward):  # compiled now, not in the first request's step
+            self.forward.warm_up(self._warm_up_step)
+
+    def _warm_up_step(self) -> None:
+        """A two-token prefill into block 0 (free until the first request; a block's slots are written before
+        they are read)."""
+        self.greedy_next([(SimpleNamespace(block_ids=[0, 0], mm=None), [0, 0], 0)], 1)
 
     @property
     def block_bytes(self) -> int:

@@ -3,8 +3,9 @@ decides which runs; every backend is a small class with the same call,
 `backend(input_ids, positions, logits_index) -> logits` ([num_tokens], [num_tokens], [num_samples] ->
 [num_samples, vocab]), reading the step's attention metadata from `tfserve.engine.attention`.
 
-    hf.py     the model's own forward (any architecture, dtype, quantization)
-    lean.py   a lean forward for Llama-family float32 models, with fused CPU kernels and packed weights
+    hf.py        the model's own forward (any architecture, dtype, quantization)
+    compiled.py  the same through torch.compile (`compile`), one graph for every step
+    lean.py      a lean forward for Llama-family float32 models, with fused CPU kernels and packed weights
 
 A CUDA-graph backend and a tensor-parallel one go here too, chosen the same way from `EngineConfig`.
 """
@@ -18,6 +19,7 @@ import torch
 
 from tfserve.config import EngineConfig
 from tfserve.engine import cpu_linear
+from tfserve.engine.backends.compiled import CompiledForward
 from tfserve.engine.backends.hf import HFForward
 from tfserve.engine.backends.lean import LeanForward
 
@@ -33,7 +35,8 @@ class ForwardBackend(Protocol):
 
 def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=None) -> ForwardBackend:
     """The backend `config.forward_backend` asks for: "hf", "lean" (ValueError where it cannot run), or "auto"
-    (lean where it applies), with linear weights held as `config.weights` says. `cpu_ops` are the compiled CPU
+    (lean where it applies), with linear weights held as `config.weights` says; the model's own forward is
+    compiled where `config.compile` asks (the runner warms it up). `cpu_ops` are the compiled CPU
     kernels, or None. `tp`: the model is this rank's shard (tfserve.distributed.tensor_parallel), which only the
     lean forward runs; rank 0's sends every step to the other ranks first."""
     if tp is not None and config.forward_backend == "hf":
@@ -51,7 +54,10 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
         if config.weights not in ("auto", "float32"):
             raise ValueError(f"weights {config.weights} needs the lean forward, which cannot run this model: {why_not}")
         logger.debug("the model's own forward: %s", why_not)
-        return HFForward(model)
+        return CompiledForward(model) if config.compile else HFForward(model)
+    if config.compile:
+        logger.info("compile: the lean forward already runs tfserve's own kernels, so nothing is compiled "
+                    "(forward_backend hf compiles the model's own forward)")
     if weights != "float32" and cpu_ops is None:
         raise ValueError(f"weights {weights} needs tfserve's CPU kernels, which are off or failed to build")
     pack = config.pack_weights
