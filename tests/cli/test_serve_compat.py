@@ -31,13 +31,14 @@ def served(monkeypatch, tmp_path):
         seen["app_kwargs"] = kwargs
         return real_create_app(state, **kwargs)
 
-    async def fake_run(app, host, port, *, drain_timeout, load, on_ready):
-        seen.update(state=app[STATE], host=host, port=port, drain_timeout=drain_timeout, load=load)
+    async def fake_run(app, host, port, *, drain_timeout, load, on_ready, autoscale=None):
+        seen.update(state=app[STATE], host=host, port=port, drain_timeout=drain_timeout, load=load,
+                    autoscale=autoscale)
 
     def fake_load_engine(spec, load_options, engine_kwargs, show_progress=True, data_parallel_size=1,
-                         ray_address=None):
+                         ray_address=None, scalable=False):
         seen.update(spec=spec, load_options=load_options, engine_kwargs=engine_kwargs,
-                    data_parallel_size=data_parallel_size, ray_address=ray_address)
+                    data_parallel_size=data_parallel_size, ray_address=ray_address, scalable=scalable)
         return ("engine", "async_engine", spec, None)
 
     monkeypatch.setattr(server_app, "create_app", create_app)
@@ -273,6 +274,23 @@ def test_distributed_flags_reach_the_engine_and_its_loader(served):
     assert result.exit_code != 0 and "cannot be combined yet" in result.output
     result = served("MODEL_DIR", "--ray", "auto")["result"]
     assert result.exit_code != 0 and "--ray places engine replicas" in result.output
+
+
+def test_replica_scaling_flags_make_a_policy(served):
+    from tfserve.distributed.autoscale import AutoscalePolicy
+
+    seen = ok(served("MODEL_DIR", "--max-replicas", "4", "--target-requests-per-replica", "8"))
+    assert seen["autoscale"] == AutoscalePolicy(1, 4, 8)
+    assert seen["data_parallel_size"] == 1 and seen["scalable"]  # replicas from one, scaled
+    seen = ok(served("MODEL_DIR", "--min-replicas", "2", "--max-replicas", "3"))
+    assert seen["autoscale"] == AutoscalePolicy(2, 3, 16) and seen["data_parallel_size"] == 2
+    seen = ok(served("MODEL_DIR"))
+    assert seen["autoscale"] is None and not seen["scalable"]
+    for args, fragment in [(["--min-replicas", "2"], "give --max-replicas too"),
+                           (["--min-replicas", "3", "--max-replicas", "2"], "must not be above --max-replicas"),
+                           (["-dp", "3", "--max-replicas", "2"], "must not be above --max-replicas"),
+                           (["--max-replicas", "2", "-tp", "2"], "cannot be combined yet")]:
+        assert_one_line(served("MODEL_DIR", *args)["result"], fragment)
 
 
 def test_speculative_flags_reach_the_engine(served):

@@ -72,3 +72,64 @@ def test_the_api_key_guards_the_admin_endpoints(start_server, replicated):
     assert live.request("GET", "/admin/replicas")[0] == 401
     status, _, body = live.request("GET", "/admin/replicas", headers={"Authorization": "Bearer secret"})
     assert status == 200 and body["num_replicas"] == 1
+
+
+def test_the_replicas_follow_the_load(replicated):
+    """`autoscale`: more requests in flight than the target per replica add replicas once the delay has passed;
+    none retires them after theirs."""
+    import asyncio
+
+    from tfserve.distributed.autoscale import AutoscalePolicy
+
+    policy = AutoscalePolicy(1, 3, target_requests=2, upscale_delay_s=0.2, downscale_delay_s=0.4)
+
+    async def main():
+        scaling = asyncio.ensure_future(replicated.autoscale(policy, period_s=0.02))
+        try:
+            replicated.in_flight[0] = 5  # asks for 3
+            await asyncio.sleep(0.1)
+            assert len(replicated.remotes) == 0  # not yet
+            await _until(lambda: len(replicated.remotes) == 2)
+            added = list(replicated.remotes)
+            replicated.in_flight[0] = 0
+            await _until(lambda: len(replicated.remotes) == 0)
+            assert all(remote.stopped for remote in added)
+        finally:
+            scaling.cancel()
+
+    asyncio.run(main())
+
+
+async def _until(condition, timeout: float = 5.0):
+    import asyncio
+
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("not within the timeout")
+
+
+def test_the_server_applies_the_policy_while_it_serves(replicated):
+    """`tfserve serve --min-replicas 2 --max-replicas 2` from one replica: the server's loop scales to two."""
+    import asyncio
+
+    from tiny import free_port
+
+    from tfserve.distributed.autoscale import AutoscalePolicy
+    from tfserve.server.app import create_app
+    from tfserve.server.run import serve
+    from tfserve.server.state import ServerState
+
+    async def main():
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(serve(
+            create_app(ServerState()), "127.0.0.1", free_port(), load=lambda: replicated, stop_event=stop,
+            drain_timeout=1, autoscale=AutoscalePolicy(2, 2, upscale_delay_s=0)))
+        try:
+            await _until(lambda: len(replicated.remotes) == 1, timeout=10)
+        finally:
+            stop.set()
+            await serving
+
+    asyncio.run(main())

@@ -22,10 +22,10 @@ def engine_config_from_flags(engine_kwargs: dict):
 
 
 def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True,
-                data_parallel_size: int = 1, ray_address: str | None = None):
+                data_parallel_size: int = 1, ray_address: str | None = None, scalable: bool = False):
     """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves); with
     `data_parallel_size` > 1, replicas 1.. load in processes of their own meanwhile (Ray actors with
-    `ray_address`). Loads on demand show no
+    `ray_address`); `scalable`: replicas even when there is one (they will be scaled). Loads on demand show no
     progress bars (they would tangle with the access log)."""
     from contextlib import nullcontext
 
@@ -37,7 +37,7 @@ def load_engine(spec: str, load_options: dict, engine_config=None, show_progress
         with step_progress() if show_progress else nullcontext(lambda *args, **kwargs: None) as progress:
             return Engine.from_pretrained(spec, engine_config, progress=progress, **load_options)
 
-    if data_parallel_size == 1:
+    if data_parallel_size == 1 and not scalable:
         return AsyncEngine(load_here()).start()
     from tfserve.distributed.replicas import ReplicaSpec, start_replicas
 

@@ -130,6 +130,19 @@ def serve(
         "--data-parallel-size", "-dp", min=1,
         help="Engine replicas, each a process with its own KV cache; a request goes to the one most likely to hold "
              "its prompt's prefix unless that one is much busier.", rich_help_panel=DISTRIBUTED)] = 1,
+    min_replicas: Annotated[int | None, typer.Option(
+        "--min-replicas", min=1, show_default=False,
+        help="Scale the replicas with the load, never below this (default: 1 with --max-replicas).",
+        rich_help_panel=DISTRIBUTED)] = None,
+    max_replicas: Annotated[int | None, typer.Option(
+        "--max-replicas", min=1, show_default=False,
+        help="Scale the replicas with the load, up to this: one per --target-requests-per-replica requests in "
+             "flight, added after 5 s of such load, retired after 60 s without (--data-parallel-size: the count "
+             "at start).", rich_help_panel=DISTRIBUTED)] = None,
+    target_requests_per_replica: Annotated[int, typer.Option(
+        "--target-requests-per-replica", min=1,
+        help="Requests in flight (running and queued) per replica that scaling aims at.",
+        rich_help_panel=DISTRIBUTED)] = 16,
     ray: Annotated[str | None, typer.Option(
         "--ray", metavar="ADDRESS", show_default=False,
         help="Run replicas 1.. of --data-parallel-size as Ray actors on the cluster at ADDRESS (auto: the one "
@@ -304,10 +317,14 @@ def serve(
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
         "distributed_timeout_s": distributed_timeout, "nnodes": nnodes, "compile": compile_model}
     engine_config = engine_config_from_flags(engine_kwargs)
-    if ray is not None and data_parallel_size == 1:
+    autoscale = _autoscale_policy(min_replicas, max_replicas, target_requests_per_replica, data_parallel_size)
+    if autoscale is not None:
+        data_parallel_size = max(data_parallel_size, autoscale.min_replicas)
+    if ray is not None and data_parallel_size == 1 and autoscale is None:
         raise TfserveError("--ray places engine replicas: give --data-parallel-size 2 or more")
-    if data_parallel_size > 1 and tensor_parallel_size > 1:
-        raise TfserveError("--data-parallel-size and --tensor-parallel-size cannot be combined yet; pick one")
+    if (data_parallel_size > 1 or autoscale is not None) and tensor_parallel_size > 1:
+        raise TfserveError("replicas (--data-parallel-size, --max-replicas) and --tensor-parallel-size cannot be "
+                           "combined yet; pick one")
     if node_rank >= nnodes:
         raise TfserveError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
     _configure_logging(log_level.value)
@@ -342,7 +359,7 @@ def serve(
     def load():
         try:
             loaded = load_engine(spec, load_options, engine_config, data_parallel_size=data_parallel_size,
-                                 ray_address=ray)
+                                 ray_address=ray, scalable=autoscale is not None)
         except ValueError as exc:  # e.g. a KV cache too small for one block
             raise TfserveError(f"cannot serve {spec}: {exc}") from None
         if default_seed is not None:  # after loading, so the first request draws the seed's first numbers
@@ -362,13 +379,31 @@ def serve(
         # on this, the main thread: a local cluster's processes end with the thread that starts them
         connect(ray)
     try:
-        asyncio.run(run_server(app, host, port, drain_timeout=drain_timeout, load=load, on_ready=on_ready))
+        asyncio.run(run_server(app, host, port, drain_timeout=drain_timeout, load=load, on_ready=on_ready,
+                               autoscale=autoscale))
     except OSError as exc:
         raise TfserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:
         pass
     if state.failure is not None:
         raise TfserveError(state.failure)
+
+
+def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target: int, data_parallel_size: int):
+    """The AutoscalePolicy of --min-replicas/--max-replicas, or None when neither is given."""
+    if min_replicas is None and max_replicas is None:
+        return None
+    if max_replicas is None:
+        raise TfserveError("--min-replicas scales with the load up to --max-replicas: give --max-replicas too")
+    from tfserve.distributed.autoscale import AutoscalePolicy
+
+    low = min_replicas or 1
+    if low > max_replicas:
+        raise TfserveError(f"--min-replicas ({low}) must not be above --max-replicas ({max_replicas})")
+    if data_parallel_size > max_replicas:
+        raise TfserveError(f"--data-parallel-size ({data_parallel_size}) must not be above --max-replicas "
+                           f"({max_replicas})")
+    return AutoscalePolicy(low, max_replicas, target)
 
 
 def _init_method(given: str | None) -> str | None:

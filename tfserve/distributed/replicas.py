@@ -321,6 +321,25 @@ class ReplicatedEngine(AsyncEngine):
                 await self._retire(list(range(num_replicas, current)), drain_timeout)
         return self.describe()
 
+    async def autoscale(self, policy, period_s: float = 1.0) -> None:
+        """Scale by `policy` (distributed/autoscale.py) from the requests in flight, checked every `period_s`,
+        until cancelled. A replica that fails to start is logged and the ones running go on."""
+        from tfserve.distributed.autoscale import Autoscaler
+
+        rule = Autoscaler(policy)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period_s)
+            target = rule.decide(loop.time(), sum(self.in_flight), len(self.in_flight))
+            if target is None:
+                continue
+            logger.info("autoscaling: %d requests in flight, %d -> %d replicas", sum(self.in_flight),
+                        len(self.in_flight), target)
+            try:
+                await self.scale(target)
+            except Exception as exc:  # (scale fails only in starting a replica)
+                logger.warning("autoscaling to %d replicas failed: %s", target, exc)
+
     async def _add(self, count: int) -> None:
         self.starting = count
         try:

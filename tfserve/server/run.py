@@ -23,9 +23,10 @@ logger = logging.getLogger("tfserve.server")
 
 async def serve(app: web.Application, host: str, port: int, *, drain_timeout: float = 30.0,
                 load: Callable[[], AsyncEngine] | None = None, on_ready: Callable[[], None] | None = None,
-                stop_event: asyncio.Event | None = None) -> None:
+                stop_event: asyncio.Event | None = None, autoscale=None) -> None:
     """Serve `app` on host:port. `load()` (run on a thread while /health answers 503) returns the
-    started engine to serve; `on_ready()` runs once the model serves (the CLI's banner)."""
+    started engine to serve; `on_ready()` runs once the model serves (the CLI's banner). `autoscale`: an
+    AutoscalePolicy the engine's replicas follow while it serves."""
     state: ServerState = app[STATE]
     stop = stop_event or asyncio.Event()
     state.request_stop = stop.set  # the engine failed for good: stop serving
@@ -38,15 +39,20 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     mcp_started = asyncio.ensure_future(state.start_mcp())  # alongside the model's loading
+    scaling = None
     try:
         await web.TCPSite(runner, host, port).start()
         if load is not None and not await _load(state, load, stop):
             return
+        if autoscale is not None:
+            scaling = asyncio.ensure_future(state.async_engine.autoscale(autoscale))
         if on_ready is not None:
             on_ready()
         await stop.wait()
         await drain(state, drain_timeout)
     finally:
+        if scaling is not None:
+            scaling.cancel()
         state.stop()
         await runner.cleanup()
         mcp_started.cancel()
