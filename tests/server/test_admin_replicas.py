@@ -38,6 +38,7 @@ def test_replicas_are_listed_added_and_retired(start_server, replicated):
     live = start_server(state=make_state(replicated))
     status, _, body = live.request("GET", "/admin/replicas")
     assert status == 200 and body["num_replicas"] == 1 and body["replicas"][0]["state"] == "ready"
+    assert body["autoscale"] is None
     status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 3})
     assert status == 200 and body["num_replicas"] == 3
     assert [r["index"] for r in body["replicas"]] == [0, 1, 2]
@@ -89,6 +90,7 @@ def test_the_replicas_follow_the_load(replicated):
             replicated.in_flight[0] = 5  # asks for 3
             await asyncio.sleep(0.1)
             assert len(replicated.remotes) == 0  # not yet
+            assert replicated.describe()["autoscale"]["max_replicas"] == 3
             await _until(lambda: len(replicated.remotes) == 2)
             added = list(replicated.remotes)
             replicated.in_flight[0] = 0
@@ -96,6 +98,8 @@ def test_the_replicas_follow_the_load(replicated):
             assert all(remote.stopped for remote in added)
         finally:
             scaling.cancel()
+        await asyncio.gather(scaling, return_exceptions=True)
+        assert replicated.describe()["autoscale"] is None  # (the loop ended)
 
     asyncio.run(main())
 

@@ -18,7 +18,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tfserve.engine.async_engine import AsyncEngine
@@ -285,6 +285,7 @@ class ReplicatedEngine(AsyncEngine):
         self.in_flight = [0] * (1 + len(remotes))  # requests routed and not finished, on the event loop's count
         self.retiring: set[int] = set()  # replicas that take no new requests (being scaled away)
         self.starting = 0  # replicas being started by scale()
+        self.policy = None  # the AutoscalePolicy autoscale() follows, while it runs
         self._scaling: asyncio.Lock | None = None
 
     def states(self) -> list[str]:
@@ -302,7 +303,9 @@ class ReplicatedEngine(AsyncEngine):
         """The replicas as `GET /admin/replicas` shows them."""
         replicas = [{"index": index, "state": state, "num_in_flight": self.in_flight[index],
                      "num_routed": self.num_routed[index]} for index, state in enumerate(self.states())]
-        return {"num_replicas": len(replicas), "num_starting": self.starting, "replicas": replicas}
+        policy = None if self.policy is None else asdict(self.policy)
+        return {"num_replicas": len(replicas), "num_starting": self.starting, "autoscale": policy,
+                "replicas": replicas}
 
     async def scale(self, num_replicas: int, drain_timeout: float = 600.0) -> dict[str, Any]:
         """Run `num_replicas` replicas: start the missing ones (each loads the model, as at start-up; routed to
@@ -328,17 +331,21 @@ class ReplicatedEngine(AsyncEngine):
 
         rule = Autoscaler(policy)
         loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(period_s)
-            target = rule.decide(loop.time(), sum(self.in_flight), len(self.in_flight))
-            if target is None:
-                continue
-            logger.info("autoscaling: %d requests in flight, %d -> %d replicas", sum(self.in_flight),
-                        len(self.in_flight), target)
-            try:
-                await self.scale(target)
-            except Exception as exc:  # (scale fails only in starting a replica)
-                logger.warning("autoscaling to %d replicas failed: %s", target, exc)
+        self.policy = policy
+        try:
+            while True:
+                await asyncio.sleep(period_s)
+                target = rule.decide(loop.time(), sum(self.in_flight), len(self.in_flight))
+                if target is None:
+                    continue
+                logger.info("autoscaling: %d requests in flight, %d -> %d replicas", sum(self.in_flight),
+                            len(self.in_flight), target)
+                try:
+                    await self.scale(target)
+                except Exception as exc:  # (scale fails only in starting a replica)
+                    logger.warning("autoscaling to %d replicas failed: %s", target, exc)
+        finally:
+            self.policy = None
 
     async def _add(self, count: int) -> None:
         self.starting = count
