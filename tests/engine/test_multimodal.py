@@ -218,3 +218,18 @@ def test_a_bidirectional_image_is_never_cut_by_a_chunk():
     assert both_ways.chunk_size(0, 20) == 20 and both_ways.chunk_size(0, 10) == 10
     assert MultiModalInput((image,)).chunk_size(0, 12) == 12  # one-way images are cut anywhere
     assert both_ways.runs_in(0, 11) == [(10, 14)] and both_ways.runs_in(14, 20) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl"])  # images through inputs_embeds, 3-D rotary positions every step
+def test_the_compiled_forward_takes_images_in_the_graph_compiled_at_load(family):
+    from torch._dynamo.utils import counters
+
+    make_processor, build = FAMILIES[family]
+    processor = make_processor()
+    vlm = SimpleNamespace(processor=processor, build=build, reference=build(processor))
+    before = counters["stats"]["unique_graphs"]
+    engine = make_engine(vlm, compile=True)
+    assert engine.runner.forward.name == "compiled" and counters["stats"]["unique_graphs"] == before + 1
+    assert run(engine, PROMPTS) == [expected(vlm, *prompt) for prompt in PROMPTS]
+    assert counters["stats"]["unique_graphs"] == before + 1  # no request compiled another

@@ -46,6 +46,7 @@ class Engine:
         self.runner = ModelRunner(model, config, tensor_parallel)
         self.vision = VisionLanguage(model, processor) if processor is not None else None
         self.runner.vision = self.vision
+        self.runner.warm_up()
         if self.vision is not None and self.vision.bidirectional and self.runner.flash_attention:
             raise ValueError("attn_implementation flash_attention_2 cannot attend an image's tokens both ways "
                              f"({type(model).__name__}); leave it unset for tfserve's paged attention")

@@ -62,13 +62,20 @@ class ModelRunner:
         self.forward = select_backend(model, config, self.cpu_ops, tp)
         self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
         self.draft: Any = None  # engine.draft.DraftModel: fills the proposals' places before each step (set by Engine)
-        if isinstance(self.forward, CompiledForward):  # compiled now, not in the first request's step
-            self.forward.warm_up(self._warm_up_step)
 
-    def _warm_up_step(self) -> None:
-        """A two-token prefill into block 0 (free until the first request; a block's slots are written before
-        they are read)."""
-        self.greedy_next([(SimpleNamespace(block_ids=[0, 0], mm=None), [0, 0], 0)], 1)
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile a compiled forward now rather than in the first request's step (the Engine calls it once
+        `vision` is set: Qwen2-VL's steps bring 3-D rotary positions). The step is a two-token prefill into
+        block 0, free until the first request (a block's slots are written before they are read)."""
+        if not isinstance(self.forward, CompiledForward):
+            return
+        stub = SimpleNamespace(block_ids=[0, 0], mm=None)
+        extra = {}
+        if self.vision is not None and self.vision.uses_mrope:
+            extra["mrope_positions"] = lambda: torch.arange(2, device=self.device).repeat(3, 1)
+        self.forward.warm_up(lambda: self._forward([0, 0], [0, 1], self._slots(stub, 0, 2),
+                                                   [self._group([(stub, 0, 2)], 0)], 0, [1], **extra))
 
     @property
     def block_bytes(self) -> int:

@@ -37,15 +37,16 @@ class CompiledForward(HFForward):
                  ) -> torch.Tensor:
         if self.eager:
             return super().__call__(input_ids, positions, logits_index, inputs_embeds, mrope_positions)
-        tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        if inputs_embeds is None:  # looked up here, so that steps with an image and without share the graph
+            inputs_embeds = self.model.get_input_embeddings()(input_ids)
+        inputs_embeds = inputs_embeds[None]
         position_ids = positions[None] if mrope_positions is None else mrope_positions[:, None]
-        for tensor in tokens.values():
-            torch._dynamo.decorators.mark_unbacked(tensor, 1)
+        torch._dynamo.decorators.mark_unbacked(inputs_embeds, 1)
         torch._dynamo.decorators.mark_unbacked(position_ids, position_ids.dim() - 1)
         torch._dynamo.decorators.mark_unbacked(logits_index, 0)
         with torch._inductor.config.patch(freezing=self._freezing):
-            return self._compiled(**tokens, position_ids=position_ids, logits_to_keep=logits_index,
-                                  use_cache=False).logits[0]
+            return self._compiled(inputs_embeds=inputs_embeds, position_ids=position_ids,
+                                  logits_to_keep=logits_index, use_cache=False).logits[0]
 
     def warm_up(self, step: Callable[[], object]) -> None:
         """Compile by running `step` (one engine forward); if compiling fails, say so once and run eagerly."""
