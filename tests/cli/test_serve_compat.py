@@ -270,8 +270,11 @@ def test_distributed_flags_reach_the_engine_and_its_loader(served):
     seen = ok(served("MODEL_DIR", "-tp", "2", "--distributed-timeout", "9"))
     assert seen["engine_kwargs"].tensor_parallel_size == 2 and seen["engine_kwargs"].distributed_timeout_s == 9
     assert seen["data_parallel_size"] == 1
-    result = served("MODEL_DIR", "-dp", "2", "-tp", "2")["result"]
-    assert result.exit_code != 0 and "cannot be combined yet" in result.output
+    seen = ok(served("MODEL_DIR", "-dp", "2", "-tp", "2"))  # each replica split over two ranks
+    assert seen["data_parallel_size"] == 2 and seen["engine_kwargs"].tensor_parallel_size == 2
+    result = served("MODEL_DIR", "-dp", "2", "-tp", "2", "--nnodes", "2",
+                    "--distributed-init-method", "tcp://h:1")["result"]
+    assert result.exit_code != 0 and "each replica's ranks on its own machine" in result.output
     result = served("MODEL_DIR", "--ray", "auto")["result"]
     assert result.exit_code != 0 and "--ray places engine replicas" in result.output
 
@@ -289,7 +292,8 @@ def test_replica_scaling_flags_make_a_policy(served):
     for args, fragment in [(["--min-replicas", "2"], "give --max-replicas too"),
                            (["--min-replicas", "3", "--max-replicas", "2"], "must not be above --max-replicas"),
                            (["-dp", "3", "--max-replicas", "2"], "must not be above --max-replicas"),
-                           (["--max-replicas", "2", "-tp", "2"], "cannot be combined yet")]:
+                           (["--max-replicas", "2", "-tp", "2", "--distributed-init-method", "tcp://h:1"],
+                            "each replica's ranks on its own machine")]:
         assert_one_line(served("MODEL_DIR", *args)["result"], fragment)
 
 

@@ -208,3 +208,33 @@ def test_a_replica_process_added_at_run_time_serves_and_stops_when_retired(tmp_p
     added.process.join(10)
     assert not added.process.is_alive()
     assert [t for o in again for t in o.delta_tokens] == list(whole.values())[0].generated_tokens
+
+
+@pytest.mark.slow
+def test_replicas_each_split_over_two_ranks_give_one_engines_tokens(tmp_path):
+    """`-dp 2 -tp 2`: replica 0 here and replica 1 in its process each start their second rank themselves."""
+    from test_tensor_parallel import save_model
+    from tfserve import Engine, SamplingParams
+    from tfserve.config import EngineConfig
+    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+
+    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
+    config = EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8, tensor_parallel_size=2)
+    replicated = start_replicas(ReplicaSpec(path, {}, config, 2), lambda: Engine.from_pretrained(path, config))
+    params = SamplingParams(**PARAMS)
+    prompts = [[5] * 8 + [9], [60] * 8 + [9]]  # new prefixes: replica 0, then replica 1
+
+    async def main():
+        return [await _stream(replicated, prompt, params) for prompt in prompts]
+
+    try:
+        results = asyncio.run(main())
+        stats = replicated.replica_stats()
+        process = replicated.remotes[0].process
+    finally:
+        replicated.stop()
+    assert not process.is_alive()
+    whole = Engine.from_pretrained(path, EngineConfig(num_blocks=64, block_size=4)).generate_batch(prompts, params)
+    for outputs, expected in zip(results, whole.values()):
+        assert [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
+    assert [s["num_routed"] for s in stats] == [1, 1]

@@ -322,9 +322,11 @@ def serve(
         data_parallel_size = max(data_parallel_size, autoscale.min_replicas)
     if ray is not None and data_parallel_size == 1 and autoscale is None:
         raise TfserveError("--ray places engine replicas: give --data-parallel-size 2 or more")
-    if (data_parallel_size > 1 or autoscale is not None) and tensor_parallel_size > 1:
-        raise TfserveError("replicas (--data-parallel-size, --max-replicas) and --tensor-parallel-size cannot be "
-                           "combined yet; pick one")
+    if ((data_parallel_size > 1 or autoscale is not None) and tensor_parallel_size > 1
+            and (nnodes > 1 or distributed_init_method or torchrun_rank() is not None)):
+        raise TfserveError("replicas (--data-parallel-size, --max-replicas) split with --tensor-parallel-size run "
+                           "each replica's ranks on its own machine: leave out --nnodes, --distributed-init-method "
+                           "and torchrun")
     if node_rank >= nnodes:
         raise TfserveError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
     _configure_logging(log_level.value)

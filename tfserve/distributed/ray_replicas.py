@@ -61,6 +61,7 @@ class ReplicaActor:
 
     def shutdown(self) -> None:
         self.manager.stop()
+        self.engine.close()  # its ranks, where its model is split
 
 
 class RayReplica(Replica):

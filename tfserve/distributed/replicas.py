@@ -88,8 +88,9 @@ class RemoteReplica(Replica):
         context = multiprocessing.get_context("spawn")
         self.index = index
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=replica_main, args=(spec, child, index),
-                                       name=f"tfserve-replica{index}", daemon=True)
+        # (a replica whose model is split starts its ranks' processes itself, which a daemonic one may not)
+        self.process = context.Process(target=replica_main, args=(spec, child, index), name=f"tfserve-replica{index}",
+                                       daemon=getattr(spec.config, "tensor_parallel_size", 1) == 1)
         self.process.start()
         child.close()
         self._send_lock = threading.Lock()
@@ -207,6 +208,7 @@ def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
     finally:
         stopped.set()
         manager.stop()
+        engine.close()  # its ranks, where its model is split
 
 
 def replica_threads(num_replicas: int) -> int:
