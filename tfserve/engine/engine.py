@@ -128,7 +128,8 @@ class Engine:
             draft = load_model(config.speculative_model, progress=progress, **draft_kwargs)
             _check_draft_tokenizer(loaded, draft)
             draft_gguf = gguf_source(draft.path) if draft.device == "cpu" and config.cpu_kernels else None
-        report("Allocating the KV cache")
+        report("Allocating the KV cache" + (" (and compiling, where the model's own forward runs)"
+                                            if config.compile else ""))
         engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor,
                      draft_model=draft.model if draft else None,
                      draft_gguf_file=str(draft_gguf) if draft_gguf is not None else None)
