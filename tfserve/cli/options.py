@@ -115,7 +115,6 @@ __all__ = [
     "Quantization",
     "TensorParallelOpt",
     "CompileOpt",
-    "compile_help",
     "QuantizationOpt",
     "TrustRemoteCodeOpt",
 ]
@@ -129,7 +128,11 @@ TensorParallelOpt = Annotated[
                  rich_help_panel="Distributed"),
 ]
 
-compile_help = ("torch.compile the model's own forward, for models the lean forward does not run (not "
-                "Llama/Mistral/Qwen2/Qwen3 in float32): one graph for every batch, weights prepacked on CPU. "
-                "Compiled at start: about 2 minutes for a 135M model on 2 cores (docs/engine.md).")
-CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help=compile_help)]
+CompileOpt = Annotated[
+    bool,
+    typer.Option("--compile/--no-compile",
+                 help="torch.compile the model's own forward, for models the lean forward does not run (not "
+                      "Llama/Mistral/Qwen2/Qwen3 in float32): one graph for every batch, weights prepacked on CPU. "
+                      "Compiled at start: about 2 minutes for a 135M model on 2 cores (docs/engine.md).",
+                 rich_help_panel="Engine"),
+]

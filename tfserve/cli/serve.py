@@ -17,7 +17,7 @@ import typer
 from tfserve.cli import serve_compat as compat
 from tfserve.cli.loading import engine_config_from_flags, load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
-                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, compile_help)
+                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt)
 from tfserve.cli.serve_compat import Reasoning
 from tfserve.distributed.workers import torchrun_rank
 from tfserve.errors import TfserveError
@@ -120,8 +120,7 @@ def serve(
              "directory, a .gguf file or a cached hub id.", rich_help_panel=ENGINE, show_default=False)] = None,
     num_speculative_tokens: Annotated[int, typer.Option(
         min=1, max=16, help="Tokens proposed per step with --speculative.", rich_help_panel=ENGINE)] = 4,
-    compile_model: Annotated[bool, typer.Option(
-        "--compile/--no-compile", help=compile_help, rich_help_panel=ENGINE)] = False,
+    compile_model: CompileOpt = False,
     tensor_parallel_size: TensorParallelOpt = 1,
     distributed_init_method: Annotated[str | None, typer.Option(
         help="The ranks' rendezvous, tcp://HOST:PORT (default: a free local port).", rich_help_panel=DISTRIBUTED,
@@ -164,9 +163,9 @@ def serve(
                                                rich_help_panel=SERVER)] = "16MiB",
     max_queued: Annotated[int, typer.Option(min=0, help="Sequences waiting for their first token, at most; more get "
                                                         "429 (0: no limit).", rich_help_panel=SERVER)] = 1024,
-    api_key: Annotated[str | None, typer.Option(envvar="TFSERVE_API_KEY", show_envvar=True,
-                                                help="Require `Authorization: Bearer KEY` on /v1/* and /admin/* (/health stays open).",
-                                                rich_help_panel=SERVER)] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="TFSERVE_API_KEY", show_envvar=True, rich_help_panel=SERVER,
+        help="Require `Authorization: Bearer KEY` on /v1/* and /admin/* (/health stays open).")] = None,
     cors_allow_origins: Annotated[list[str] | None, typer.Option(
         help="Origin browsers may call from (repeatable; * for any).", rich_help_panel=SERVER)] = None,
     enable_cors: Annotated[bool, typer.Option("--enable-cors/--no-enable-cors",
@@ -399,13 +398,14 @@ def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target
         raise TfserveError("--min-replicas scales with the load up to --max-replicas: give --max-replicas too")
     from tfserve.distributed.autoscale import AutoscalePolicy
 
-    low = min_replicas or 1
-    if low > max_replicas:
-        raise TfserveError(f"--min-replicas ({low}) must not be above --max-replicas ({max_replicas})")
     if data_parallel_size > max_replicas:
         raise TfserveError(f"--data-parallel-size ({data_parallel_size}) must not be above --max-replicas "
                            f"({max_replicas})")
-    return AutoscalePolicy(low, max_replicas, target)
+    try:
+        return AutoscalePolicy(min_replicas or 1, max_replicas, target)
+    except ValueError as exc:  # said in the flags' words
+        raise TfserveError(str(exc).replace("min_replicas", "--min-replicas").replace("max_replicas", "--max-replicas")
+                           ) from None
 
 
 def _init_method(given: str | None) -> str | None:

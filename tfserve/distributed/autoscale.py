@@ -18,9 +18,10 @@ class AutoscalePolicy:
     downscale_delay_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"min_replicas must be from 1 to max_replicas ({self.max_replicas}), "
-                             f"got {self.min_replicas}")
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1 (got {self.min_replicas})")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not be above max_replicas ({self.max_replicas})")
         if self.target_requests < 1:
             raise ValueError(f"target_requests must be >= 1 (got {self.target_requests})")
 

@@ -337,11 +337,12 @@ class ReplicatedEngine(AsyncEngine):
         try:
             while True:
                 await asyncio.sleep(period_s)
-                target = rule.decide(loop.time(), sum(self.in_flight), len(self.in_flight))
+                num_in_flight, num_replicas = sum(self.in_flight), len(self.in_flight)
+                target = rule.decide(loop.time(), num_in_flight, num_replicas)
                 if target is None:
                     continue
-                logger.info("autoscaling: %d requests in flight, %d -> %d replicas", sum(self.in_flight),
-                            len(self.in_flight), target)
+                logger.info("autoscaling: %d requests in flight, %d -> %d replicas", num_in_flight, num_replicas,
+                            target)
                 try:
                     await self.scale(target)
                 except Exception as exc:  # (scale fails only in starting a replica)
