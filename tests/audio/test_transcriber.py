@@ -20,9 +20,11 @@ def test_slot_decoder_logits_equal_hfs_forward(whisper):
     model = whisper.model
     features = torch.stack([whisper.features(speech(name))[:, :3000] for name in ("fox", "birch")])
     prompts = [[50257, 50363, 383, 2068], [50257, 50363]]  # ragged prompts in one step
-    for ops in (None, cpu_ops()):
+    alignments = []
+    for ops in (None, cpu_ops()):  # SDPA, and the engine's decode attention kernel
         slots = WhisperSlots(model, 4, ops)
         slots.encode([0, 1], features)
+        alignments.append(slots.alignment(1, prompts[0], [(0, 0), (3, 5)]))
         logits, first = slots.decode(prompts, [0, 0], [0, 0])
         step, _ = slots.decode([[7586], [383]], [len(p) for p in prompts])
         with torch.inference_mode():
@@ -33,6 +35,7 @@ def test_slot_decoder_logits_equal_hfs_forward(whisper):
                 longer = prompt + [[7586], [383]][b]
                 ref = model(input_features=features[b:b + 1], decoder_input_ids=torch.tensor([longer])).logits[0]
                 assert torch.allclose(step[b], ref[-1], atol=2e-4)
+    assert torch.allclose(*alignments, atol=1e-4)  # the second window's cross-attention, either way
 
 
 def test_real_speech_is_transcribed(transcriber):

@@ -187,7 +187,7 @@ class Transcriber:
             self._free(window)
 
     def admit(self) -> None:
-        """Start the next window of waiting jobs while slots are free; their encoder passes run as one batch."""
+        """Start the next window of waiting jobs while slots are free; their encoder passes run in the same step."""
         new: list[Window] = []
         while len(self.windows) < self.slots.num_slots:
             with self._lock:

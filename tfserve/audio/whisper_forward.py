@@ -34,7 +34,8 @@ class WhisperSlots:
         self.num_frames = config.max_source_positions  # encoder positions of one window, 1500
         num_layers = len(self.decoder.layers)
         dtype = model.dtype
-        # [layer, slot, head, position, head_dim]
+        # [layer, slot, head, position, head_dim]: every (slot, head) of a layer is one block of the engine's paged
+        # layout [num_blocks, block_size, 1, head_dim], so its decode attention kernel reads a head's keys in a row
         self.self_k = torch.zeros(num_layers, num_slots, self.num_heads, self.max_len, self.head_dim, dtype=dtype)
         self.self_v = torch.zeros_like(self.self_k)
         self.cross_k = torch.zeros(num_layers, num_slots, self.num_heads, self.num_frames, self.head_dim, dtype=dtype)
@@ -45,6 +46,8 @@ class WhisperSlots:
         weights = "float32" if ops is not None and model.dtype == torch.float32 else "torch"
         self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
         self.kernels = weights != "torch"
+        # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
+        self._attention_ops = ops if self.kernels else None
 
     def _linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module(x)` through its engine copy, x: [..., in_features]."""
@@ -60,14 +63,18 @@ class WhisperSlots:
     @torch.inference_mode()
     def encode(self, slots: list[int], features: torch.Tensor) -> None:
         """Run the encoder on `features` [num_windows, num_mel_bins, 3000] and keep each window's cross-attention
-        keys and values in its slot."""
-        hidden = self.model.model.encoder(features.to(self.model.dtype)).last_hidden_state  # [B, 1500, d_model]
-        index = torch.tensor(slots)
-        batch = hidden.shape[0]
-        for i, layer in enumerate(self.decoder.layers):
-            attn = layer.encoder_attn
-            self.cross_k[i, index] = self._heads(attn.k_proj(hidden), batch)
-            self.cross_v[i, index] = self._heads(attn.v_proj(hidden), batch)
+        keys and values in its slot. On a CPU the windows go through one at a time: the encoder is compute-bound
+        there, and a batch only adds activations that outgrow the caches (8 windows at once took 10-15% longer
+        than one after another)."""
+        group = 1 if self.model.device.type == "cpu" else len(slots)
+        for first in range(0, len(slots), group):
+            batch = features[first:first + group].to(self.model.dtype)
+            hidden = self.model.model.encoder(batch).last_hidden_state  # [group, 1500, d_model]
+            index = torch.tensor(slots[first:first + group])
+            for i, layer in enumerate(self.decoder.layers):
+                attn = layer.encoder_attn
+                self.cross_k[i, index] = self._heads(attn.k_proj(hidden), len(index))
+                self.cross_v[i, index] = self._heads(attn.v_proj(hidden), len(index))
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src`'s caches into slot `dst` (keeping the active slots dense)."""
@@ -87,8 +94,6 @@ class WhisperSlots:
         lengths = torch.tensor([len(t) for t in tokens])
         # padding tokens past a row's own write future positions, overwritten before anything attends to them
         positions = (torch.tensor(starts)[:, None] + torch.arange(num_new)).clamp_(max=self.max_len - 1)  # [B, T]
-        num_keys = int((torch.tensor(starts) + lengths).max())
-        mask = (torch.arange(num_keys)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, K]
         slots = torch.arange(batch)[:, None]
 
         decoder = self.decoder
@@ -99,11 +104,10 @@ class WhisperSlots:
             q = self._heads(self._linear(attn.q_proj, x), batch)  # [B, H, T, head_dim]
             self.self_k[i][slots, :, positions] = self._heads(self._linear(attn.k_proj, x), batch).transpose(1, 2)
             self.self_v[i][slots, :, positions] = self._heads(self._linear(attn.v_proj, x), batch).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, self.self_k[i, :batch, :, :num_keys],
-                                                 self.self_v[i, :batch, :, :num_keys], attn_mask=mask,
-                                                 scale=attn.scaling)
+            # causal: the token at position p reads positions 0..p
+            out = self._attend(q, self.self_k[i], self.self_v[i], 0, positions + 1, attn.scaling)
             hidden = hidden + self._linear(attn.out_proj, self._merge(out, batch))
-            hidden = self._cross_and_mlp(i, layer, hidden, self.cross_k[i, :batch], self.cross_v[i, :batch])
+            hidden = self._cross_and_mlp(i, layer, hidden, 0)
         hidden = decoder.layer_norm(hidden)
 
         rows = torch.arange(batch)
@@ -128,25 +132,47 @@ class WhisperSlots:
             q, k, v = (self._heads(self._linear(proj, x), 1) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
             hidden = hidden + self._linear(attn.out_proj, self._merge(out, 1))
-            cross_k = self.cross_k[i, slot:slot + 1]
             wanted = [head for (layer_index, head) in heads if layer_index == i]
             if wanted:
                 attn = layer.encoder_attn
                 q = self._heads(self._linear(attn.q_proj, layer.encoder_attn_layer_norm(hidden)), 1)
-                qk = (q[0, wanted] @ cross_k[0, wanted].transpose(-1, -2)) * attn.scaling  # [h, T, frames]
+                qk = (q[0, wanted] @ self.cross_k[i, slot, wanted].transpose(-1, -2)) * attn.scaling  # [h, T, frames]
                 scores.update({(i, h): qk[n] for n, h in enumerate(wanted)})
-            hidden = self._cross_and_mlp(i, layer, hidden, cross_k, self.cross_v[i, slot:slot + 1])
+            hidden = self._cross_and_mlp(i, layer, hidden, slot)
         return torch.stack([scores[pair] for pair in heads]).float()
 
-    def _cross_and_mlp(self, i: int, layer, hidden: torch.Tensor, cross_k: torch.Tensor,
-                       cross_v: torch.Tensor) -> torch.Tensor:
-        """The cross-attention and feed-forward halves of decoder layer `i`."""
+    def _cross_and_mlp(self, i: int, layer, hidden: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """The cross-attention and feed-forward halves of decoder layer `i`; row b reads slot first_slot + b."""
         attn, batch = layer.encoder_attn, hidden.shape[0]
         q = self._heads(self._linear(attn.q_proj, layer.encoder_attn_layer_norm(hidden)), batch)
-        out = F.scaled_dot_product_attention(q, cross_k, cross_v, scale=attn.scaling)
+        out = self._attend(q, self.cross_k[i], self.cross_v[i], first_slot, None, attn.scaling)
         hidden = hidden + self._linear(attn.out_proj, self._merge(out, batch))
         x = layer.final_layer_norm(hidden)
         return hidden + self._linear(layer.fc2, layer.activation_fn(self._linear(layer.fc1, x)))
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first_slot: int,
+                key_lens: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Attention of q [B, H, T, head_dim], row b over slot first_slot + b of one layer's cache [slots, H,
+        positions, head_dim]: query (b, t) reads the first `key_lens[b, t]` positions (None: all)
+        -> [B, H, T, head_dim]."""
+        batch, _, num_new, _ = q.shape
+        _, num_heads, num_positions, head_dim = k_cache.shape
+        if key_lens is None:
+            key_lens = torch.full((batch, num_new), num_positions, dtype=torch.long)
+        if self._attention_ops is not None:
+            # every (row, head, token) a sequence of one head, whose one block is its slot's keys of that head
+            blocks = torch.arange(first_slot * num_heads, (first_slot + batch) * num_heads).repeat_interleave(num_new)
+            out = self._attention_ops.paged_decode_attention(
+                q.reshape(-1, 1, head_dim).contiguous(), k_cache.view(-1, num_positions, 1, head_dim),
+                v_cache.view(-1, num_positions, 1, head_dim), blocks[:, None],
+                key_lens[:, None].expand(batch, num_heads, num_new).reshape(-1), scale, -1, 0.0)
+            return out.view(batch, num_heads, num_new, head_dim)
+        num_keys = int(key_lens.max())
+        keys, values = (cache[first_slot:first_slot + batch, :, :num_keys] for cache in (k_cache, v_cache))
+        mask = None
+        if bool((key_lens < num_keys).any()):
+            mask = (torch.arange(num_keys)[None, None, :] < key_lens[:, :, None])[:, None]  # [B, 1, T, K]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
     def _heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:
         return x.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
