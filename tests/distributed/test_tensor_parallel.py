@@ -21,7 +21,8 @@ def save_model(path, architecture: str, *, heads: int, kv_heads: int, vocab: int
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_class(vocab_size=vocab, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=96 // heads,
-                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
+                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          tie_word_embeddings=tie)
     model = getattr(transformers, architecture)(config).eval()
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
@@ -47,6 +48,7 @@ CASES = [  # architecture, query heads, KV heads, vocabulary, tied embeddings
     ("LlamaForCausalLM", 6, 3, 321, True),  # uneven heads (2 + 1 KV heads) and vocabulary, tied head
     ("Qwen2ForCausalLM", 4, 2, 320, False),  # q/k/v biases
     ("Qwen3ForCausalLM", 4, 2, 322, True),  # per-head q/k norms
+    ("Phi3ForCausalLM", 6, 3, 321, False),  # q/k/v in one layer, gate/up in one layer, split unevenly
 ]
 
 

@@ -11,8 +11,12 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from tfserve import Engine, SamplingParams  # noqa: E402
@@ -34,6 +38,15 @@ def _model(arch):
         return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=6))
     if arch == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=32))
+    if arch == "smollm3":  # layer 1 without rotary embedding, layer 0 a sliding window
+        config = SmolLM3Config(**SIZES, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1,
+                               eos_token_id=2)
+        model = SmolLM3ForCausalLM(config)
+        assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 0]
+        return model
+    if arch == "phi3":  # q/k/v in one layer, gate/up in one layer
+        return Phi3ForCausalLM(Phi3Config(**SIZES, pad_token_id=0))
     raise ValueError(arch)
 
 
@@ -54,7 +67,8 @@ def _step_logits(model, use_lean: bool, kernels: bool = True, pack: bool = False
     return captured
 
 
-@pytest.mark.parametrize("arch,kernels", [("llama", True), ("mistral", True), ("qwen3", True), ("llama", False)])
+@pytest.mark.parametrize("arch,kernels", [("llama", True), ("mistral", True), ("qwen3", True), ("smollm3", True),
+                                         ("phi3", True), ("phi3", False), ("llama", False)])
 def test_lean_logits_are_bit_identical(arch, kernels):
     model = _model(arch).eval()
     assert LeanForward.why_not(model) is None

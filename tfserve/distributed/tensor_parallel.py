@@ -180,14 +180,20 @@ def shard(model: torch.nn.Module, rank: int, world_size: int, group: Any = None)
     q_rows = slice(kv_start * group_size * head_dim, kv_end * group_size * head_dim)
     kv_rows = slice(kv_start * head_dim, kv_end * head_dim)
     mlp_rows = slice(*split(config.intermediate_size, world_size)[rank])
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _keep_rows(attn.q_proj, q_rows)
-        _keep_rows(attn.k_proj, kv_rows)
-        _keep_rows(attn.v_proj, kv_rows)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: q, k and v stacked in one layer, gate and up in another
+            _keep_rows(attn.qkv_proj, torch.cat([_range(q_rows), q_size + _range(kv_rows),
+                                                 q_size + kv_size + _range(kv_rows)]))
+            _keep_rows(mlp.gate_up_proj, torch.cat([_range(mlp_rows), config.intermediate_size + _range(mlp_rows)]))
+        else:
+            _keep_rows(attn.q_proj, q_rows)
+            _keep_rows(attn.k_proj, kv_rows)
+            _keep_rows(attn.v_proj, kv_rows)
+            _keep_rows(mlp.gate_proj, mlp_rows)
+            _keep_rows(mlp.up_proj, mlp_rows)
         _keep_columns(attn.o_proj, q_rows, keep_bias=rank == 0)
-        _keep_rows(mlp.gate_proj, mlp_rows)
-        _keep_rows(mlp.up_proj, mlp_rows)
         _keep_columns(mlp.down_proj, mlp_rows, keep_bias=rank == 0)
     vocab_size = model.lm_head.out_features
     vocab_per = -(-vocab_size // world_size)
@@ -204,7 +210,11 @@ def shard(model: torch.nn.Module, rank: int, world_size: int, group: Any = None)
                           vocab_size, group)
 
 
-def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
+def _range(rows: slice) -> torch.Tensor:
+    return torch.arange(rows.start, rows.stop)
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: slice | torch.Tensor) -> None:
     linear.weight = torch.nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(linear.bias[rows].clone(), requires_grad=False)

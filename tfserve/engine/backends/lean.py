@@ -1,4 +1,4 @@
-"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) in float32.
+"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3) in float32.
 
 The model's own forward spends most of a small step outside arithmetic: module calls, keyword plumbing,
 mask construction, and half a dozen element-wise ops per RMSNorm and a dozen per rotary embedding. This
@@ -21,8 +21,9 @@ from tfserve.engine.attention import paged_attention_forward
 from tfserve.engine import cpu_linear
 from tfserve.engine.cpu_linear import EngineLinear
 
-SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
+             "Phi3ForCausalLM"}
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm"}
 
 
 class LeanForward:
@@ -44,7 +45,7 @@ class LeanForward:
         self.num_heads = tp.num_heads if tp is not None else config.num_attention_heads
         self.num_kv_heads = tp.num_kv_heads if tp is not None else config.num_key_value_heads
         self.eps = config.rms_norm_eps
-        # Mistral passes the config's window to attention; Qwen2/3 keep one per layer; Llama has none.
+        # Mistral and Phi-3 pass the config's window to attention; Qwen2/3, SmolLM3 keep one per layer; Llama has none.
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
         self.ops = ops
@@ -77,10 +78,26 @@ class LeanForward:
                                    [layer.out_features for layer in layers])
             return _Projection([EngineLinear(layer, ops, fmt, part) for layer, fmt, part in zip(layers, fmts, parts)])
 
+        def fused(layer: torch.nn.Linear, sizes: list[int]) -> _Projection:
+            """One layer that holds several projections (Phi-3's qkv_proj, gate_up_proj), split after it."""
+            return _Projection([EngineLinear(layer, ops, format_of(layer), blocks.get(names[id(layer)]))], sizes)
+
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
+
+        def qkv(attn: torch.nn.Module) -> _Projection:
+            if hasattr(attn, "qkv_proj"):
+                return fused(attn.qkv_proj, [q_size, kv_size, kv_size])
+            return linear(attn.q_proj, attn.k_proj, attn.v_proj)
+
+        def gate_up(mlp: torch.nn.Module) -> _Projection:
+            if hasattr(mlp, "gate_up_proj"):  # gate, then up
+                return fused(mlp.gate_up_proj, [mlp.down_proj.in_features] * 2)
+            return linear(mlp.gate_proj, mlp.up_proj)
+
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
-            (_Attention(l.self_attn), linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj),
-             linear(l.self_attn.o_proj), linear(l.mlp.gate_proj, l.mlp.up_proj), linear(l.mlp.down_proj),
+            (_Attention(l.self_attn), qkv(l.self_attn), linear(l.self_attn.o_proj), gate_up(l.mlp),
+             linear(l.mlp.down_proj),
              l.input_layernorm.weight, l.post_attention_layernorm.weight, window)
             for l, window in zip(self.layers, self.windows)
         ]))
@@ -110,9 +127,10 @@ class LeanForward:
         norms = [model.model.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         if any(type(norm).__name__ not in _NORMS for norm in norms):
             return "its norms are not RMSNorm"
-        linears = [model.lm_head] + [m for layer in layers for m in (
-            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            return "its rotary embedding turns only part of each head"
+        linears = [model.lm_head] + [m for layer in layers for block in (layer.self_attn, layer.mlp)
+                                     for name, m in block.named_children() if name.endswith("_proj")]
         if any(type(m) is not torch.nn.Linear for m in linears):
             return "its linear layers are quantized"
         return None
@@ -124,6 +142,7 @@ class LeanForward:
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         rms_norm, rotary = self.rms_norm, self.rotary
+        fused = self.ops is not None  # the kernels that take a stacked projection's output as it is
         meta = attention.get_metadata()
         decode = meta.groups[0] if self.ops is not None and len(meta.groups) == 1 and meta.groups[0].pad_index is None else None
         # decode tokens come first (proposals checked included); block-quantized layers take prompt tokens,
@@ -137,7 +156,7 @@ class LeanForward:
         for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, window,
              (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
             h = rms_norm(x, norm1, eps, residual)
-            if qkv_proj.sizes is not None and attn.q_norm is None:  # one kernel: split, copy and rotary
+            if fused and qkv_proj.sizes is not None and attn.q_norm is None and attn.rope:  # split, copy, rotary
                 q, k, v = self.ops.split_qkv_rotary(qkv_proj.linears[0](h, num_decodes), heads, kv_heads, cos, sin)
             else:
                 q, k, v = qkv_proj(h, num_decodes)
@@ -147,7 +166,8 @@ class LeanForward:
                 if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
                     q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
                     k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
-                rotary(q, k, cos, sin)
+                if attn.rope:  # SmolLM3 leaves it out of every fourth layer
+                    rotary(q, k, cos, sin)
             if decode is not None:  # one call: cache write and attention
                 o = self.ops.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.key_lens,
                                                     attn.scaling, window or -1, 0.0, k, v, meta.slot_mapping)
@@ -159,7 +179,7 @@ class LeanForward:
             if tp is not None:  # every rank's heads' share of the output
                 tp.all_reduce(residual)
             h = rms_norm(x, norm2, eps, residual)
-            if gate_up_proj.sizes is not None:  # packed: one kernel for silu(gate) * up
+            if fused and gate_up_proj.packed:  # one kernel for silu(gate) * up (its exp: within rounding)
                 (residual,) = down_proj(self.ops.silu_and_mul(gate_up_proj.linears[0](h, num_decodes)), num_decodes)
             else:
                 gate, up = gate_up_proj(h, num_decodes)
@@ -183,6 +203,11 @@ class _Projection:
         if self.sizes is None:
             return tuple(linear(x, float_from) for linear in self.linears)
         return tuple(part.contiguous() for part in self.linears[0](x, float_from).split(self.sizes, dim=1))
+
+    @property
+    def packed(self) -> bool:
+        """One stacked layer whose weights the kernels hold."""
+        return self.sizes is not None and self.linears[0].format != "torch"
 
     @property
     def labels(self) -> list[str]:
@@ -225,6 +250,7 @@ class _Attention:
         self.scaling = module.scaling
         self.q_norm = getattr(module, "q_norm", None)
         self.k_norm = getattr(module, "k_norm", None)
+        self.rope = bool(getattr(module, "use_rope", True))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
