@@ -18,7 +18,8 @@ def save_model(path, architecture: str, *, heads: int, kv_heads: int, vocab: int
     from tiny import build_tokenizer
 
     torch.manual_seed(seed)
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        architecture, architecture.replace("ForCausalLM", "Config")))
     config = config_class(vocab_size=vocab, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=96 // heads,
                           max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -49,6 +50,7 @@ CASES = [  # architecture, query heads, KV heads, vocabulary, tied embeddings
     ("Qwen2ForCausalLM", 4, 2, 320, False),  # q/k/v biases
     ("Qwen3ForCausalLM", 4, 2, 322, True),  # per-head q/k norms
     ("Phi3ForCausalLM", 6, 3, 321, False),  # q/k/v in one layer, gate/up in one layer, split unevenly
+    ("Gemma3ForCausalLM", 4, 2, 320, True),  # scaled embedding, norms after each block (after the all-reduce)
 ]
 
 

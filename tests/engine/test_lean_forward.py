@@ -5,6 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -47,6 +49,16 @@ def _model(arch):
         return model
     if arch == "phi3":  # q/k/v in one layer, gate/up in one layer
         return Phi3ForCausalLM(Phi3Config(**SIZES, pad_token_id=0))
+    if arch == "gemma3":  # sandwich norms of (1 + weight), per-head norms, tanh GELU, two rotary tables, windows
+        config = Gemma3TextConfig(**SIZES, head_dim=16, sliding_window=6, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2,
+                                  layer_types=["sliding_attention", "full_attention"])
+        model = Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:  # initialised to zeros: make (1 + weight) matter
+                    param.normal_(0, 0.3)
+        return model
     raise ValueError(arch)
 
 
@@ -68,7 +80,8 @@ def _step_logits(model, use_lean: bool, kernels: bool = True, pack: bool = False
 
 
 @pytest.mark.parametrize("arch,kernels", [("llama", True), ("mistral", True), ("qwen3", True), ("smollm3", True),
-                                         ("phi3", True), ("phi3", False), ("llama", False)])
+                                         ("phi3", True), ("phi3", False), ("gemma3", True), ("gemma3", False),
+                                         ("llama", False)])
 def test_lean_logits_are_bit_identical(arch, kernels):
     model = _model(arch).eval()
     assert LeanForward.why_not(model) is None

@@ -123,7 +123,7 @@ TensorParallelOpt = Annotated[
     int,
     typer.Option("--tensor-parallel-size", "-tp", min=1,
                  help="Split the model across this many ranks (processes over torch.distributed, on CPU: shared "
-                      "memory within a machine, gloo across). Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Phi-3 "
+                      "memory within a machine, gloo across). Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3 "
                       "models. It is for models one machine cannot hold: on one machine it costs a little speed "
                       "(docs/deploy.md).",
                  rich_help_panel="Distributed"),
@@ -133,7 +133,7 @@ CompileOpt = Annotated[
     bool,
     typer.Option("--compile/--no-compile",
                  help="torch.compile the model's own forward, for models the lean forward does not run (not "
-                      "Llama/Mistral/Qwen2/Qwen3/SmolLM3/Phi-3 in float32): one graph for every batch, weights "
+                      "Llama/Mistral/Qwen2/Qwen3/SmolLM3/Phi-3/Gemma 3 in float32): one graph for every batch, weights "
                       "prepacked on CPU. Compiled at start: about 2 minutes for a 135M model on 2 cores "
                       "(docs/engine.md).",
                  rich_help_panel="Engine"),

@@ -1,4 +1,5 @@
-"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3) in float32.
+"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3 text) in
+float32.
 
 The model's own forward spends most of a small step outside arithmetic: module calls, keyword plumbing,
 mask construction, and half a dozen element-wise ops per RMSNorm and a dozen per rotary embedding. This
@@ -22,8 +23,10 @@ from tfserve.engine import cpu_linear
 from tfserve.engine.cpu_linear import EngineLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
-             "Phi3ForCausalLM"}
-_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm"}
+             "Phi3ForCausalLM", "Gemma3ForCausalLM"}
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm",
+          "Gemma3RMSNorm"}
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # Gemma: tanh GELU
 
 
 class LeanForward:
@@ -51,6 +54,7 @@ class LeanForward:
         self.ops = ops
         self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
         self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
+        self.act = _ACTIVATIONS[_activation(config)]
 
         names = {id(module): name for name, module in model.named_modules()}
         blocks = blocks or {}
@@ -94,15 +98,24 @@ class LeanForward:
                 return fused(mlp.gate_up_proj, [mlp.down_proj.in_features] * 2)
             return linear(mlp.gate_proj, mlp.up_proj)
 
+        # Gemma 3 normalises each block's output before the residual add ("sandwich" norms): its
+        # post_attention_layernorm does that, and pre_feedforward_layernorm is the MLP's input norm
+        sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
+        # Gemma 3 turns sliding-window and full layers by two rotary tables (other bases): one per layer type
+        by_type = isinstance(getattr(model.model.rotary_emb, "rope_type", None), dict)
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
             (_Attention(l.self_attn), qkv(l.self_attn), linear(l.self_attn.o_proj), gate_up(l.mlp),
-             linear(l.mlp.down_proj),
-             l.input_layernorm.weight, l.post_attention_layernorm.weight, window)
+             linear(l.mlp.down_proj), _norm_weight(l.input_layernorm),
+             _norm_weight(l.pre_feedforward_layernorm if sandwich else l.post_attention_layernorm),
+             _norm_weight(l.post_attention_layernorm) if sandwich else None,
+             _norm_weight(l.post_feedforward_layernorm) if sandwich else None,
+             window, l.self_attn.layer_type if by_type else None)
             for l, window in zip(self.layers, self.windows)
         ]))
         self.lm_head = linear(model.lm_head)
-        self.rope = _RopeTable(model.model.rotary_emb)
+        self.final_norm = _norm_weight(model.model.norm)
+        self.ropes = {kind: _RopeTable(model.model.rotary_emb, kind) for kind in set(self._layers[-1])}
         formats = Counter()
         for projection in (*(p for column in self._layers[1:5] for p in column), self.lm_head):
             formats.update(projection.labels)
@@ -118,13 +131,16 @@ class LeanForward:
         if getattr(model, "hf_device_map", None):
             return "it is dispatched across devices"
         config = model.config
-        if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
-            return "its MLP is not a bias-free SiLU gate"
+        if _activation(config) not in _ACTIVATIONS or getattr(config, "mlp_bias", False):
+            return "its MLP is not a bias-free SiLU or tanh-GELU gate"
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+            return "it caps its logits (softcapping)"
         for module in model.modules():
             if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
                 return "it has forward hooks that only its own forward would run"
         layers = model.model.layers
-        norms = [model.model.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [model.model.norm] + [m for layer in layers for name, m in layer.named_children()
+                                      if name.endswith("layernorm")]
         if any(type(norm).__name__ not in _NORMS for norm in norms):
             return "its norms are not RMSNorm"
         if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
@@ -151,10 +167,11 @@ class LeanForward:
         tp = self.tp
         x = model.model.embed_tokens(input_ids) if tp is None else tp.embed(model.model.embed_tokens, input_ids)
         # [num_tokens, hidden]
-        cos, sin = self.rope(x, positions)  # [num_tokens, head_dim]
+        ropes = {kind: rope(x, positions) for kind, rope in self.ropes.items()}  # [num_tokens, head_dim] each
         residual = None  # the last block's output, added to x by the next norm
-        for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, window,
-             (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
+        for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, post_attn_norm, post_mlp_norm, window,
+             kind, (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
+            cos, sin = ropes[kind]
             h = rms_norm(x, norm1, eps, residual)
             if fused and qkv_proj.sizes is not None and attn.q_norm is None and attn.rope:  # split, copy, rotary
                 q, k, v = self.ops.split_qkv_rotary(qkv_proj.linears[0](h, num_decodes), heads, kv_heads, cos, sin)
@@ -163,9 +180,9 @@ class LeanForward:
                 q = q.view(num_tokens, heads, head_dim)
                 k = k.view(num_tokens, kv_heads, head_dim)
                 v = v.view(num_tokens, kv_heads, head_dim)
-                if attn.q_norm is not None:  # Qwen3 normalises each head before the rotary embedding
-                    q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                    k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
+                if attn.q_norm is not None:  # Qwen3, Gemma 3 normalise each head before the rotary embedding
+                    q = F.rms_norm(q, (head_dim,), *attn.q_norm)
+                    k = F.rms_norm(k, (head_dim,), *attn.k_norm)
                 if attn.rope:  # SmolLM3 leaves it out of every fourth layer
                     rotary(q, k, cos, sin)
             if decode is not None:  # one call: cache write and attention
@@ -178,16 +195,20 @@ class LeanForward:
             (residual,) = o_proj(o.view(num_tokens, heads * head_dim), num_decodes)
             if tp is not None:  # every rank's heads' share of the output
                 tp.all_reduce(residual)
+            if post_attn_norm is not None:
+                residual = rms_norm(residual, post_attn_norm, eps)
             h = rms_norm(x, norm2, eps, residual)
-            if fused and gate_up_proj.packed:  # one kernel for silu(gate) * up (its exp: within rounding)
+            if fused and gate_up_proj.packed and self.act is F.silu:  # one kernel (its exp: within rounding)
                 (residual,) = down_proj(self.ops.silu_and_mul(gate_up_proj.linears[0](h, num_decodes)), num_decodes)
             else:
                 gate, up = gate_up_proj(h, num_decodes)
-                (residual,) = down_proj(F.silu(gate).mul_(up), num_decodes)
+                (residual,) = down_proj(self.act(gate).mul_(up), num_decodes)
             if tp is not None:
                 tp.all_reduce(residual)
+            if post_mlp_norm is not None:
+                residual = rms_norm(residual, post_mlp_norm, eps)
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
-        (logits,) = self.lm_head(rms_norm(x, model.model.norm.weight, eps, residual))
+        (logits,) = self.lm_head(rms_norm(x, self.final_norm, eps, residual))
         return logits if tp is None else tp.gather_logits(logits)
 
 class _Projection:
@@ -224,20 +245,22 @@ class _RopeTable:
     Every entry is the module's own arithmetic for that position (one product and its cosine or sine), so the
     values are the same bits."""
 
-    def __init__(self, rotary: torch.nn.Module) -> None:
+    def __init__(self, rotary: torch.nn.Module, layer_type: str | None = None) -> None:
         self.rotary = rotary
-        rope_type = str(getattr(rotary, "rope_type", "default"))
+        self.kind = {} if layer_type is None else {"layer_type": layer_type}  # Gemma 3's tables by layer type
+        rope_type = getattr(rotary, "rope_type", "default")
+        rope_type = str(rope_type[layer_type] if isinstance(rope_type, dict) else rope_type)
         self.static = "dynamic" not in rope_type and rope_type != "longrope"
         self.cos = self.sin = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.static:
-            cos, sin = self.rotary(x[None], positions[None])
+            cos, sin = self.rotary(x[None], positions[None], **self.kind)
             return cos[0], sin[0]
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if self.cos is None or needed > self.cos.shape[0]:
             size = max(needed, 2 * (self.cos.shape[0] if self.cos is not None else 1024))
-            cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None])
+            cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None], **self.kind)
             self.cos, self.sin = cos[0], sin[0]
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
@@ -248,9 +271,23 @@ class _Attention:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.scaling = module.scaling
-        self.q_norm = getattr(module, "q_norm", None)
-        self.k_norm = getattr(module, "k_norm", None)
+        # (weight, eps) of Qwen3's and Gemma 3's per-head norms
+        self.q_norm = _norm_args(module.q_norm) if hasattr(module, "q_norm") else None
+        self.k_norm = _norm_args(module.k_norm) if hasattr(module, "k_norm") else None
         self.rope = bool(getattr(module, "use_rope", True))
+
+
+def _activation(config) -> str | None:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """The weight an RMSNorm multiplies by: Gemma's (1 + weight), in float32 as its forward adds it."""
+    return norm.weight.float() + 1.0 if type(norm).__name__ == "Gemma3RMSNorm" else norm.weight
+
+
+def _norm_args(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    return _norm_weight(norm), getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
