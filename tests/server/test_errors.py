@@ -75,6 +75,22 @@ BAD_REQUESTS = [
     ("/v1/responses", {"model": MODEL_NAME}, "input"),
     ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    # checked before anything runs, streamed or not (a bad `store` once came after the stream had started)
+    ("/v1/responses", {"input": "hi", "store": "yes", "stream": True}, "store"),
+    ("/v1/responses", {"input": "hi", "stream": "yes"}, "stream"),
+    ("/v1/responses", {"input": "hi", "parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ("/v1/responses", {"input": "hi", "metadata": {"a": 5}}, "metadata.a"),
+    ("/v1/responses", {"input": "hi", "truncation": "sometimes"}, "truncation"),
+    ("/v1/responses", {"input": "hi", "background": True}, "background"),
+    ("/v1/responses", {"input": "hi", "include": "x"}, "include"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "x"}}]},
+     "tools[0].parameters.type"),
+    (CHAT, chat(user=5), "user"),
+    (CHAT, chat(store="x"), "store"),
+    (CHAT, chat(metadata="x"), "metadata"),
+    (CHAT, chat(modalities="x"), "modalities"),
 ]
 
 

@@ -136,6 +136,17 @@ def test_unknown_models_and_paths_are_404_and_load_nothing(live, fake_store):
     assert fake_store.loaded == ["model-a"]
 
 
+def test_a_speech_model_named_for_text_is_a_400_and_evicts_nothing(live, fake_store, tmp_path):
+    (tmp_path / "models" / "model-c" / "config.json").write_text('{"model_type": "whisper"}')
+    for path, body in [("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/responses", {"input": "hi"})]:
+        status, _, error = live.request("POST", path, {"model": "model-c", **body})
+        assert status == 400 and error["error"]["param"] == "model", error
+        assert "/v1/audio/transcriptions" in error["error"]["message"]
+    assert fake_store.loaded == ["model-a"]
+    assert live.client().models.retrieve("model-c").model_extra["input_modalities"] == ["audio"]
+
+
 def test_a_failed_load_is_500_and_the_previous_model_comes_back(live, fake_store):
     fake_store.fail.add("model-bad")
     with pytest.raises(openai.InternalServerError) as info:

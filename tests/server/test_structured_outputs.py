@@ -119,7 +119,12 @@ def test_cut_by_max_tokens_says_length(server):
     ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}],
-      "tool_choice": "required"}, "tools", "Invalid type"),
+      "tool_choice": "required"}, "tools[0].function.parameters.type", "must be one of"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # checked without a grammar too
+        "type": "object", "properties": {"city": {"type": "town"}}}}}]},
+     "tools[0].function.parameters.properties.city.type", "must be one of"),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "no tools"),
     ({"logit_bias": {"abc": 1}}, "logit_bias.abc", "token ids"),
     ({"logit_bias": {"5": 101}}, "logit_bias.5", "[-100, 100]"),
     ({"min_tokens": 50, "max_tokens": 10}, "min_tokens", "max_tokens"),

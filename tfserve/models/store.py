@@ -211,6 +211,12 @@ def remove(name: str) -> Path:
     return path
 
 
+def is_speech_model(name: str) -> bool:
+    """Whether the store model `name` is a speech-to-text (Whisper) model, served by /v1/audio/* only."""
+    config = _read_json(model_path(name) / "config.json") if is_store_name(name) else None
+    return bool(config) and config.get("model_type") == "whisper"
+
+
 def has_chat_template(path: Path) -> bool:
     """Whether the tokenizer files in `path` carry a chat template (either place transformers saves it)."""
     if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():

@@ -16,8 +16,8 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs
 from tfserve.server.media import ImageRef, content_of, gather_images
-from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, stream_options,
-                                     use_model)
+from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, param_names, read_json,
+                                     sampling_kwargs, stream_options, use_model)
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -31,6 +31,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
+    check_fields(body, CHAT_FIELDS)
     model = await use_model(request, body, state)
     messages, image_refs = parse_messages(body)
     if any(isinstance(t, dict) and t.get("type") == "mcp" for t in field(body, "tools", list, [])):

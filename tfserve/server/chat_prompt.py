@@ -21,7 +21,8 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     tool_choice = field(body, "tool_choice", (str, dict))
     if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
         raise bad_request("tool_choice must be none, auto, required or a function object", "tool_choice")
-    if not tools or tool_choice == "none":
+    if not tools:
+        refuse_tool_choice_without_tools(body)
         return None
     for i, tool in enumerate(tools):
         if isinstance(tool, dict) and tool.get("type") == "mcp":  # run by the server (chat_mcp checks them)
@@ -29,8 +30,58 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
         field(tool["function"], "name", str, required=True, param=f"tools[{i}].function.name")
-        field(tool["function"], "parameters", dict, param=f"tools[{i}].function.parameters")
-    return tools
+        where = f"tools[{i}].function.parameters"
+        check_schema(field(tool["function"], "parameters", dict, param=where), where)
+    return None if tool_choice == "none" else tools
+
+
+def refuse_tool_choice_without_tools(body: dict[str, Any], mcp: bool = False) -> None:
+    """400 for a `tool_choice` that asks for a call ("required", a named function) with no tools to call (as
+    OpenAI: it is only allowed when tools are specified). An `mcp` choice with mcp tools is theirs to check."""
+    tool_choice = body.get("tool_choice")
+    if tool_choice in (None, "auto", "none") or (mcp and isinstance(tool_choice, dict)
+                                                 and tool_choice.get("type") == "mcp"):
+        return
+    if mcp and tool_choice == "required":
+        return
+    raise bad_request("tool_choice asks for a tool call but the request has no tools: it is only allowed when "
+                      "tools are specified", "tool_choice")
+
+
+_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def check_schema(schema: Any, where: str) -> None:
+    """400 naming the place for a JSON schema that cannot describe anything (a `type` that is no JSON type,
+    `properties` or `items` that are not schemas, `required` that is not a list of names), checked whether or
+    not a grammar is built from it."""
+    if schema is None or isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where} must be a JSON schema object", where)
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    if any(k not in _SCHEMA_TYPES for k in kinds):
+        raise bad_request(f"{where}.type must be one of {', '.join(sorted(_SCHEMA_TYPES))} (got {kind!r})",
+                          f"{where}.type")
+    properties = schema.get("properties")
+    if properties is not None:
+        if not isinstance(properties, dict):
+            raise bad_request(f"{where}.properties must be an object of schemas", f"{where}.properties")
+        for name, sub in properties.items():
+            check_schema(sub, f"{where}.properties.{name}")
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise bad_request(f"{where}.required must be a list of property names", f"{where}.required")
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            check_schema(schema[key], f"{where}.{key}")
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            if not isinstance(schema[key], list):
+                raise bad_request(f"{where}.{key} must be a list of schemas", f"{where}.{key}")
+            for j, sub in enumerate(schema[key]):
+                check_schema(sub, f"{where}.{key}[{j}]")
 
 
 def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from tfserve.models import store
 from tfserve.server.errors import ApiError
 from tfserve.server.state import STATE
 
@@ -13,7 +14,7 @@ def _model_object(state, name: str) -> dict:
     model = {"id": name, "object": "model", "created": state.created, "owned_by": "tfserve"}
     if state.engine is not None and name == state.model_name:  # another model's inputs are known once loaded
         model["input_modalities"] = list(getattr(state.engine, "input_modalities", ["text"]))
-    elif name in state.speech.loaded:
+    elif name in state.speech.loaded or store.is_speech_model(name):
         model["input_modalities"] = ["audio"]
     return model
 

@@ -54,6 +54,25 @@ def field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defaul
     return value
 
 
+# OpenAI request fields that change nothing here (or only what the response echoes), checked for their type all
+# the same, so a wrong one is a 400 as on OpenAI rather than silently taken
+_COMMON_FIELDS = {"user": str, "store": bool, "metadata": dict, "service_tier": str, "safety_identifier": str,
+                  "prompt_cache_key": str, "parallel_tool_calls": bool}
+CHAT_FIELDS = {**_COMMON_FIELDS, "modalities": list, "prediction": dict, "audio": dict, "web_search_options": dict,
+               "verbosity": str, "reasoning_effort": str}
+RESPONSES_FIELDS = {**_COMMON_FIELDS, "stream": bool, "reasoning": dict, "truncation": str, "include": list,
+                    "top_logprobs": int, "background": bool}
+
+
+def check_fields(body: dict[str, Any], kinds: dict[str, type]) -> None:
+    """400 for any of `kinds`' fields present with another JSON type (metadata: an object of strings)."""
+    for name, kind in kinds.items():
+        field(body, name, kind)
+    for key, value in (body.get("metadata") or {}).items():
+        if not isinstance(value, str):
+            raise bad_request(f"metadata.{key} must be a string, not {_json_type(value)}", f"metadata.{key}")
+
+
 def _is_a(value: Any, kind: type | tuple[type, ...]) -> bool:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool):

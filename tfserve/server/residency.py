@@ -63,6 +63,8 @@ class ModelResidency:
         model this server can load. Returns the served model's name."""
         state = self.state
         state.check_available()
+        if name is not None and name not in state.model_aliases:
+            _refuse_speech_model(name)
         if not self.on_demand:
             name = state.resolve_model_name(name)  # 404 for any other model unless pinned
             return self._lease(request)
@@ -245,3 +247,13 @@ def is_loadable_name(name: str) -> bool:
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+
+
+def _refuse_speech_model(name: str) -> None:
+    """400 for a Whisper model named on a text endpoint (it would be loaded as a text model in the chat
+    model's place)."""
+    from tfserve.models import store
+
+    if store.is_speech_model(name):
+        raise ApiError(400, f"{name!r} is a speech-to-text model: send audio to /v1/audio/transcriptions or "
+                       "/v1/audio/translations", param="model", code="model_not_supported")

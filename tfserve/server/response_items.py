@@ -12,6 +12,7 @@ from typing import Any
 
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
+from tfserve.server.chat_prompt import check_schema, refuse_tool_choice_without_tools
 from tfserve.server.protocol import field, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -102,7 +103,9 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.type {tool.get('type')!r} is not supported; this server runs function "
                               "and mcp tools", f"{where}.type")
         field(tool, "name", str, required=True, param=f"{where}.name")
-        field(tool, "parameters", dict, param=f"{where}.parameters")
+        check_schema(field(tool, "parameters", dict, param=f"{where}.parameters"), f"{where}.parameters")
+    if not [tool for tool in tools if tool.get("type") == "function"]:
+        refuse_tool_choice_without_tools(body, mcp=any(tool.get("type") == "mcp" for tool in tools))
     return tools
 
 
@@ -129,6 +132,10 @@ def text_format(body: dict[str, Any]) -> dict[str, Any]:
     """`text.format` ({"type": "text"} when absent) and the same as a chat `response_format`, for the grammar."""
     text = field(body, "text", dict, {})
     fmt = field(text, "format", dict, {"type": "text"}, param="text.format")
+    kind = field(fmt, "type", str, "text", param="text.format.type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"text.format.type must be text, json_object or json_schema (got {kind!r})",
+                          "text.format.type")
     if fmt.get("type") == "json_schema":  # flat here; nested under json_schema on chat
         field(fmt, "name", str, required=True, param="text.format.name")
         field(fmt, "schema", dict, required=True, param="text.format.schema")

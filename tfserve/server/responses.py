@@ -16,7 +16,7 @@ from aiohttp import web
 from tfserve.server import mcp_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.media import gather_images
-from tfserve.server.protocol import field, read_json, use_model
+from tfserve.server.protocol import RESPONSES_FIELDS, check_fields, field, read_json, use_model
 from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_items import StoredResponse, as_response_format, parse_input, parse_tools, text_format
 from tfserve.server.response_output import ResponseOutput
@@ -27,11 +27,17 @@ from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
+    check_fields(body, RESPONSES_FIELDS)
+    if field(body, "background", bool, False):
+        raise bad_request("background responses are not supported here: send the request without background "
+                          "(or stream it)", "background")
+    if field(body, "truncation", str, "disabled") not in ("auto", "disabled"):
+        raise bad_request("truncation must be auto or disabled", "truncation")
+    stream, store = field(body, "stream", bool, False), field(body, "store", bool, True)
     model = await use_model(request, body, state)
     if body.get("conversation") is not None:
         raise bad_request("conversation is not supported: use previous_response_id", "conversation")
     instructions = field(body, "instructions", str)
-    field(body, "metadata", dict, {})
     previous_id = field(body, "previous_response_id", str)
     previous = state.responses.get(previous_id) if previous_id else None
     new_messages, new_images = parse_input(body)
@@ -53,11 +59,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     for item in approved:  # before the first turn, which reads their results
         await output.run_call(item, lambda item: call(state, offer, item))
     listed = previous.listed if previous else frozenset()
-    usage = await run_loop(state, request, output, turns, messages, max_tool_calls, field(body, "stream", bool, False),
+    usage = await run_loop(state, request, output, turns, messages, max_tool_calls, stream,
                            [item for item in offer.listings if item["server_label"] not in listed], approved)
     if output.failed:  # the error event went out
         return await output.sse.close()
-    if field(body, "store", bool, True):
+    if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(
             messages + output.messages, model, output.pending_approvals,
