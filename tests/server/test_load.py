@@ -158,3 +158,33 @@ def test_drain_timeout_aborts_what_is_left(tokenizer, start_server):
     thread.join(30)
     assert left == 1 and "error" in result and result.get("finish_reason") is None
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 20_000}], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "word " * 20_000, "max_tokens": 1}),
+    ("/v1/responses", {"input": "word " * 20_000, "max_output_tokens": 1}),
+])
+def test_a_long_prompt_renders_off_the_event_loop(server, monkeypatch, path, body):
+    """A prompt of megabytes takes seconds to render and tokenize: meanwhile the server answers the others."""
+    from tfserve.engine import chat_template
+
+    started = threading.Event()
+
+    def slowly(fn):  # stands for the template's and tokenizer's work on a huge prompt
+        def slow(*args, **kwargs):
+            started.set()
+            time.sleep(1.5)
+            return fn(*args, **kwargs)
+        return slow
+
+    tokenizer = server.state.engine.tokenizer
+    monkeypatch.setattr(chat_template, "render_chat", slowly(chat_template.render_chat))
+    monkeypatch.setattr(tokenizer, "encode", slowly(tokenizer.encode))
+    long_request = threading.Thread(target=server.request, args=("POST", path, {"model": MODEL_NAME, **body}))
+    long_request.start()
+    assert started.wait(10)
+    begin = time.perf_counter()
+    assert server.request("GET", "/health")[0] == 200
+    assert time.perf_counter() - begin < 0.75  # not behind the 1.5 s render
+    long_request.join()

@@ -136,9 +136,9 @@ def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkey
     seen = []
     real_render = chat.render_chat
 
-    def render(tok, messages, tools, template_kwargs=None, **options):
+    async def render(tok, messages, tools, template_kwargs=None, **options):
         seen.append(template_kwargs)
-        return real_render(tok, messages, tools, template_kwargs, **options)
+        return await real_render(tok, messages, tools, template_kwargs, **options)
 
     monkeypatch.setattr(chat, "render_chat", render)
     monkeypatch.setattr(tool_loop, "render_chat", render)
@@ -154,7 +154,12 @@ def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkey
 
 
 def test_render_chat_passes_template_variables():
-    from tfserve.server.chat_prompt import render_chat
+    import asyncio
+
+    from tfserve.server import chat_prompt
+
+    def render_chat(*args):
+        return asyncio.run(chat_prompt.render_chat(*args))
 
     class Recorder:
         chat_template = "{{ messages }}"

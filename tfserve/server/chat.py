@@ -54,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if images:
         prompt_ids, mm = await render_multimodal(state, messages, images, tools, variables, **options)
     else:
-        prompt_ids, mm = render_chat(state.engine.tokenizer, messages, tools, variables, **options), None
+        prompt_ids, mm = await render_chat(state.engine.tokenizer, messages, tools, variables, **options), None
     names = param_names(body, max_tokens_fields, "messages")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names, mm=mm)

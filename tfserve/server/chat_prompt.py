@@ -107,19 +107,30 @@ def render_options(body: dict[str, Any]) -> dict[str, bool]:
     return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
 
 
-def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
-                template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> list[int]:
+# Text up to this size renders and tokenizes in about a millisecond, on the event loop; a longer prompt (up to
+# the body limit: megabytes, seconds of work) goes to a thread, so other requests and streams go on meanwhile.
+INLINE_PROMPT_CHARS = 32_000
+
+
+async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
+                      template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> list[int]:
     """The prompt's token ids through the model's chat template (`tfserve.engine.chat_template`); a model
     without one, or a template that rejects the messages, is the client's 400."""
     if not has_chat_template(tokenizer):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
-    try:
-        return chat_template.render_chat(tokenizer, messages, tools, template_kwargs,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
+
+    def render() -> list[int]:
+        try:
+            return chat_template.render_chat(tokenizer, messages, tools, template_kwargs,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+
+    if sum(len(str(message.get("content") or "")) for message in messages) < INLINE_PROMPT_CHARS:
+        return render()
+    return await in_daemon_thread(render)
 
 
 async def render_multimodal(state: Any, messages: list[dict], images: list, tools: list | None,

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs
@@ -16,13 +17,18 @@ from tfserve.server.protocol import (field, make_params, param_names, read_json,
 from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
+from tfserve.server.threads import in_daemon_thread
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = await use_model(request, body, state)
-    prompts = parse_prompts(body, state.engine.tokenizer, state.engine.vocab_size)
+    args = (body, state.engine.tokenizer, state.engine.vocab_size)
+    if len(str(body.get("prompt"))) < INLINE_PROMPT_CHARS:
+        prompts = parse_prompts(*args)
+    else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
+        prompts = await in_daemon_thread(parse_prompts, *args)
     echo = field(body, "echo", bool, False)
     kwargs = sampling_kwargs(body, default_max_tokens=16)  # OpenAI's default for this API
     constraint = requested_grammar(body)  # vLLM takes response_format and structured_outputs here too

@@ -87,7 +87,7 @@ class Turns:
         if self.images:
             prompt_ids, mm = await render_multimodal(self.state, messages, self.images, tools, self.template_kwargs)
         else:
-            prompt_ids, mm = render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
+            prompt_ids, mm = await render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
         return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names), mm
 
 
