@@ -90,3 +90,17 @@ def test_a_repeated_call_is_dropped_and_ends_the_reply(size):
     assert [(c.index, json.loads(c.arguments)["city"]) for c in calls] == [(0, "Paris"), (1, "Pari"), (2, "Rome")]
     # the repeat never began on the wire: no event belongs to a fourth call
     assert all(getattr(e, "index", 0) <= 2 for e in events)
+
+
+def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_content():
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    for cut_at in ('<tool_call>\n{"name": "get_weather", "arguments":', "<tool_call>\n", "<", '<tool_call>{"na'):
+        stream = ToolCallStream()
+        events = stream.feed(first + cut_at) + stream.finish(cut=True)
+        content, calls = merge(events)
+        assert content is None and [c.name for c in calls] == ["get_weather"], cut_at
+        stream = ToolCallStream()  # alone, a call's opening is dropped; a "<" may be text
+        assert merge(stream.feed(cut_at) + stream.finish(cut=True)) == ("<" if cut_at == "<" else None, []), cut_at
+    # a reply that stopped on its own in a malformed block: its text is given back
+    stream = ToolCallStream()
+    assert merge(stream.feed("<tool_call>{half") + stream.finish()) == ("<tool_call>{half", [])

@@ -137,7 +137,7 @@ class _LocalReply:
             yield from self._text_of(self._parser.feed(delta))
             if self._parser.repeated:  # a small model repeating a call: that reply is over (close() aborts it)
                 break
-        yield from self._text_of(self._parser.finish())
+        yield from self._text_of(self._parser.finish(cut=self.stats.finish_reason == "length"))
         from tfserve.engine.tool_calls import merge
 
         _, calls = merge(self._call_events)

@@ -167,8 +167,9 @@ class ToolCallStream:
                 break
         return events
 
-    def finish(self) -> list:
-        """Whatever is still held: a call cut short is parsed if it can be, anything else is content."""
+    def finish(self, cut: bool = False) -> list:
+        """Whatever is still held: a call cut short is parsed if it can be, anything else is content, except,
+        where the reply was `cut` (max_tokens), a call its format's marker opened: no markup is content."""
         events: list = []
         if self.repeated:
             return events
@@ -177,11 +178,13 @@ class ToolCallStream:
         if self._in_region:
             reader = self._object
             call = parse_call(reader.text) if reader is not None and not reader.streaming else None
+            # text after a bare `{` (formats without a marker) may be a JSON answer, not a call
+            marked = cut and bool(self.fmt.start) and self._region_raw.startswith(self.fmt.start)
             if call is not None:
                 self._whole_call(call, events)
-            elif self._region_calls == 0 and (reader is None or not reader.streaming):
+            elif self._region_calls == 0 and (reader is None or not reader.streaming) and not marked:
                 self._emit_text(self._region_raw + self._buffer, events, force=True)
-        else:
+        elif not (cut and self.num_calls):  # held as a marker's beginning: after calls, the next call's
             self._emit_text(self._buffer, events)
         if self._pending_space and not self.num_calls:
             events.append(self._pending_space)

@@ -178,7 +178,7 @@ class _Reply(Reply):
             thoughts[index].append(reasoning)
             texts[index].append(content)
             if index in parsers:
-                events[index] += self._feed(index, parsers[index], content, output.finished)
+                events[index] += self._feed(index, parsers[index], content, output)
         choices = []
         for index in range(n):
             output = last[index]
@@ -208,10 +208,12 @@ class _Reply(Reply):
     def _parsers(self, n: int) -> dict[int, ToolCallStream]:
         return {i: ToolCallStream(self.tool_format) for i in range(n)} if self.tools else {}
 
-    def _feed(self, index: int, parser: ToolCallStream, text: str, finished: bool) -> list:
-        """Content text -> tool-call events; a reply that repeats a call is ended there (its engine request
-        aborted by run_choices)."""
-        events = parser.feed(text) + (parser.finish() if finished else [])
+    def _feed(self, index: int, parser: ToolCallStream, text: str, output: Any) -> list:
+        """Content text of `output` -> tool-call events; a reply that repeats a call is ended there (its engine
+        request aborted by run_choices)."""
+        events = parser.feed(text)
+        if output.finished:
+            events += parser.finish(cut=output.finish_reason == "length")
         if parser.repeated:
             self.stopped.add(index)
         return events
@@ -277,7 +279,7 @@ class _Reply(Reply):
                 return []
             return [{"index": index, "delta": {"content": output.delta_text}, "logprobs": logprobs,
                      "finish_reason": None}]
-        events = self._feed(index, parser, output.delta_text, output.finished)
+        events = self._feed(index, parser, output.delta_text, output)
         deltas = []
         for event in events:
             if isinstance(event, ToolCall):  # a call opens: id and name (arguments follow, or are whole here)

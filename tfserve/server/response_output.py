@@ -69,7 +69,9 @@ class ResponseOutput:
                 events.append(ReasoningDelta(reasoning))
         if self.parser is None:
             return events + ([text] if text else [])
-        events += self.parser.feed(text) + (self.parser.finish() if finished else [])
+        events += self.parser.feed(text)
+        if finished:
+            events += self.parser.finish(cut=output.finish_reason == "length")
         if self.parser.repeated:  # a repeated tool call ends the turn (run_choices aborts the rest)
             self.stopped.add(0)
         return events
