@@ -76,6 +76,35 @@ def test_responses_message_list_input(server):
     assert reply.output[0].role == "assistant" and reply.usage.output_tokens <= 3
 
 
+def test_stored_responses_are_retrieved_listed_and_deleted(server):
+    client = server.client()
+    reply = client.responses.create(
+        model=MODEL_NAME, max_output_tokens=3,
+        input=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "again"}]}])
+    assert client.responses.retrieve(reply.id).model_dump() == reply.model_dump()
+    items = client.responses.input_items.list(reply.id, order="asc")
+    assert [item.role for item in items.data] == ["user", "assistant", "user"]
+    assert items.data[0].content[0].text == "hi" and len({item.id for item in items.data}) == 3
+    newest = client.responses.input_items.list(reply.id, limit=2)  # newest first, by default
+    assert [item.content[0].text for item in newest.data] == ["again", "hello"] and newest.has_more
+    rest = client.responses.input_items.list(reply.id, limit=2, after=newest.data[-1].id)
+    assert [item.content[0].text for item in rest.data] == ["hi"] and not rest.has_more
+    unstored = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, store=False)
+    client.responses.delete(reply.id)
+    for response_id in (reply.id, unstored.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+    with pytest.raises(openai.NotFoundError):  # previous_response_id naming it too
+        client.responses.create(model=MODEL_NAME, input="and?", previous_response_id=reply.id, max_output_tokens=2)
+    status, _, body = server.request("GET", f"/v1/responses/{unstored.id}/input_items")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    kept = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2)
+    for query, param in (("limit=500", "limit"), ("order=up", "order"), ("after=nope", "after")):
+        status, _, body = server.request("GET", f"/v1/responses/{kept.id}/input_items?{query}")
+        assert status == 400 and body["error"]["param"] == param
+
+
 RESPONSE_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                    "response.content_part.added"]
 RESPONSE_TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]

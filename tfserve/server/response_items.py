@@ -5,6 +5,7 @@ bounded store behind `previous_response_id`."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -157,6 +158,8 @@ class StoredResponse:
     listed: frozenset[str] = frozenset()  # MCP server labels whose tools an mcp_list_tools item already gave
     # the conversation's images as sent (URLs, not pixels), fetched and decoded again by the next turn
     images: list[ImageRef] = dataclass_field(default_factory=list)
+    response: dict[str, Any] | None = None  # the Response object as returned, for GET /v1/responses/{id}
+    input_items: list[dict[str, Any]] = dataclass_field(default_factory=list)  # this turn's input, with ids
 
 
 class ResponseStore:
@@ -180,5 +183,34 @@ class ResponseStore:
                            code="previous_response_not_found")
         return stored
 
+    def find(self, response_id: str) -> StoredResponse:
+        """The stored response `response_id` for its own routes (retrieve, delete, input items); 404 if none."""
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"No response found with id {response_id!r} (this server keeps the last "
+                                f"{self.max_responses} stored responses, in memory)", code="not_found")
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        self.find(response_id)
+        del self._responses[response_id]
+
     def __len__(self) -> int:
         return len(self._responses)
+
+
+def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's `input` as the Responses API lists it back: items with ids, message text as parts."""
+    items = body["input"]
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        item = {"type": "message", **item}
+        if item["type"] == "message":
+            content = item["content"]
+            item["content"] = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+            item.setdefault("status", "completed")
+        item.setdefault("id", f"{'msg' if item['type'] == 'message' else 'item'}_{uuid.uuid4().hex}")
+        listed.append(item)
+    return listed

@@ -18,7 +18,8 @@ from tfserve.server.errors import bad_request
 from tfserve.server.media import gather_images
 from tfserve.server.protocol import RESPONSES_FIELDS, check_fields, field, read_json, use_model
 from tfserve.server.response_format import requested_grammar
-from tfserve.server.response_items import StoredResponse, as_response_format, parse_input, parse_tools, text_format
+from tfserve.server.response_items import (StoredResponse, as_response_format, input_items, parse_input, parse_tools,
+                                           text_format)
 from tfserve.server.response_output import ResponseOutput
 from tfserve.server.state import STATE
 from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
@@ -68,11 +69,50 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         state.responses.put(output.id, StoredResponse(
             messages + output.messages, model, output.pending_approvals,
             listed | {item["server_label"] for item in offer.listings},
-            [replace(ref, where="previous_response_id") for ref in image_refs]))
+            [replace(ref, where="previous_response_id") for ref in image_refs], output.response(usage),
+            input_items(body)))
     if output.sse is not None:
         await output.close(usage)
         return await output.sse.close()
     return web.json_response(output.response(usage))
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}: a stored response as it was returned."""
+    return web.json_response(request.app[STATE].responses.find(request.match_info["response_id"]).response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{id}: forget a stored response (a later previous_response_id naming it is a 404)."""
+    response_id = request.match_info["response_id"]
+    request.app[STATE].responses.delete(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}/input_items: the input of a stored response, as a page (OpenAI's `limit`, `order`,
+    `after`)."""
+    items = request.app[STATE].responses.find(request.match_info["response_id"]).input_items
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be asc or desc", "order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be an integer in [1, 100]", "limit")
+    items = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after names no item of this response ({after!r})", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 def _answer_approvals(body: dict, previous: StoredResponse | None, offer: mcp_tools.McpOffer,
