@@ -77,7 +77,8 @@ def test_info_table_and_json(make_fake_model):
 
 
 def test_info_unknown_name_lists_known_ones():
-    assert_one_line_error(invoke("models", "info", "nope"), "unknown model 'nope'", f"known models: {NAME}")
+    assert_one_line_error(invoke("models", "info", "nope"), "unknown model 'nope'", "`tfserve models pull` gets",
+                          NAME)
 
 
 def test_info_known_but_not_pulled():

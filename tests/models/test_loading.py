@@ -65,7 +65,7 @@ def test_resolve_hf_cache(tmp_path, monkeypatch, make_fake_model):
 
 
 def test_resolve_errors(tmp_path):
-    with pytest.raises(ModelNotFoundError, match=f"unknown model 'nope'.*known models: {NAME}"):
+    with pytest.raises(ModelNotFoundError, match=f"unknown model 'nope'.*`tfserve models pull` gets .*{NAME}"):
         resolve_model("nope")
     with pytest.raises(ModelNotFoundError, match="config.json missing"):
         resolve_model(str(tmp_path))

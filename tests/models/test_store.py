@@ -61,7 +61,7 @@ def test_info_finds_chat_template_jinja(make_fake_model, tmp_path):
 
 
 def test_info_errors(tmp_path):
-    with pytest.raises(ModelNotFoundError, match=f"known models: {NAME}"):
+    with pytest.raises(ModelNotFoundError, match=f"in the store: none; `tfserve models pull` gets .*{NAME}"):
         store.model_info("nope")
     with pytest.raises(ModelNotFoundError, match="not pulled yet"):
         store.model_info(NAME)

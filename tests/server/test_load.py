@@ -37,7 +37,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, i: int, leave_after:
     return events
 
 
-def test_40_streams_15_leave_midway(server, engine):
+def test_40_streams_15_leave_midway(server, engine, caplog):
+    caplog.set_level(logging.INFO, logger="tfserve.access")
     registry = server.state.metrics.registry
     labels = {"endpoint": CHAT, "status": "499"}
     num_left_before = registry.get_sample_value("tfserve_requests_total", labels) or 0
@@ -59,6 +60,9 @@ def test_40_streams_15_leave_midway(server, engine):
         assert chunks[-1]["usage"]["completion_tokens"] == 40
         assert len({c["id"] for c in chunks}) == 1
     assert registry.get_sample_value("tfserve_requests_total", labels) - num_left_before == 15
+    # one access line for each, those whose client left too
+    statuses = [r.getMessage().split()[2] for r in caplog.records if r.name == "tfserve.access"]
+    assert sorted(statuses) == ["200"] * 25 + ["499"] * 15, statuses
     assert wait_until_idle(engine), "KV blocks leaked"
     assert server.state.num_waiting == 0
     status, _, body = server.request("GET", "/health")

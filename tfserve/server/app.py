@@ -81,7 +81,7 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     counted = request.path.startswith("/v1/")
     state.num_active += counted
     traced = counted and state.telemetry is not None
-    start_ns, start_perf = (time.time_ns(), time.perf_counter()) if traced else (0, 0.0)
+    start_ns, start_perf = time.time_ns(), time.perf_counter()
     status = 499  # the client went away before an answer
     try:
         response = await handler(request)
@@ -93,6 +93,8 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
         state.models.release(request)
         endpoint = _endpoint(request)
         state.metrics.requests.labels(endpoint, str(status)).inc()
+        if status == 499:  # aiohttp logs no line for a request its client left: this one says so
+            log_access(access_logger, request, status, time.perf_counter() - start_perf)
         if traced:
             try:
                 state.telemetry.record_request(request, endpoint, status, start_ns, start_perf, request.get(USAGE),
@@ -145,19 +147,24 @@ async def _auth(request: web.Request, handler) -> web.StreamResponse:
 _PROBES = frozenset({"/health", "/metrics"})
 
 
+def log_access(log: logging.Logger, request: web.BaseRequest, status: int, seconds: float) -> None:
+    """The request's access line: method, path, status, prompt/completion tokens, TTFT, duration."""
+    usage = request.get(USAGE)
+    tokens = ttft = "-"
+    if usage is not None:
+        tokens = f"{usage.prompt_tokens}/{usage.completion_tokens}"
+        ttft = f"{usage.ttft_s * 1000:.0f}ms" if usage.ttft_s is not None else "-"
+    # probes (load balancers, `bench --launch`, orchestrators) poll these: keep them out of the info log
+    level = logging.DEBUG if request.path in _PROBES else logging.INFO
+    log.log(level, "%s %s %s tokens=%s ttft=%s duration=%.0fms", request.method, request.path, status, tokens, ttft,
+            seconds * 1000)
+
+
 class AccessLogger(AbstractAccessLogger):
     """One line per request: method, path, status, prompt/completion tokens, TTFT, duration."""
 
     def log(self, request, response, time: float) -> None:
-        usage = request.get(USAGE)
-        tokens = ttft = "-"
-        if usage is not None:
-            tokens = f"{usage.prompt_tokens}/{usage.completion_tokens}"
-            ttft = f"{usage.ttft_s * 1000:.0f}ms" if usage.ttft_s is not None else "-"
-        # probes (load balancers, `bench --launch`, orchestrators) poll these: keep them out of the info log
-        level = logging.DEBUG if request.path in _PROBES else logging.INFO
-        self.logger.log(level, "%s %s %s tokens=%s ttft=%s duration=%.0fms", request.method, request.path,
-                        response.status, tokens, ttft, time * 1000)
+        log_access(self.logger, request, response.status, time)
 
     @property
     def enabled(self) -> bool:
