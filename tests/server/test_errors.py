@@ -116,6 +116,11 @@ def test_odd_but_valid_values_are_served(server):
     for extra in [{"top_k": 10**9}, {"seed": -1}, {"temperature": 2}, {"stop_token_ids": [10**9]}]:
         status, _, data = server.request("POST", CHAT, chat(**extra))
         assert status == 200, (extra, data)
+    refused = [{"role": "user", "content": "hi"},  # an assistant's refusal part, sent back as OpenAI defines it
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+               {"role": "user", "content": "why?"}]
+    status, _, data = server.request("POST", CHAT, chat(messages=refused))
+    assert status == 200, data
 
 
 def test_sdk_raises_bad_request(server):

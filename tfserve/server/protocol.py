@@ -197,6 +197,8 @@ def part_text(part: Any, where: str) -> str:
     if not isinstance(part, dict):
         raise bad_request(f"{where} must be an object", where)
     kind = part.get("type")
+    if kind == "refusal":  # an assistant's refusal sent back in the conversation: its words
+        return field(part, "refusal", str, required=True, param=f"{where}.refusal")
     if kind not in ("text", "input_text", "output_text"):
         raise bad_request(f"{where}.type {kind!r} is not supported here; this server takes text parts (and image "
                           "parts in message content)", f"{where}.type")
