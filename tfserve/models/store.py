@@ -139,11 +139,11 @@ def not_found_message(name: str) -> str:
     """One line for a name the store does not have, naming what would work."""
     if catalog.get_known(name) is not None:
         return f"model {name!r} is not pulled yet; run `tfserve models pull {name}`"
-    stored = ", ".join(stored_names()) or "none"
-    pullable = ", ".join(sorted(set(catalog.known_names()) - set(stored_names())))
+    names = stored_names()  # one directory listing
+    pullable = ", ".join(sorted(set(catalog.known_names()) - set(names)))
     more = f"; `tfserve models pull` gets {pullable}" if pullable else ""
     return (f"unknown model {name!r}: not in the store, not a path, not in the local HF cache; in the store: "
-            f"{stored}{more}")
+            f"{', '.join(names) or 'none'}{more}")
 
 
 def model_info(name_or_path: str) -> ModelInfo:

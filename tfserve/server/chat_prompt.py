@@ -39,10 +39,8 @@ def refuse_tool_choice_without_tools(body: dict[str, Any], mcp: bool = False) ->
     """400 for a `tool_choice` that asks for a call ("required", a named function) with no tools to call (as
     OpenAI: it is only allowed when tools are specified). An `mcp` choice with mcp tools is theirs to check."""
     tool_choice = body.get("tool_choice")
-    if tool_choice in (None, "auto", "none") or (mcp and isinstance(tool_choice, dict)
-                                                 and tool_choice.get("type") == "mcp"):
-        return
-    if mcp and tool_choice == "required":
+    if tool_choice in (None, "auto", "none") or (mcp and (tool_choice == "required" or (
+            isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp"))):
         return
     raise bad_request("tool_choice asks for a tool call but the request has no tools: it is only allowed when "
                       "tools are specified", "tool_choice")

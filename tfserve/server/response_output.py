@@ -263,8 +263,8 @@ class ResponseOutput:
         await self._event("response.created", response=self.response(usage))
         await self._event("response.in_progress", response=self.response(usage))
 
-    async def close(self, usage: Any) -> None:
-        done = self.response(usage)
+    async def close(self, done: dict) -> None:
+        """The last event: the finished Response object (`response`), completed or incomplete."""
         await self._event(f"response.{done['status']}", response=done)
 
     async def error(self, exc: Any) -> None:

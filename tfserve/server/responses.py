@@ -64,17 +64,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                            [item for item in offer.listings if item["server_label"] not in listed], approved)
     if output.failed:  # the error event went out
         return await output.sse.close()
+    response = output.response(usage)  # the finished Response object: returned (or the last event) and stored
     if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(
             messages + output.messages, model, output.pending_approvals,
             listed | {item["server_label"] for item in offer.listings},
-            [replace(ref, where="previous_response_id") for ref in image_refs], output.response(usage),
-            input_items(body)))
+            [replace(ref, where="previous_response_id") for ref in image_refs], response, input_items(body)))
     if output.sse is not None:
-        await output.close(usage)
+        await output.close(response)
         return await output.sse.close()
-    return web.json_response(output.response(usage))
+    return web.json_response(response)
 
 
 async def get_response(request: web.Request) -> web.Response:

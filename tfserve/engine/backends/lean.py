@@ -198,7 +198,7 @@ class LeanForward:
             if post_attn_norm is not None:
                 residual = rms_norm(residual, post_attn_norm, eps)
             h = rms_norm(x, norm2, eps, residual)
-            if fused and gate_up_proj.packed and self.act is F.silu:  # one kernel (its exp: within rounding)
+            if gate_up_proj.packed and self.act is F.silu:  # one kernel (its exp: within rounding)
                 (residual,) = down_proj(self.ops.silu_and_mul(gate_up_proj.linears[0](h, num_decodes)), num_decodes)
             else:
                 gate, up = gate_up_proj(h, num_decodes)
