@@ -39,6 +39,29 @@ def test_completion_echo_with_logprobs_puts_the_prompt_first(server, tokenizer):
     assert streamed[0].choices[0].text == PROMPT and streamed[0].choices[0].logprobs.token_logprobs[0] is None
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(server, tokenizer):
+    """lm-eval-harness's loglikelihood request: the prompt's logprobs and nothing generated, whole or streamed."""
+    client = server.client()
+    num_prompt = len(tokenizer.encode(PROMPT))
+    scored = client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+    generated = client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, logprobs=1, **GREEDY)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == generated.choices[0].logprobs.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        generated.choices[0].logprobs.token_logprobs[1:num_prompt], abs=1e-5)
+    assert scored.usage.prompt_tokens == num_prompt and scored.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    # without echo there is nothing to return: still a 400
+    status, _, error = server.request("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT,
+                                                                  "max_tokens": 0})
+    assert status == 400 and error["error"]["param"] == "max_tokens"
+
+
 def test_completion_prompt_logprobs_score_the_prompt_as_the_model_scores_its_output(server, tokenizer):
     """The distribution after a prompt is the same whether the model samples from it or scores the next prompt
     token with it."""

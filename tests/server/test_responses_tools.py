@@ -104,6 +104,10 @@ def test_store_false_is_not_kept(server):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    # an output must answer a call: of this input, or of the previous response
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "b", "output": "x"}]}, "input[1].call_id"),
 ])
 def test_bad_tools_and_formats_are_400s(server, body, param):
     status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi", **body})

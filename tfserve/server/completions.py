@@ -4,6 +4,7 @@ OpenAI's API had them; vLLM's `prompt_logprobs`), whole or streamed."""
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +31,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
         prompts = await in_daemon_thread(parse_prompts, *args)
     echo = field(body, "echo", bool, False)
-    kwargs = sampling_kwargs(body, default_max_tokens=16)  # OpenAI's default for this API
+    # echo with max_tokens 0 scores the prompt (lm-eval-harness's loglikelihood): one token is generated, unseen
+    score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    kwargs = sampling_kwargs({**body, "max_tokens": 1} if score_only else body, default_max_tokens=16)
     constraint = requested_grammar(body)  # vLLM takes response_format and structured_outputs here too
     if constraint is not None:
         await compile_grammar(state.engine, *constraint)
@@ -56,7 +59,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     usage, engine_requests = admit(state, request, [p for p, _ in prompts], params, names)
     reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
     reply.num_prompt_top = num_prompt_top
-    async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
+    choices = run_choices(state, usage, engine_requests)
+    async with aclosing(_prompt_only(choices, usage) if score_only else choices) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage)
         return await reply.complete(outputs, usage)
@@ -170,6 +174,15 @@ class _Reply(Reply):
                 raise
             await sse.send_error(exc)
         return await sse.done()
+
+
+async def _prompt_only(outputs, usage):
+    """The outputs of a prompt scoring (echo, max_tokens 0), without the one token generated to finish it."""
+    async for index, output in outputs:
+        if output.finished:
+            usage.completion_tokens -= len(output.generated_tokens)
+            yield index, replace(output, generated_tokens=[], text="", delta_text="", delta_tokens=[],
+                                 logprobs=[], delta_logprobs=[], finish_reason="length", stop_reason=None)
 
 
 def _visible(entries: list[dict] | None, output: Any) -> list[dict] | None:

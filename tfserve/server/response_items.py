@@ -19,10 +19,12 @@ from tfserve.server.protocol import field, text_of
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def parse_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = ()) -> tuple[list[dict[str, Any]],
+                                                                                 list[ImageRef]]:
     """`input` (a string or a list of items) -> chat messages, and the refs of their `input_image` parts in
     order. A `function_call` item becomes an assistant message's tool call (consecutive calls share one
-    message); a `function_call_output`, a tool message."""
+    message); a `function_call_output`, a tool message, which must answer a call made before it here or in
+    the `earlier` messages (those of previous_response_id)."""
     items = field(body, "input", (str, list), required=True)
     if isinstance(items, str):
         return [{"role": "user", "content": items}], []
@@ -30,6 +32,7 @@ def parse_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageR
         raise bad_request("input must not be empty", "input")
     messages: list[dict[str, Any]] = []
     images: list[ImageRef] = []
+    calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -44,6 +47,7 @@ def parse_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageR
                              "content": content_of(content, f"{where}.content", images)})
         elif kind == "function_call":
             call = _template_call(item, where)
+            calls.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
                 last["tool_calls"].append(call)
@@ -52,6 +56,9 @@ def parse_input(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageR
         elif kind == "function_call_output":
             call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
             output = field(item, "output", (str, list), required=True, param=f"{where}.output")
+            if call_id not in calls:  # OpenAI's words
+                raise bad_request(f"No tool call found for function call output with call_id {call_id}.",
+                                  f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, f"{where}.output")})
         elif kind == "mcp_call":  # an earlier response's output sent back: the call and what it returned
             messages += mcp_call_messages(item, where)

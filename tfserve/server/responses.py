@@ -41,7 +41,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     instructions = field(body, "instructions", str)
     previous_id = field(body, "previous_response_id", str)
     previous = state.responses.get(previous_id) if previous_id else None
-    new_messages, new_images = parse_input(body)
+    new_messages, new_images = parse_input(body, previous.messages if previous else [])
     # instructions are not carried over from a previous response (as OpenAI): they lead this turn only
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + (
         previous.messages if previous else []) + new_messages
