@@ -107,6 +107,31 @@ def test_stored_responses_are_retrieved_listed_and_deleted(server):
 
 RESPONSE_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                    "response.content_part.added"]
+def test_responses_output_text_logprobs(server):
+    """include: ["message.output_text.logprobs"] gives each output token with its top_logprobs, as chat does,
+    on the text part and on each delta."""
+    client = server.client()
+    body = {"model": MODEL_NAME, "input": "hello", "max_output_tokens": 6, "temperature": 0, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"], "extra_body": {"ignore_eos": True}}
+    reply = client.responses.create(**body)
+    logprobs = reply.output[0].content[0].logprobs
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hello"}],
+                                          logprobs=True, top_logprobs=2, **{**GREEDY, "max_tokens": 6})
+    expected = chat.choices[0].logprobs.content
+    assert [lp.token for lp in logprobs] == [lp.token for lp in expected] and len(logprobs) == 6
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    events = list(client.responses.create(**body, stream=True))
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [lp.token for lp in logprobs]
+    assert [lp.token for lp in next(e for e in events if e.type == "response.output_text.done").logprobs] == streamed
+    plain = client.responses.create(**{**body, "include": []})  # not asked for: none
+    assert plain.output[0].content[0].logprobs == []
+    status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi",
+                                                                "top_logprobs": 21})
+    assert status == 400 and error["error"]["param"] == "top_logprobs"
+
+
 RESPONSE_TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 

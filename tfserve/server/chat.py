@@ -14,7 +14,7 @@ from tfserve.server.chat_mcp import chat_with_mcp
 from tfserve.server.chat_prompt import parse_tools, render_chat, render_multimodal, render_options, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
-from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs
+from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown
 from tfserve.server.media import ImageRef, content_of, gather_images
 from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, param_names, read_json,
                                      sampling_kwargs, stream_options, use_model)
@@ -193,7 +193,7 @@ class _Reply(Reply):
                 if calls:
                     message.update(content=content, tool_calls=[call.to_openai() for call in calls])
                     finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
-            choices.append({"index": index, "message": message, "logprobs": self._logprobs(_visible(output)),
+            choices.append({"index": index, "message": message, "logprobs": self._logprobs(shown(output.logprobs, output)),
                             "finish_reason": finish_reason})
         return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage),
                                                **self._prompt_logprobs(last[0])))
@@ -270,9 +270,7 @@ class _Reply(Reply):
         return await sse.done()
 
     def _deltas(self, index: int, output: Any, parser: ToolCallStream | None) -> list[dict]:
-        entries = output.delta_logprobs
-        if output.finished and entries and _hides_last_token(output):
-            entries = entries[:-1]
+        entries = shown(output.delta_logprobs, output)
         logprobs = self._logprobs(entries) if entries else None
         if parser is None:
             if not output.delta_text and logprobs is None:
@@ -296,12 +294,3 @@ class _Reply(Reply):
                 deltas.append({"index": index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None})
         return deltas
 
-
-def _hides_last_token(output: Any) -> bool:
-    # the EOS / stop token ended the text without being part of it: its logprob is not shown either
-    return output.finish_reason == "stop" and isinstance(output.stop_reason, int)
-
-
-def _visible(output: Any) -> list[dict]:
-    entries = output.logprobs or []
-    return entries[:-1] if entries and _hides_last_token(output) else entries

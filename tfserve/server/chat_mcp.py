@@ -18,7 +18,7 @@ from tfserve.server.chat_prompt import parse_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import Reply
 from tfserve.server.media import ImageRef, gather_images
-from tfserve.server.protocol import field, stream_options
+from tfserve.server.protocol import stream_options
 from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_output import ResponseOutput
 from tfserve.server.tool_loop import Turns, max_tool_calls_of, run_loop

@@ -12,7 +12,8 @@ from aiohttp import web
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
-from tfserve.server.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs
+from tfserve.server.logprobs import (completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs,
+                                     shown)
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
                                      stream_options, use_model)
 from tfserve.server.response_format import compile_grammar, requested_grammar
@@ -123,7 +124,7 @@ class _Reply(Reply):
 
     def _choice_logprobs(self, index: int, output: Any) -> dict | None:
         """A whole choice's `logprobs`: the echoed prompt's tokens, then the generated ones."""
-        generated = self._logprobs(_visible(output.logprobs, output), len(self._echo(index)))
+        generated = self._logprobs(shown(output.logprobs, output), len(self._echo(index)))
         echoed = self._echo_logprobs(output)
         if generated is None or echoed is None:
             return generated
@@ -158,7 +159,7 @@ class _Reply(Reply):
                         await sse.send(self.chunk([{"index": index, "text": self._echo(index),
                                                      "logprobs": self._echo_logprobs(output),
                                                      "finish_reason": None}], include_usage))
-                entries = _visible(output.delta_logprobs, output) if output.finished else output.delta_logprobs
+                entries = shown(output.delta_logprobs, output)
                 if output.delta_text or entries:
                     logprobs = self._logprobs(entries, offsets[index])
                     offsets[index] += len(output.delta_text)
@@ -184,9 +185,3 @@ async def _prompt_only(outputs, usage):
             yield index, replace(output, generated_tokens=[], text="", delta_text="", delta_tokens=[],
                                  logprobs=[], delta_logprobs=[], finish_reason="length", stop_reason=None)
 
-
-def _visible(entries: list[dict] | None, output: Any) -> list[dict] | None:
-    # the EOS / stop token that ended the text is not part of it: drop its logprob too
-    if entries and output.finish_reason == "stop" and isinstance(output.stop_reason, int):
-        return entries[:-1]
-    return entries

@@ -34,6 +34,14 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
+def shown(entries: list[dict] | None, output: Any) -> list[dict] | None:
+    """An output's logprob entries without the EOS / stop token's that ended it: that token is not part of the
+    text, so its logprob is not shown either."""
+    if entries and output.finish_reason == "stop" and isinstance(output.stop_reason, int):
+        return entries[:-1]
+    return entries
+
+
 class TokenTexts:
     """token id -> (string, bytes), cached; one per tokenizer."""
 

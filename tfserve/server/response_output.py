@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from tfserve.server.logprobs import chat_logprobs, shown
 from tfserve.server.mcp_tools import McpOffer, error_text
 from tfserve.server.reasoning import Reasoning
 from tfserve.server.response_items import echo_tools, text_format
@@ -42,6 +43,9 @@ class ResponseOutput:
         self.done: Any = None  # the last turn's final engine output
         self.failed = False  # an error ended the stream (its event went out)
         self._call_ids: dict[str, str] = {}  # MCP item id -> the id the model's call gets in the chat messages
+        # include message.output_text.logprobs: the top count and the token texts (logprobs.TokenTexts)
+        self.num_top: int | None = None
+        self.token_texts: Any = None
         self.begin_turn(None, None)
 
     # -- one model turn -----------------------------------------------------------------------------------
@@ -79,9 +83,17 @@ class ResponseOutput:
     async def run_turn(self, outputs) -> Any:
         """Feed a turn's engine outputs into items (and events); returns its last output."""
         final = None
+        pending: list[dict] = []  # logprobs of tokens whose text has not come out yet (half a character)
         async for _, output in outputs:
+            if self.num_top is not None:
+                pending += shown(output.delta_logprobs, output) or []
             for event in self.events(output):
-                await self._apply(event)
+                if type(event) is str:  # message text: the tokens so far are its tokens
+                    await self._apply(event, pending)
+                    pending = [] if event else pending
+                else:  # reasoning or a call: the tokens so far were theirs
+                    await self._apply(event)
+                    pending = []
             final = output  # the finished one, or where a repeated tool call cut it
         return final
 
@@ -182,7 +194,7 @@ class ResponseOutput:
 
     # -- items and their events -----------------------------------------------------------------------------
 
-    async def _apply(self, event: Any) -> None:
+    async def _apply(self, event: Any, entries: list[dict] | None = None) -> None:
         if isinstance(event, ReasoningDelta):
             if self.thought is None:
                 self.thought = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress",
@@ -214,8 +226,11 @@ class ResponseOutput:
                 self.message["content"].append(_text_part(""))
                 await self._event("response.content_part.added", **self._where(), part=_text_part(""))
             if event:
-                self.message["content"][0]["text"] += event
-                await self._event("response.output_text.delta", **self._where(), delta=event, logprobs=[])
+                part = self.message["content"][0]
+                logprobs = chat_logprobs(entries, self.token_texts, self.num_top) if entries else []
+                part["text"] += event
+                part["logprobs"] += logprobs
+                await self._event("response.output_text.delta", **self._where(), delta=event, logprobs=logprobs)
 
     def _call_item(self, call: ToolCall) -> dict:
         """A model's call as a client's `function_call`, an `mcp_call`, or an `mcp_approval_request`."""
@@ -244,10 +259,10 @@ class ResponseOutput:
             await self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                               content_index=0, text=item["content"][0]["text"])
         elif item["type"] == "message":
-            text = item["content"][0]["text"]
+            part = item["content"][0]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            await self._event("response.output_text.done", **where, text=text, logprobs=[])
-            await self._event("response.content_part.done", **where, part=_text_part(text))
+            await self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
+            await self._event("response.content_part.done", **where, part=part)
         await self._event("response.output_item.done", output_index=index, item=item)
 
     # -- the stream -----------------------------------------------------------------------------------------

@@ -53,8 +53,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     turns = Turns(state, body, functions, offer, constraint=constraint and (constraint[0], "text.format"),
                   max_tokens_fields=("max_output_tokens",), prompt_field="input")
     turns.kwargs.pop("n", None)
+    num_top = requested_logprobs(body)
+    if num_top is not None:
+        turns.kwargs["logprobs"] = num_top
     await turns.check()
     output = ResponseOutput(model, body, None, offer)
+    output.num_top, output.token_texts = num_top, state.token_texts
     approved = _answer_approvals(body, previous, offer, output)
     turns.images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
     for item in approved:  # before the first turn, which reads their results
@@ -113,6 +117,19 @@ async def list_input_items(request: web.Request) -> web.Response:
     page = items[:limit]
     return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                               "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
+def requested_logprobs(body: dict) -> int | None:
+    """How many top tokens each output_text logprob shows (`top_logprobs`, 0 by default), or None when `include`
+    does not ask for `message.output_text.logprobs`."""
+    include = field(body, "include", list, [])
+    for i, name in enumerate(include):
+        if not isinstance(name, str):
+            raise bad_request(f"include[{i}] must be a string", f"include[{i}]")
+    top = field(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= 20:
+        raise bad_request(f"top_logprobs must be in [0, 20] (got {top})", "top_logprobs")
+    return (top or 0) if "message.output_text.logprobs" in include else None
 
 
 def _answer_approvals(body: dict, previous: StoredResponse | None, offer: mcp_tools.McpOffer,
