@@ -63,7 +63,9 @@ def test_the_longest_shared_prefix_decides():
 
 
 @pytest.mark.slow
-def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
+def test_two_replicas_keep_prefixes_where_they_are_cached_and_a_third_comes_and_goes(tmp_path):
+    """Streamed requests through two replicas (one a process) give one engine's tokens, with more prefix hits than
+    random routing; a replica process added at run time serves, and stops when retired."""
     from tfserve import Engine, SamplingParams
     from tfserve.distributed.replicas import STATS_INTERVAL_S
 
@@ -72,6 +74,7 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
     families = [[10 + f] * 16 for f in range(4)]  # four shared 16-token prefixes (four blocks each)
     rng = random.Random(0)
     prompts = [family + [rng.randrange(20, 300) for _ in range(3)] for family in families for _ in range(4)]
+    new_prefixes = [[5] * 8 + [9], [60] * 8 + [9], [70] * 8 + [9]]
 
     async def main():
         results = []
@@ -79,11 +82,20 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
             results.append(await _stream(replicated, prompt, params))
         return results
 
+    async def scaled():
+        grown = await replicated.scale(3)
+        results = [await _stream(replicated, prompt, params) for prompt in new_prefixes]  # 3 new prefixes: 1 each
+        added = replicated.remotes[-1]
+        shrunk = await replicated.scale(1)
+        return grown, results, added, shrunk, await _stream(replicated, new_prefixes[0], params)
+
     try:
         results = asyncio.run(main())
-        whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
+        engine = Engine.from_pretrained(path, config)
+        whole = engine.generate_batch(prompts, params)
         time.sleep(STATS_INTERVAL_S * 2)  # a report from the remote replica after its last request
         stats = replicated.replica_stats()
+        grown, later, added, shrunk, again = asyncio.run(scaled())
     finally:
         replicated.stop()
     for outputs, expected in zip(results, whole.values()):
@@ -93,6 +105,15 @@ def test_two_replicas_stream_and_keep_prefixes_where_they_are_cached(tmp_path):
     hits = sum(s["prefix_cache_hit_tokens"] for s in stats)
     # each family's first request misses; the other three find its 16 tokens (random routing: about half)
     assert hits == 4 * 3 * 16
+
+    assert grown["num_replicas"] == 3 and [r["num_routed"] for r in grown["replicas"]][2] == 0
+    expected = list(engine.generate_batch(new_prefixes, params).values())
+    assert [[t for o in outputs for t in o.delta_tokens] for outputs in later] == \
+        [e.generated_tokens for e in expected]
+    assert shrunk["num_replicas"] == 1
+    added.process.join(10)
+    assert not added.process.is_alive()
+    assert [t for o in again for t in o.delta_tokens] == expected[0].generated_tokens
 
 
 def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():
@@ -179,35 +200,6 @@ def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
     assert all(outputs[-1].finished for outputs in results)
     with pytest.raises(ValueError, match="at least 1"):
         asyncio.run(replicated.scale(0))
-
-
-@pytest.mark.slow
-def test_a_replica_process_added_at_run_time_serves_and_stops_when_retired(tmp_path):
-    from tfserve import Engine, SamplingParams
-
-    path, config, replicated = _tiny_replicas(tmp_path, num_blocks=128)
-    params = SamplingParams(**PARAMS)
-    prompts = [[5] * 8 + [9], [60] * 8 + [9], [70] * 8 + [9]]
-
-    async def main():
-        grown = await replicated.scale(3)
-        results = [await _stream(replicated, prompt, params) for prompt in prompts]  # replicas 0, 1, 2 in turn
-        added = replicated.remotes[-1]
-        shrunk = await replicated.scale(1)
-        return grown, results, added, shrunk, await _stream(replicated, prompts[0], params)
-
-    try:
-        grown, results, added, shrunk, again = asyncio.run(main())
-    finally:
-        replicated.stop()
-    assert grown["num_replicas"] == 3 and [r["num_routed"] for r in grown["replicas"]] == [0, 0, 0]
-    whole = Engine.from_pretrained(path, config).generate_batch(prompts, params)
-    for outputs, expected in zip(results, whole.values()):
-        assert [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
-    assert shrunk["num_replicas"] == 1
-    added.process.join(10)
-    assert not added.process.is_alive()
-    assert [t for o in again for t in o.delta_tokens] == list(whole.values())[0].generated_tokens
 
 
 @pytest.mark.slow

@@ -98,21 +98,19 @@ def test_the_files_blocks_stay_close_to_float32(engine, gguf_engine):
         assert abs(a.logprobs[0]["logprob"] - b.logprobs[0]["logprob"]) < 0.3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])
-def test_speculative_decoding_gives_the_same_greedy_tokens(default_model_dir, dtype):
-    """Proposals are checked as decodes of their own (the same kernels, the same int8 or float road), so
-    every weight format gives exactly the tokens it gives one at a time."""
+def test_speculative_decoding_gives_the_same_greedy_tokens(gguf_engine):
+    """Proposals are checked as decodes of their own (the same kernels, the same int8 or float road), so the
+    file's blocks give exactly the tokens they give one at a time. (Float weights: tests/engine/test_spec_decode.py.)"""
     from tfserve import Engine, SamplingParams
 
     questions = QUESTIONS + ["Repeat exactly three times: The quick brown fox jumps over the lazy dog."]
-    results = []
-    for speculative in (None, "ngram"):
-        engine = Engine.from_pretrained(str(default_model_dir), dtype=dtype, device="cpu", speculative=speculative)
-        prompts = [chat_ids(engine.tokenizer, q) for q in questions]
-        results.append([o.generated_tokens for o in
-                        engine.generate_batch(prompts, SamplingParams(max_tokens=40, temperature=0)).values()])
+    prompts = [chat_ids(gguf_engine.tokenizer, q) for q in questions]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    speculating = Engine.from_pretrained(gguf_engine.model_path, device="cpu", speculative="ngram")
+    results = [[o.generated_tokens for o in engine.generate_batch(prompts, params).values()]
+               for engine in (gguf_engine, speculating)]
     assert results[0] == results[1]
-    assert engine.num_accepted_tokens > 0
+    assert speculating.num_accepted_tokens > 0
 
 
 # -- structured outputs and enforced tool calls on the real model ----------------------------------------

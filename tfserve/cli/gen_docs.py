@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,8 +57,11 @@ def command_paths() -> list[list[str]]:
 def render_cli_md() -> str:
     """docs/cli.md: the `--help` of every command."""
     parts = ["# CLI reference", "", _HEADER, ""]
-    for path in command_paths():
-        parts += [f"## `{' '.join([PROG, *path])}`", "", "```text", run_cli([*path, "--help"]).rstrip("\n"), "```", ""]
+    paths = command_paths()
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:  # a process each, mostly importing: side by side
+        pages = pool.map(lambda path: run_cli([*path, "--help"]), paths)
+        for path, page in zip(paths, pages):
+            parts += [f"## `{' '.join([PROG, *path])}`", "", "```text", page.rstrip("\n"), "```", ""]
     return "\n".join(parts)
 
 
@@ -68,7 +72,9 @@ def render_completion(shell: str) -> str:
 
 def render_all() -> dict[Path, str]:
     """Every generated file, by path relative to the repository root."""
-    files = {Path("completions") / name: render_completion(shell) for shell, name in COMPLETION_FILES.items()}
+    with ThreadPoolExecutor(len(COMPLETION_FILES)) as pool:
+        scripts = pool.map(render_completion, COMPLETION_FILES)
+        files = {Path("completions") / name: script for name, script in zip(COMPLETION_FILES.values(), scripts)}
     files[Path("docs") / "cli.md"] = render_cli_md()
     return files
 

@@ -1,8 +1,7 @@
 // CPU kernels of the engine, compiled on first use (kernels.py): paged decode attention, reading keys and
 // values in place from the block cache through the block table (no gather, no padding); the KV-cache write;
 // a linear kernel for steps of a few rows; and transformers' RMSNorm and rotary embedding, bit-identical.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 #include <algorithm>
 #include <cstring>
 #include <cmath>

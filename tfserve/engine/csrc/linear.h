@@ -7,8 +7,7 @@
 // weights are widened to float32 in registers; every product and sum is float32. Every row is computed the
 // same way whatever the number of rows, so a request's result does not depend on what else is in the batch.
 #pragma once
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 #include <utility>
 #include "vec.h"
 

@@ -11,8 +11,7 @@
 // the float32 engine computes over the same file. Which road a row takes depends only on what kind of token
 // it is, so a request's results still do not depend on its batch.
 #pragma once
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 #include "linear.h"
 #include "vec.h"
 

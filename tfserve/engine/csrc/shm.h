@@ -4,7 +4,7 @@
 // peer's; then each reads all the slots. Two buffers alternate by the sequence's parity: a rank reuses a buffer
 // only after every peer has published the next number, which it does after reading that buffer.
 #pragma once
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
