@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from stores import shared_root, pull_store
+
 # Set before anything imports huggingface_hub, which reads it once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # one build of the CPU kernels for every test session on this machine, whatever TFSERVE_HOME a test sets
@@ -21,12 +23,18 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _BARE_INSTALL = "test_bare_install.py::test_bare_install_serves_the_default_model"
 
 
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    return shared_root(tmp_path_factory)
+
+
 def pytest_collection_finish(session):
     """The README command on a bare install (test_bare_install.py) starts now, so that its minutes of install
     and build overlap the tests that run before it."""
     item = next((i for i in session.items if i.nodeid.endswith(_BARE_INSTALL)), None)
     if item is not None and not session.config.option.collectonly:
-        item.module.start_early(session.config._tmp_path_factory.mktemp("bare-install"))
+        factory = session.config._tmp_path_factory
+        item.module.start_early(factory.mktemp("bare-install"), shared_root(factory))
 
 
 def pytest_sessionfinish(session):
@@ -53,20 +61,12 @@ def default_model_dir(tmp_path_factory) -> Path:
     from tfserve.models.gguf_weights import STORE_FILE
     from tfserve.models.pull import pull
 
-    home = os.environ.get("TFSERVE_TEST_HOME") or str(tmp_path_factory.mktemp("tfserve-session-home"))
-    saved = os.environ.get("TFSERVE_HOME")
-    os.environ["TFSERVE_HOME"] = home
-    try:
+    with pull_store(tmp_path_factory, "tfserve-session-home"):
         path = pull(DEFAULT_MODEL)
         if not (path / STORE_FILE).is_file():  # pulled by a tfserve that did not keep the original file
             path = pull(DEFAULT_MODEL, force=True)
         assert store.is_complete(path)
         return path
-    finally:
-        if saved is None:
-            os.environ.pop("TFSERVE_HOME", None)
-        else:
-            os.environ["TFSERVE_HOME"] = saved
 
 
 def write_fake_model(path: Path, *, architecture: str = "LlamaForCausalLM", chat_template: bool = True) -> Path:

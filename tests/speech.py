@@ -4,7 +4,6 @@ sentences in data/ (espeak-ng, see data/make_speech.py)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -48,18 +47,11 @@ def long_audio(num_rounds: int = 3, gap_s: float = 0.5) -> tuple[np.ndarray, str
 @pytest.fixture(scope="session")
 def whisper_dir(tmp_path_factory) -> Path:
     """whisper-tiny.en's directory in `$TFSERVE_TEST_HOME`, or a session store (pulled once)."""
+    from stores import pull_store
     from tfserve.models.pull import pull
 
-    home = os.environ.get("TFSERVE_TEST_HOME") or str(tmp_path_factory.mktemp("tfserve-whisper-home"))
-    saved = os.environ.get("TFSERVE_HOME")
-    os.environ["TFSERVE_HOME"] = home
-    try:
+    with pull_store(tmp_path_factory, "tfserve-whisper-home"):
         return pull("whisper-tiny.en")
-    finally:
-        if saved is None:
-            os.environ.pop("TFSERVE_HOME", None)
-        else:
-            os.environ["TFSERVE_HOME"] = saved
 
 
 @pytest.fixture(scope="session")

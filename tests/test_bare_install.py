@@ -5,6 +5,7 @@ a package the default path needs that only an extra brings."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -43,11 +44,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def _wait_healthy(url: str, started: "_Started", timeout_s: float) -> None:
+    log = started.log
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the README command exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        if started.exit_code() is not None:
+            pytest.fail(f"the README command exited {started.exit_code()}:\n{log.read_text()[-4000:]}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -59,43 +61,86 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
 
 
 class _Started:
-    """The README command, started: its process, port, log."""
+    """The README command, started (by this process, or by another test process of the run): its process group,
+    port, log, and the file its exit code goes to."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, pid: int, port: int, log: Path, rc: Path, process: subprocess.Popen | None = None) -> None:
+        self.pid, self.port, self.log, self.rc, self.process = pid, port, log, rc, process
+
+    @classmethod
+    def start(cls, tmp_path: Path) -> "_Started":
         venv = tmp_path / "venv"
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         command = readme_first_command()
-        self.port = README_PORT if _port_free(README_PORT) else _free_port()
-        if self.port != README_PORT:
-            command += f" --port {self.port}"
+        port = README_PORT if _port_free(README_PORT) else _free_port()
+        if port != README_PORT:
+            command += f" --port {port}"
         env = {key: value for key, value in os.environ.items()
-               if not key.startswith(("TFSERVE_", "VIRTUAL_ENV", "PYTHON", "PYENV"))}
+               if not key.startswith(("TFSERVE_", "VIRTUAL_ENV", "PYTHON", "PYENV", "PYTEST_"))}
         env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
                    TFSERVE_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
-        self.log = tmp_path / "serve.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        log, rc = tmp_path / "serve.log", tmp_path / "exit-code"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(["bash", "-c", f"{command}; echo $? > {rc}"], cwd=ROOT, env=env, stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(process.pid, port, log, rc, process)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"pid": self.pid, "port": self.port, "log": str(self.log), "rc": str(self.rc)}))
+
+    @classmethod
+    def load(cls, path: Path) -> "_Started":
+        state = json.loads(path.read_text())
+        return cls(state["pid"], state["port"], Path(state["log"]), Path(state["rc"]))
+
+    def exit_code(self) -> int | None:
+        """The command's exit code once it has ended, else None."""
+        if self.process is not None:
+            self.process.poll()
+        return int(self.rc.read_text()) if self.rc.is_file() and self.rc.read_text().strip() else None
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGINT)
+        """Ctrl+C to the whole group, as in a terminal (SIGKILL after a minute); waits until it has ended."""
+        deadline = time.monotonic() + 60
+        for sig in (signal.SIGINT, signal.SIGKILL):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            while time.monotonic() < deadline and self.exit_code() is None and _group_alive(self.pid):
+                time.sleep(0.2)
+            if self.exit_code() is not None or not _group_alive(self.pid):
+                break
+            deadline = time.monotonic() + 10
+        if self.process is not None:
+            self.process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (a zombie waiting for another test process to reap it does not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False
 
 
 _early: _Started | None = None
+STATE_FILE = "bare-install.json"
 
 
-def start_early(tmp_path: Path) -> None:
+def start_early(tmp_path: Path, shared: Path) -> None:
     """Start the README command when the session starts (tests/conftest.py): its install, pull and kernel build
-    take minutes, mostly on one core, and run beside the tests before this one (most of them one thread)."""
+    take minutes, mostly on one core, and run beside the tests before this one. With pytest-xdist the first worker
+    starts it and leaves its state in `shared`, for whichever worker runs the test."""
     global _early
-    _early = _Started(tmp_path)
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    _early = _Started.start(tmp_path)
+    _early.save(shared / STATE_FILE)
 
 
 def stop_early() -> None:
@@ -103,14 +148,22 @@ def stop_early() -> None:
         _early.stop()
 
 
+def _started(tmp_path: Path, shared: Path) -> _Started:
+    if _early is not None:
+        return _early
+    if (shared / STATE_FILE).is_file():
+        return _Started.load(shared / STATE_FILE)
+    return _Started.start(tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_bare_install_serves_the_default_model(tmp_path):
-    started = _early or _Started(tmp_path)
-    proc, port, log = started.proc, started.port, started.log
+def test_bare_install_serves_the_default_model(tmp_path, shared_dir):
+    started = _started(tmp_path, shared_dir)
+    port, log = started.port, started.log
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc, log, timeout_s=1200)
+        _wait_healthy(url, started, timeout_s=1200)
         from openai import OpenAI
 
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -128,4 +181,4 @@ def test_bare_install_serves_the_default_model(tmp_path):
             assert stage in text, text[-4000:]
     finally:
         started.stop()
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    assert started.exit_code() == 0, log.read_text()[-4000:]

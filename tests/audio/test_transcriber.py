@@ -41,10 +41,11 @@ def test_slot_decoder_logits_equal_hfs_forward(whisper):
 
 
 def test_real_speech_is_transcribed_and_concurrent_jobs_share_steps_for_the_same_text(transcriber):
+    names = ENGLISH[:8]  # eight requests at once
     steps_before = transcriber.stats.num_steps
-    alone = {name: transcriber.transcribe(speech(name)) for name in ENGLISH}
+    alone = {name: transcriber.transcribe(speech(name)) for name in names}
     steps_alone = transcriber.stats.num_steps - steps_before
-    rates = [wer(SENTENCES[name]["text"], alone[name].text) for name in ENGLISH]
+    rates = [wer(SENTENCES[name]["text"], alone[name].text) for name in names]
     assert sum(rates) / len(rates) < 0.5, rates  # tiny.en on short synthetic clips: 0.42 measured
 
     steps_before = transcriber.stats.num_steps
@@ -53,7 +54,7 @@ def test_real_speech_is_transcribed_and_concurrent_jobs_share_steps_for_the_same
     def run(name):
         together[name] = transcriber.transcribe(speech(name))
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in ENGLISH]
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -60,7 +60,7 @@ def test_list_table_and_json(make_fake_model):
     make_fake_model(store.model_path("tiny"))
     result = invoke("models", "list")
     assert result.exit_code == 0
-    for text in ("tiny", "LlamaForCausalLM", "40", "Size on disk", str(store.model_path("tiny"))):
+    for text in ("tiny", "LlamaForCausalLM", "40", "Size on disk", "Path"):  # the path may be cut: --json has it
         assert text in result.output
     [row] = json.loads(invoke("models", "list", "--json").output)
     assert row["name"] == "tiny" and row["num_parameters"] == 40 and row["path"] == str(store.model_path("tiny"))

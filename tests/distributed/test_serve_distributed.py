@@ -97,30 +97,10 @@ def test_bad_distributed_flags_are_one_line(flags, message):
     assert "Traceback" not in result.output
 
 
-def test_two_replicas_serve_a_stream_and_label_their_metrics(tmp_path):
-    """`--data-parallel-size 2`: streamed completions through the openai SDK, one replica each; /metrics by
-    replica."""
-    from test_tensor_parallel import save_model
-
-    path = save_model(tmp_path / "tiny", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home")}
-    with ServeProcess(["--model", str(path), "-dp", "2", "--kv-cache-memory", "8MiB"], env) as server:
-        client = server.client()
-        for first in (5, 50):  # two prefixes: one replica each
-            chunks = list(client.completions.create(model="tiny", prompt=[first] * 16 + [7], max_tokens=5,
-                                                    temperature=0, stream=True))
-            assert chunks[-1].choices[0].finish_reason == "length"
-        metrics = server.get("/metrics")
-        output = server.stop()
-    assert server.process.returncode == 0, output
-    assert 'tfserve_replica_num_routed{replica="0"} 1.0' in metrics
-    assert 'tfserve_replica_num_routed{replica="1"} 1.0' in metrics
-    assert 'tfserve_replica_kv_cache_blocks_total{replica="1"}' in metrics
-
-
 def test_a_local_ray_cluster_with_two_replicas_serves_a_streamed_chat(tmp_path):
     """`--data-parallel-size 2 --ray local`: replica 1 is a Ray actor; it streams a chat completion and gives the
-    same greedy tokens as one engine in this process."""
+    same greedy tokens as one engine in this process; /metrics labels each replica's. (Replicas in processes:
+    test_replicas.py.)"""
     pytest.importorskip("ray")
     from tiny import build_llama, build_tokenizer
 
@@ -146,7 +126,9 @@ def test_a_local_ray_cluster_with_two_replicas_serves_a_streamed_chat(tmp_path):
         metrics = server.get("/metrics")
         output = server.stop()
     assert server.process.returncode == 0, output
+    assert 'tfserve_replica_num_routed{replica="0"} 2.0' in metrics
     assert 'tfserve_replica_num_routed{replica="1"} 2.0' in metrics
+    assert 'tfserve_replica_kv_cache_blocks_total{replica="1"}' in metrics
     whole = Engine.from_pretrained(str(path)).generate_batch(prompts, SamplingParams(max_tokens=8, temperature=0))
     assert texts == [o.text for o in whole.values()]  # the actor's tokens are one engine's
 
