@@ -81,7 +81,10 @@ class _Started:
                    TFSERVE_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
         log, rc = tmp_path / "serve.log", tmp_path / "exit-code"
         with open(log, "wb") as out:
-            process = subprocess.Popen(["bash", "-c", f"{command}; echo $? > {rc}"], cwd=ROOT, env=env, stdout=out,
+            # bash itself gets the Ctrl+C too: its no-op trap lets it outlive the command and write its exit code
+            # (traps, unlike ignored signals, are not inherited: the command still stops on Ctrl+C)
+            process = subprocess.Popen(["bash", "-c", f"trap : INT; {command}; echo $? > {rc}"], cwd=ROOT, env=env,
+                                       stdout=out,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         return cls(process.pid, port, log, rc, process)
 

@@ -62,3 +62,28 @@ def test_the_target_cpu_is_part_of_the_key(monkeypatch):
     assert kernels.cache_key() != native
     assert kernels.cache_key("native") == native  # an explicit target wins over the environment
     kernels.cache_key.cache_clear()
+
+
+def test_a_build_started_beside_the_load_is_shown_and_waited_for(monkeypatch):
+    """`start_building` compiles on a thread of its own (once); `build_with_progress` names the stage and waits."""
+    import threading
+
+    built, release, calls = threading.Event(), threading.Event(), []
+
+    def build():
+        calls.append(threading.current_thread().name)
+        release.wait(10)
+        built.set()
+
+    monkeypatch.setattr(kernels, "cpu_ops", build)
+    monkeypatch.setattr(kernels, "needs_build", lambda: not built.is_set())
+    monkeypatch.setattr(kernels, "_beside", None)
+    kernels.start_building()
+    kernels.start_building()  # already started: not again
+    reports: list[str] = []
+    threading.Timer(0.2, release.set).start()
+    kernels.build_with_progress(reports.append)
+    assert built.is_set() and calls[0] == "tfserve-kernel-build"
+    assert len(reports) == 1 and reports[0].startswith("Building tfserve's CPU kernels")
+    kernels.build_with_progress(reports.append)  # built: nothing to show
+    assert len(reports) == 1

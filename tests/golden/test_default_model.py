@@ -67,7 +67,10 @@ def test_the_store_keeps_the_files_blocks_and_they_are_the_models_weights(engine
     modules = dict(engine.model.named_modules())
     assert {w.type_name for w in blocks.values()} == {"Q4_1", "Q8_0"}
     assert len(blocks) == 30 * 7 + 2  # every projection, the embedding and the LM head tied to it
-    for name, weight in blocks.items():  # the query/key rows come back in the model's order
+    # the first and last layers' projections (the query/key rows come back in the model's order) and the embedding
+    checked = [name for name in blocks if ".layers." not in name or ".layers.0." in name or ".layers.29." in name]
+    for name in checked:
+        weight = blocks[name]
         floats = gguf.quants.dequantize(weight.blocks, gguf.GGMLQuantizationType(weight.qtype))
         assert torch.equal(torch.from_numpy(floats), modules[name].weight.detach()), name
 

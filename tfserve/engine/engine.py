@@ -115,6 +115,8 @@ class Engine:
             if config.cpu_kernels:  # built once, before the worker ranks load them
                 kernels.build_with_progress(report)
             return _tensor_parallel(cls, _worker_spec(model or DEFAULT_MODEL, config, load_kwargs), progress)
+        if config.cpu_kernels and resolve_device(device) == "cpu":
+            kernels.start_building()  # a first run compiles while the model is pulled and loaded
         loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)  # None: transformers' bars
         if config.cpu_kernels and loaded.device == "cpu":
             kernels.build_with_progress(report)

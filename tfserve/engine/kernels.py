@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import sys
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -107,12 +108,28 @@ def needs_build() -> bool:
     return not cpu_ops.cache_info().currsize and not _is_built(build_dir())
 
 
+_beside: threading.Thread | None = None  # a first-run build started by `start_building`
+
+
+def start_building() -> None:
+    """Start the first-run build now, beside what the caller does next (a model's pull and load, mostly one core
+    of Python while the compiler takes another); `build_with_progress` waits for it."""
+    global _beside
+    if _beside is None and needs_build():
+        _beside = threading.Thread(target=cpu_ops, name="tfserve-kernel-build", daemon=True)
+        _beside.start()
+
+
 def build_with_progress(report) -> None:
-    """Build the kernels now if this machine has none yet, telling `report` first (the one slow stage of a first
-    load: a caller shows it as its own step)."""
-    if needs_build():
+    """Build the kernels now if this machine has none yet (or wait for the build `start_building` began), telling
+    `report` first (the one slow stage of a first load: a caller shows it as its own step)."""
+    beside, building = _beside, needs_build()
+    if beside is not None and (building or beside.is_alive()):
+        report(f"Building tfserve's CPU kernels for {isa()} (first run only, started beside the load)")
+        beside.join()
+    elif building:
         report(f"Building tfserve's CPU kernels for {isa()} (first run only, about a minute)")
-        cpu_ops()
+    cpu_ops()
 
 
 @cache
