@@ -81,11 +81,10 @@ class _Started:
                    TFSERVE_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
         log, rc = tmp_path / "serve.log", tmp_path / "exit-code"
         with open(log, "wb") as out:
-            # bash itself gets the Ctrl+C too: its no-op trap lets it outlive the command and write its exit code
-            # (traps, unlike ignored signals, are not inherited: the command still stops on Ctrl+C)
-            process = subprocess.Popen(["bash", "-c", f"trap : INT; {command}; echo $? > {rc}"], cwd=ROOT, env=env,
-                                       stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            # the command runs under a Python that outlives its Ctrl+C (a handler, which exec does not pass on) and
+            # writes its exit code, for whichever test process asks (bash's own `$?` reads 130 after a Ctrl+C)
+            process = subprocess.Popen([sys.executable, "-c", _WRAPPER, command, str(rc)], cwd=ROOT, env=env,
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(process.pid, port, log, rc, process)
 
     def save(self, path: Path) -> None:
@@ -131,6 +130,8 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+_WRAPPER = ("import signal, subprocess, sys; signal.signal(signal.SIGINT, lambda *_: None); "
+            "code = subprocess.call(['bash', '-c', sys.argv[1]]); open(sys.argv[2], 'w').write(str(code))")
 _early: _Started | None = None
 STATE_FILE = "bare-install.json"
 
