@@ -14,7 +14,7 @@ from tfserve.server.chat_mcp import chat_with_mcp
 from tfserve.server.chat_prompt import parse_tools, render_chat, render_multimodal, render_options, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
-from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown
+from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown, top_count
 from tfserve.server.media import ImageRef, content_of, gather_images
 from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, param_names, read_json,
                                      sampling_kwargs, stream_options, use_model)
@@ -118,9 +118,7 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
 def parse_logprobs(body: dict[str, Any]) -> int | None:
     """`logprobs` + `top_logprobs` -> the engine's top count (None: no logprobs)."""
     logprobs = field(body, "logprobs", bool, False)
-    top = field(body, "top_logprobs", int)
-    if top is not None and not 0 <= top <= 20:
-        raise bad_request(f"top_logprobs must be in [0, 20] (got {top})", "top_logprobs")
+    top = top_count(body, "top_logprobs")
     if top is not None and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     return (top or 0) if logprobs else None
@@ -193,8 +191,8 @@ class _Reply(Reply):
                 if calls:
                     message.update(content=content, tool_calls=[call.to_openai() for call in calls])
                     finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
-            choices.append({"index": index, "message": message, "logprobs": self._logprobs(shown(output.logprobs, output)),
-                            "finish_reason": finish_reason})
+            choices.append({"index": index, "message": message,
+                            "logprobs": self._logprobs(shown(output.logprobs, output)), "finish_reason": finish_reason})
         return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage),
                                                **self._prompt_logprobs(last[0])))
 

@@ -13,7 +13,7 @@ from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import (completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs,
-                                     shown)
+                                     shown, top_count)
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
                                      stream_options, use_model)
 from tfserve.server.response_format import compile_grammar, requested_grammar
@@ -39,10 +39,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         await compile_grammar(state.engine, *constraint)
         kwargs["grammar"] = constraint[0]
-    num_top = field(body, "logprobs", int)
+    num_top = top_count(body, "logprobs")
     if num_top is not None:
-        if not 0 <= num_top <= 20:
-            raise bad_request(f"logprobs must be in [0, 20] (got {num_top})", "logprobs")
         kwargs["logprobs"] = num_top
     if field(body, "suffix", str):
         raise bad_request("suffix is not supported", "suffix")

@@ -110,14 +110,24 @@ def completion_logprobs(entries: list[dict], texts: TokenTexts, text_offset: int
     return result
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives shown per token
+
+
+def top_count(body: dict[str, Any], name: str) -> int | None:
+    """A field that counts the top tokens to show per token (`top_logprobs`, legacy `logprobs`,
+    `prompt_logprobs`): an integer in [0, 20], or None when absent."""
+    num_top = field(body, name, int)
+    if num_top is not None and not 0 <= num_top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{name} must be in [0, {MAX_TOP_LOGPROBS}] (got {num_top})", name)
+    return num_top
+
+
 def requested_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     """vLLM's `prompt_logprobs`: how many top tokens to show at each prompt position (0: only the prompt's own),
     or None. As in vLLM, not with `stream` (a stream chunk has no place for them)."""
-    num_top = field(body, "prompt_logprobs", int)
+    num_top = top_count(body, "prompt_logprobs")
     if num_top is None:
         return None
-    if not 0 <= num_top <= 20:
-        raise bad_request(f"prompt_logprobs must be in [0, 20] (got {num_top})", "prompt_logprobs")
     if stream:
         raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     return num_top

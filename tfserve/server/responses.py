@@ -15,6 +15,7 @@ from aiohttp import web
 
 from tfserve.server import mcp_tools
 from tfserve.server.errors import bad_request
+from tfserve.server.logprobs import top_count
 from tfserve.server.media import gather_images
 from tfserve.server.protocol import RESPONSES_FIELDS, check_fields, field, read_json, use_model
 from tfserve.server.response_format import requested_grammar
@@ -126,9 +127,7 @@ def requested_logprobs(body: dict) -> int | None:
     for i, name in enumerate(include):
         if not isinstance(name, str):
             raise bad_request(f"include[{i}] must be a string", f"include[{i}]")
-    top = field(body, "top_logprobs", int)
-    if top is not None and not 0 <= top <= 20:
-        raise bad_request(f"top_logprobs must be in [0, 20] (got {top})", "top_logprobs")
+    top = top_count(body, "top_logprobs")
     return (top or 0) if "message.output_text.logprobs" in include else None
 
 
