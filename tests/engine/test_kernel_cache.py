@@ -87,3 +87,18 @@ def test_a_build_started_beside_the_load_is_shown_and_waited_for(monkeypatch):
     assert len(reports) == 1 and reports[0].startswith("Building tfserve's CPU kernels")
     kernels.build_with_progress(reports.append)  # built: nothing to show
     assert len(reports) == 1
+
+
+def test_a_build_begun_beside_the_load_is_shown_even_when_it_finished_first(monkeypatch):
+    """The stage a first run shows does not depend on which of the load and the compiler finished first."""
+    import threading
+
+    built = threading.Event()
+    monkeypatch.setattr(kernels, "cpu_ops", built.set)
+    monkeypatch.setattr(kernels, "needs_build", lambda: not built.is_set())
+    monkeypatch.setattr(kernels, "_beside", None)
+    kernels.start_building()
+    kernels._beside.join()  # the compiler was quicker than the load
+    reports: list[str] = []
+    kernels.build_with_progress(reports.append)
+    assert len(reports) == 1 and reports[0].startswith("Building tfserve's CPU kernels")

@@ -108,7 +108,7 @@ def needs_build() -> bool:
     return not cpu_ops.cache_info().currsize and not _is_built(build_dir())
 
 
-_beside: threading.Thread | None = None  # a first-run build started by `start_building`
+_beside: threading.Thread | None = None  # a build `start_building` began that no one has waited for yet
 
 
 def start_building() -> None:
@@ -123,11 +123,12 @@ def start_building() -> None:
 def build_with_progress(report) -> None:
     """Build the kernels now if this machine has none yet (or wait for the build `start_building` began), telling
     `report` first (the one slow stage of a first load: a caller shows it as its own step)."""
-    beside, building = _beside, needs_build()
-    if beside is not None and (building or beside.is_alive()):
+    global _beside
+    beside, _beside = _beside, None
+    if beside is not None:
         report(f"Building tfserve's CPU kernels for {isa()} (first run only, started beside the load)")
         beside.join()
-    elif building:
+    elif needs_build():
         report(f"Building tfserve's CPU kernels for {isa()} (first run only, about a minute)")
     cpu_ops()
 

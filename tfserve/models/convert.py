@@ -28,7 +28,7 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path, *, show_hf_progress: bool = True,
 def _parse_once():
     """transformers reads a GGUF's metadata three times (tokenizer, config, weights: ~10 s each for SmolLM2's
     49k-token vocabulary) and builds gguf-py's tensor name map once per submodule (~200): while converting, one
-    reader per file and one map per architecture (the default model's pull: 78 -> ~30 s)."""
+    reader per file and one map per architecture (converting the default model: 78 -> 39 s)."""
     import gguf
 
     make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
