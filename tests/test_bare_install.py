@@ -102,11 +102,17 @@ class _Started:
         return int(self.rc.read_text()) if self.rc.is_file() and self.rc.read_text().strip() else None
 
     def stop(self) -> None:
-        """Ctrl+C to the whole group, as in a terminal (SIGKILL after a minute); waits until it has ended."""
+        """Ctrl+C to the command's processes (SIGKILL to the group after a minute); waits until it has ended. Not
+        to bash itself: whether a bash that got the Ctrl+C too reports the server's own exit code or dies of the
+        signal varies, and the server's code is the one checked."""
         deadline = time.monotonic() + 60
         for sig in (signal.SIGINT, signal.SIGKILL):
             try:
-                os.killpg(self.pid, sig)
+                if sig == signal.SIGINT:  # the group's leader is the wrapper (below), which waits for bash
+                    for pid in _group(self.pid, skip=(self.pid,), skip_names=("bash",)):
+                        os.kill(pid, sig)
+                else:
+                    os.killpg(self.pid, sig)
             except ProcessLookupError:
                 break
             while time.monotonic() < deadline and self.exit_code() is None and _group_alive(self.pid):
@@ -118,16 +124,25 @@ class _Started:
             self.process.wait()
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs (a zombie waiting for another test process to reap it does not)."""
+def _group(pgid: int, skip: tuple[int, ...] = (), skip_names: tuple[str, ...] = ()) -> list[int]:
+    """The running processes of the group (not zombies waiting for another test process to reap them), but the
+    pids in `skip` and the programs named in `skip_names`."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            text = stat.read_text()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
-            return True
-    return False
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()  # state, ppid, pgrp
+        pid = int(stat.parent.name)
+        if int(fields[2]) == pgid and fields[0] != "Z" and pid not in skip and name not in skip_names:
+            pids.append(pid)
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group(pgid))
 
 
 _WRAPPER = ("import signal, subprocess, sys; signal.signal(signal.SIGINT, lambda *_: None); "
