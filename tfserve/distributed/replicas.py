@@ -379,12 +379,12 @@ class ReplicatedEngine(AsyncEngine):
             deadline = asyncio.get_running_loop().time() + drain_timeout
             while any(self.in_flight[i] for i in indices) and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
-            retired = self.remotes[indices[0] - 1:]
-            del self.remotes[indices[0] - 1:], self.in_flight[indices[0]:], self.num_routed[indices[0]:]
-            for remote in retired:  # what is still running on them (past the timeout) fails with this
+            # stopped before they leave the lists: a replica no longer listed is one that has stopped
+            for remote in self.remotes[indices[0] - 1:]:  # what still runs on them (past the timeout) fails
                 remote._fail_all(f"replica {remote.index} was scaled away")
                 await asyncio.to_thread(remote.stop)
                 logger.info("replica %d stopped", remote.index)
+            del self.remotes[indices[0] - 1:], self.in_flight[indices[0]:], self.num_routed[indices[0]:]
         finally:
             self.retiring.difference_update(indices)
 
