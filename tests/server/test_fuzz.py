@@ -140,6 +140,35 @@ def test_json_in_tool_call_arguments_is_strict_too(server):
     assert post(server, CHAT, call('{"city": "Paris"}'))[0] == 200
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+FLAT_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+DEEP = "[" * 5000
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice.function"),
+    (RESPONSES, {"tools": [FLAT_TOOL], "tool_choice": {"type": "function", "function": ["f"]}},
+     "tool_choice.function"),
+    (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": {"a": 1}}}}]},
+     "tools[0].function.parameters.type"),
+    (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": ["string", ["a"]]}}}}}]},
+     "tools[0].function.parameters.properties.x.type"),
+    (CHAT, {"guided_json": DEEP}, "guided_json"),
+    (CHAT, {"structured_outputs": {"json": DEEP}}, "structured_outputs.json"),
+    (RESPONSES, {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": DEEP}]},
+     "input[0].arguments"),
+])
+def test_odd_tool_and_schema_shapes_are_a_400(server, path, body, param):
+    assert_400(server, path, {**BASE[path], **body}, param)
+
+
+def test_a_flat_tools_stray_function_key_is_not_its_definition(server):
+    tool = {**FLAT_TOOL, "function": "not a definition"}
+    assert post(server, RESPONSES, {**BASE[RESPONSES], "tools": [tool], "tool_choice": "required",
+                                    "max_output_tokens": 16})[0] == 200
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, RESPONSES])
 @pytest.mark.parametrize("field,value", [("temperature", 2**63), ("repetition_penalty", 2**64),
                                          ("top_p", 2**63), ("presence_penalty", -(2**70))])

@@ -59,7 +59,7 @@ def check_schema(schema: Any, where: str) -> None:
         raise bad_request(f"{where} must be a JSON schema object", where)
     kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
-    if any(k not in _SCHEMA_TYPES for k in kinds):
+    if any(not isinstance(k, str) or k not in _SCHEMA_TYPES for k in kinds):
         raise bad_request(f"{where}.type must be one of {', '.join(sorted(_SCHEMA_TYPES))} (got {kind!r})",
                           f"{where}.type")
     properties = schema.get("properties")

@@ -207,7 +207,7 @@ async def call(state: Any, offered: OfferedTool, name: str, arguments: str) -> d
     """Run one call; returns the `mcp_call` item's `output`, `error` (OpenAI's error object) and `status`."""
     try:
         parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         parsed = None
     if not isinstance(parsed, dict):
         error = {"type": "mcp_protocol_error", "code": -32602,

@@ -10,11 +10,11 @@ OpenAI's `response_format` (`text`, `json_object`, `json_schema`), two extension
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from tfserve.engine.structured import GrammarError
 from tfserve.sampling_params import Grammar
+from tfserve.server.body import loads
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
 
@@ -65,10 +65,7 @@ def _from_response_format(response_format: dict[str, Any], where: str) -> Gramma
 def _from_vllm(key: str, value: Any, where: str) -> Grammar:
     if key == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise bad_request(f"{where} is not valid JSON: {exc}", where) from None
+            value = loads(value, where)
         if not isinstance(value, dict):
             raise bad_request(f"{where} must be a JSON schema object", where)
         return Grammar.json_schema(value)

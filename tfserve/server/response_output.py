@@ -321,7 +321,7 @@ def _chat_call(call_id: str, name: str, arguments: str) -> dict:
     """A call as chat templates read it: arguments as a mapping (HF convention), not OpenAI's JSON string."""
     try:
         value = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         value = {}
     return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": value if isinstance(value, dict) else {}}}

@@ -23,13 +23,16 @@ def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, wh
     None when the model may answer freely ("auto", "none", absent). 400 for a name not in `tools`."""
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
-    functions = [tool.get("function", tool) for tool in tools]
+    # chat's tools nest the function; the Responses API's are flat (where a stray "function" key means nothing)
+    functions = [tool["function"] if isinstance(tool.get("function"), dict) else tool for tool in tools]
     if tool_choice == "required":
         return functions
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
         raise bad_request(f'{where} must be none, auto, required or {{"type": "function", "function": {{"name": ...}}}}',
                           where)
     named = tool_choice.get("function", tool_choice)
+    if not isinstance(named, dict):
+        raise bad_request(f'{where}.function must be an object: {{"name": ...}}', f"{where}.function")
     name = field(named, "name", str, required=True,
                  param=f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
     chosen = [f for f in functions if f.get("name") == name]
