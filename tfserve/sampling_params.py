@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 GRAMMAR_KINDS = ("json_schema", "regex", "lark", "choice")
+# temperatures below this sample greedily (as vLLM): dividing float32 logits by less overflows to inf
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +54,8 @@ class Grammar:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How one request samples and when it stops. `temperature=0` is greedy; `seed` makes a request
-    repeatable whatever else shares its batch."""
+    """How one request samples and when it stops. `temperature=0` (or below MIN_TEMPERATURE) is greedy; `seed`
+    makes a request repeatable whatever else shares its batch."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -119,7 +121,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def shapes_logits(self) -> bool:

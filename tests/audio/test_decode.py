@@ -77,3 +77,38 @@ def test_longer_than_the_limit():
     with pytest.raises(AudioError, match="longer than 1 s"):
         decode_audio(encode("wav", "pcm_s16le", seconds=1.5), max_seconds=1)
     assert decode_audio(encode("wav", "pcm_s16le", seconds=1.5), max_seconds=2).shape[0] == 24000
+
+
+def test_a_stream_that_changes_rate_and_layout_midway_decodes_whole():
+    """Two MP3 files joined (44.1 kHz stereo, then 16 kHz mono): FFmpeg's decoder changes its frames' format
+    midway, which one resampler cannot take."""
+    first = encode("mp3", "libmp3lame", rate=44100, seconds=1.0)
+    second = encode("mp3", "libmp3lame", rate=16000, seconds=1.0, layout="mono", frequency=880.0)
+    samples = decode_audio(first + second)
+    assert abs(samples.shape[0] - 32000) <= 2000  # both seconds (MP3 adds its padding)
+    spectrum = np.abs(np.fft.rfft(samples[-12000:-2000]))
+    assert abs(np.argmax(spectrum) * 16000 / 10000 - 880) < 10  # the second file's tone, resampled right
+
+
+def float_wav(samples: np.ndarray) -> bytes:
+    """A float32 WAV (format 3) of `samples` at 16 kHz: a format whose samples may lie past full scale."""
+    import struct
+
+    data = samples.astype("<f4").tobytes()
+    return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt "
+            + struct.pack("<IHHIIHH", 16, 3, 1, 16000, 64000, 4, 32) + b"data" + struct.pack("<I", len(data)) + data)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_samples_that_are_not_numbers_are_one_line(value):
+    with pytest.raises(AudioError, match="not finite"):
+        decode_audio(float_wav(np.full(16000, value)))
+
+
+def test_samples_past_full_scale_are_scaled_to_it():
+    tone = np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)
+    samples = decode_audio(float_wav(1e30 * tone))
+    assert np.isfinite(samples).all() and abs(float(np.abs(samples).max()) - 1.0) < 1e-6
+    assert np.allclose(samples, tone, atol=1e-5)
+    quiet = decode_audio(float_wav(0.5 * tone))  # within full scale: as it is
+    assert np.allclose(quiet, 0.5 * tone, atol=1e-6)

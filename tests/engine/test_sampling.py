@@ -85,6 +85,16 @@ def test_greedy_row_in_a_sampled_batch_stays_greedy(make_engine):
     assert outputs[1].generated_tokens == reference.generated_tokens
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(make_engine):
+    """Logits divided by 1e-30 overflow float32 to inf (NaN probabilities): below MIN_TEMPERATURE is greedy."""
+    engine = make_engine()
+    (reference,) = run(engine, [(PROMPT, greedy())])
+    outputs = run(engine, [(OTHER_PROMPTS[0], sampled()), (PROMPT, sampled(temperature=1e-30)),
+                           (PROMPT, sampled(temperature=1e-45, seed=5))])
+    assert outputs[1].generated_tokens == reference.generated_tokens
+    assert outputs[2].generated_tokens == reference.generated_tokens
+
+
 def test_tiny_top_p_and_full_min_p_reduce_to_greedy(make_engine):
     engine = make_engine()
     (reference,) = run(engine, [(PROMPT, greedy())])

@@ -84,6 +84,42 @@ def test_json_object_regex_choice_and_lark(make_engine):
     assert re.fullmatch(r"id=[0-9]{2,3};(on|off)", outputs[3].text)
 
 
+def test_a_choice_among_thousands(make_engine):
+    """More choices than llguidance's parser takes in one rule (2,000): they are one lexeme instead."""
+    choices = [f"w{i}" for i in range(5000)]
+    outputs = run(make_engine(), [(PROMPT, SamplingParams(grammar=Grammar.choice(choices), max_tokens=10,
+                                                          temperature=1.0, seed=seed)) for seed in (1, 2, 3)])
+    assert all(o.finish_reason == "stop" and o.text in choices for o in outputs), [o.text for o in outputs]
+
+
+def test_a_grammar_that_fails_midway_ends_its_request_with_an_error(make_engine, monkeypatch):
+    """A matcher that refuses a token its own mask allowed (llguidance meeting a limit only at run time): that
+    request ends with an error naming the grammar; the others in its batch go on."""
+    from tfserve.engine.structured import StructuredOutputs
+
+    class Failing:
+        def __init__(self, matcher):
+            self.matcher, self.num_consumed = matcher, 0
+
+        def consume_token(self, token_id):
+            self.num_consumed += 1
+            return self.num_consumed < 3 and self.matcher.consume_token(token_id)
+
+        def get_error(self):
+            return "Parser Error: a limit\n<state>..."
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+    make = StructuredOutputs.matcher
+    monkeypatch.setattr(StructuredOutputs, "matcher", lambda self, grammar: Failing(make(self, grammar)))
+    failing, free = run(make_engine(), [(PROMPT, SamplingParams(grammar=Grammar.json_object(), max_tokens=50)),
+                                        (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))])
+    assert failing.finish_reason == "error" and "grammar failed: Parser Error: a limit" in failing.error
+    assert len(failing.generated_tokens) == 3
+    assert free.finish_reason == "length" and len(free.generated_tokens) == 12
+
+
 def test_constrained_and_free_requests_share_a_batch_without_changing_each_other(make_engine):
     schema = SCHEMAS["any_of_and_numbers"]
     free = SamplingParams(max_tokens=12, temperature=0)

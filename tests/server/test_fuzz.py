@@ -169,6 +169,19 @@ def test_a_flat_tools_stray_function_key_is_not_its_definition(server):
                                     "max_output_tokens": 16})[0] == 200
 
 
+NESTED_FORM = (b"--x\r\nContent-Type: multipart/mixed; boundary=y\r\n\r\n--y\r\nContent-Disposition: form-data; "
+               b'name="file"\r\n\r\nabc\r\n--y--\r\n--x--\r\n')
+ODD_CHARSET = (b'--x\r\nContent-Disposition: form-data; name="model"\r\nContent-Type: text/plain; charset=bogus-xyz'
+               b"\r\n\r\nwhisper-1\r\n--x--\r\n")
+
+
+@pytest.mark.parametrize("body", [NESTED_FORM, ODD_CHARSET], ids=["nested", "charset"])
+def test_an_odd_audio_form_is_a_400(server, body):
+    status, headers, raw = raw_request(server, "POST", "/v1/audio/transcriptions", body,
+                                       {"Content-Type": "multipart/form-data; boundary=x"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "file", raw
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, RESPONSES])
 @pytest.mark.parametrize("field,value", [("temperature", 2**63), ("repetition_penalty", 2**64),
                                          ("top_p", 2**63), ("presence_penalty", -(2**70))])

@@ -17,8 +17,8 @@ class AudioError(ValueError):
 
 def decode_audio(data: bytes, *, sample_rate: int = WHISPER_SAMPLE_RATE, max_seconds: float | None = None
                  ) -> np.ndarray:
-    """`data` (a whole file) -> [num_samples] float32 in [-1, 1], mono, at `sample_rate`. AudioError for an empty,
-    truncated or non-audio file, or one longer than `max_seconds`."""
+    """`data` (a whole file) -> [num_samples] float32 in [-1, 1] (a float file louder than that scaled down), mono,
+    at `sample_rate`. AudioError for an empty, truncated or non-audio file, or one longer than `max_seconds`."""
     import av
 
     if not data:
@@ -31,26 +31,65 @@ def decode_audio(data: bytes, *, sample_rate: int = WHISPER_SAMPLE_RATE, max_sec
         if not container.streams.audio:
             raise AudioError("the file has no audio stream")
         stream = container.streams.audio[0]
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+        resampler, source = None, None
         chunks, num_samples = [], 0
         limit = None if max_seconds is None else int(max_seconds * sample_rate)
         try:
-            for frame in container.decode(stream):
+            for frame in _frames(container, stream):
+                # a resampler takes one input format; a stream may change it midway (joined files, MP3
+                # frames at another rate): what the old one holds is flushed and a new one goes on
+                kind = (frame.format.name, frame.layout.name, frame.sample_rate)
+                if kind != source:
+                    held = _flush(resampler)
+                    chunks += held
+                    num_samples += sum(chunk.shape[0] for chunk in held)
+                    resampler, source = av.AudioResampler(format="flt", layout="mono", rate=sample_rate), kind
                 for out in resampler.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
                     num_samples += chunks[-1].shape[0]
                 if limit is not None and num_samples > limit:
                     raise AudioError(f"the audio is longer than {max_seconds:g} s (see --max-audio-seconds)")
-            for out in resampler.resample(None):  # what the resampler still holds
-                chunks.append(out.to_ndarray().reshape(-1))
+            chunks += _flush(resampler)
         except av.error.FFmpegError as exc:
             raise AudioError(f"the audio could not be decoded ({_reason(exc)}); is the file whole?") from None
     samples = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
     if samples.size == 0:
         raise AudioError("the file holds no audio samples (empty or truncated?)")
+    if not np.isfinite(samples).all():  # a float WAV can hold NaN or infinity: every feature would be NaN
+        raise AudioError("the audio holds samples that are not finite numbers (NaN or infinity)")
+    peak = float(np.abs(samples).max())
+    if peak > 1.0:  # a float file past full scale (its log-mel power overflows float32 from ~1e19): scaled to it
+        samples = samples / np.float32(peak)
     if limit is not None and samples.shape[0] > limit:
         raise AudioError(f"the audio is longer than {max_seconds:g} s (see --max-audio-seconds)")
     return samples
+
+
+MAX_BAD_PACKETS = 0.1  # of a stream's packets, skipped as FFmpeg's own tools skip them; more: not this audio
+
+
+def _frames(container, stream):
+    """The decoded frames of `stream`, packet by packet: a packet the decoder refuses (a joined file's header, a
+    damaged frame) is skipped, as the ffmpeg command does, unless more than MAX_BAD_PACKETS of them are."""
+    import av
+
+    num_packets = num_bad = 0
+    for packet in container.demux(stream):
+        num_packets += 1
+        try:
+            frames = packet.decode()
+        except av.error.InvalidDataError:
+            num_bad += 1
+            continue
+        yield from frames
+    if num_bad > MAX_BAD_PACKETS * num_packets:
+        raise AudioError(f"the audio could not be decoded ({num_bad} of its {num_packets} packets are damaged); "
+                         "is the file whole?")
+
+
+def _flush(resampler) -> list[np.ndarray]:
+    """What `resampler` (or None) still holds."""
+    return [] if resampler is None else [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
 
 
 def _reason(exc: Exception) -> str:

@@ -27,6 +27,7 @@ from tfserve.audio.whisper_forward import WhisperSlots
 from tfserve.audio.words import word_times
 from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
 from tfserve.engine.threads import WorkThread, run_in_fresh_thread
+from tfserve.sampling_params import MIN_TEMPERATURE
 
 logger = logging.getLogger("tfserve.audio")
 
@@ -272,7 +273,7 @@ class Transcriber:
 
     def _sample(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
         chosen = logits.argmax(dim=-1)
-        hot = [i for i, t in enumerate(temperatures) if t > 0]
+        hot = [i for i, t in enumerate(temperatures) if t >= MIN_TEMPERATURE]
         if hot:
             scale = torch.tensor([temperatures[i] for i in hot])[:, None]
             probs = torch.softmax(logits[hot] / scale, dim=-1)

@@ -17,7 +17,7 @@ from tfserve.engine.request import Request, RequestMetrics, RequestOutput, Reque
 from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
 from tfserve.engine.spec_decode import accepted
-from tfserve.engine.structured import StructuredOutputs
+from tfserve.engine.structured import StructuredOutputs, grammar_error_line
 from tfserve.engine.threads import run_in_fresh_thread
 from tfserve.errors import ContextLengthError, DeviceError, EngineFailedError
 from tfserve.sampling_params import SamplingParams
@@ -376,9 +376,13 @@ class Engine:
                 request.token_ids.append(token_id)
                 taken.append(token_id)
                 if request.matcher is not None and not request.matcher.consume_token(token_id):
-                    # the mask allowed only what the grammar accepts: this is a bug, not the client's
-                    logger.error("request %s: grammar rejected token %d: %s", request.request_id, token_id,
-                                 request.matcher.get_error())
+                    # the mask allowed only what the grammar accepts: the grammar engine failed (a bug, or a
+                    # limit it met only now); the rest of the output could not be held to the grammar
+                    error = request.matcher.get_error()
+                    logger.error("request %s: grammar rejected token %d: %s", request.request_id, token_id, error)
+                    request.error = f"the output grammar failed: {grammar_error_line(error)}"
+                    status = RequestStatus.FINISHED_ERROR
+                    break
                 status = self._check_stop(request, token_id)
                 if detok is not None:
                     hides_token = status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None

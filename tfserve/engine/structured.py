@@ -57,7 +57,7 @@ class StructuredOutputs:
 
         error = LLMatcher.validate_grammar(compiled, self.ll_tokenizer)
         if error:
-            raise GrammarError(_first_line(error))
+            raise GrammarError(grammar_error_line(error))
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > _CACHE_SIZE:
@@ -70,7 +70,7 @@ class StructuredOutputs:
 
         matcher = LLMatcher(self.ll_tokenizer, self.compile(grammar), log_level=0)
         if matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
+            raise GrammarError(grammar_error_line(matcher.get_error()))
         return matcher
 
     @property
@@ -104,11 +104,12 @@ def _to_llguidance(grammar: Grammar) -> str:
         return LLMatcher.grammar_from_regex(grammar.source)
     if grammar.kind == "choice":
         choices = json.loads(grammar.source)
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        # one terminal (a lexeme), not a rule of alternatives: the parser takes at most 2,000 items in a row
+        return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices))
     return LLMatcher.grammar_from_lark(grammar.source)
 
 
-def _first_line(error: str) -> str:
+def grammar_error_line(error: str) -> str:
     # llguidance appends the grammar source with a caret; the first lines say what is wrong
     lines = [line for line in error.strip().splitlines() if line.strip()]
     return " ".join(lines[:3]) if lines else "the grammar does not compile"

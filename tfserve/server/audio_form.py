@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.multipart import BodyPartReader
 
 from tfserve.audio.formats import RESPONSE_FORMATS
 from tfserve.server.errors import ApiError, bad_request
@@ -40,6 +41,9 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
         reader = await request.multipart()
         form, has_file = AudioForm(), False
         while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):  # a multipart part nested in the form
+                raise bad_request("the form's parts must be plain fields and files, not nested multipart bodies",
+                                  "file")
             name = part.name or ""
             if name == "file":
                 form.file, form.filename = await _read_file(part, request.client_max_size), part.filename
@@ -49,6 +53,8 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
             _set(form, name, value, task)
     except ApiError:
         raise
+    except LookupError as exc:  # a part's charset Python does not know
+        raise bad_request(f"the multipart body could not be read: {exc}", "file") from None
     except (ValueError, UnicodeDecodeError, AssertionError) as exc:  # aiohttp's multipart reader on a bad body
         raise bad_request(f"the multipart body could not be read: {exc}", "file") from None
     if not has_file:
