@@ -89,6 +89,48 @@ def test_previous_response_id_continues_the_conversation(server, tokenizer):
     assert third.usage.input_tokens > second.usage.input_tokens
 
 
+def test_instructions_lead_their_turn_only(server, tokenizer):
+    """A response's instructions are not carried over to the next (OpenAI's rule): the next turn's prompt is the
+    conversation alone, or under its own instructions."""
+    client = server.client()
+    first = client.responses.create(model=MODEL_NAME, input="hi", instructions="Talk like a pirate.",
+                                    max_output_tokens=2, temperature=0)
+    said = first.output_text
+
+    def prompt_length(messages):
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": said},
+               {"role": "user", "content": "again"}]
+    second = client.responses.create(model=MODEL_NAME, input="again", previous_response_id=first.id,
+                                     max_output_tokens=2, temperature=0)
+    assert second.instructions is None and second.usage.input_tokens == prompt_length(history)
+    third = client.responses.create(model=MODEL_NAME, input="again", previous_response_id=first.id,
+                                    instructions="Be brief.", max_output_tokens=2, temperature=0)
+    assert third.usage.input_tokens == prompt_length([{"role": "system", "content": "Be brief."}] + history)
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(server, engine):
+    client = server.client()
+    long = "hello world " * (engine.max_model_len // 8)  # a turn of about a third of the context
+    previous = None
+    for _ in range(3):  # together past the context
+        previous = client.responses.create(model=MODEL_NAME, input=long, previous_response_id=previous,
+                                           truncation="auto", instructions="Be brief.", max_output_tokens=2,
+                                           temperature=0).id
+    status, _, error = server.request("POST", "/v1/responses", {
+        "model": MODEL_NAME, "input": long, "previous_response_id": previous, "max_output_tokens": 2})
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"  # "disabled", the default
+    response = client.responses.create(model=MODEL_NAME, input=long, previous_response_id=previous,
+                                       truncation="auto", max_output_tokens=2, temperature=0)
+    assert response.truncation == "auto" and response.output_text is not None
+    one_turn = client.responses.create(model=MODEL_NAME, input=long, max_output_tokens=2).usage.input_tokens
+    assert 2 * one_turn < response.usage.input_tokens < engine.max_model_len  # the newest turns, as many as fit
+    status, _, error = server.request("POST", "/v1/responses", {  # one turn alone too long: nothing to drop
+        "model": MODEL_NAME, "input": long * 4, "truncation": "auto", "max_output_tokens": 2})
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"
+
+
 def test_store_false_is_not_kept(server):
     response = server.client().responses.create(model=MODEL_NAME, input="hi", store=False, max_output_tokens=2)
     status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "again",

@@ -43,9 +43,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     previous_id = field(body, "previous_response_id", str)
     previous = state.responses.get(previous_id) if previous_id else None
     new_messages, new_images = parse_input(body, previous.messages if previous else [])
-    # instructions are not carried over from a previous response (as OpenAI): they lead this turn only
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + (
-        previous.messages if previous else []) + new_messages
+    history = (previous.messages if previous else []) + new_messages
+    # instructions are not carried over to the next response (as OpenAI): they lead this turn only, unstored
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     image_refs = (previous.images if previous else []) + new_images
     functions, specs = mcp_tools.split_tools(parse_tools(body))
     max_tool_calls = max_tool_calls_of(body)
@@ -73,7 +73,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(
-            messages + output.messages, model, output.pending_approvals,
+            history + output.messages, model, output.pending_approvals,
             listed | {item["server_label"] for item in offer.listings},
             [replace(ref, where="previous_response_id") for ref in image_refs], response, input_items(body)))
     if output.sse is not None:

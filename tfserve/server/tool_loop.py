@@ -44,6 +44,8 @@ class Turns:
         self.kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
         self.names = param_names(body, max_tokens_fields, prompt_field)
         self.template_kwargs = template_kwargs(state, body)
+        # the Responses API's truncation "auto": a conversation past the context drops its oldest turns
+        self.truncate = field(body, "truncation", str, "disabled") == "auto"
         self.offered: list[dict] = []
         self.images: list = []  # the conversation's MediaImages (media.gather_images, once check() passed)
 
@@ -84,11 +86,32 @@ class Turns:
         if kwargs.get("max_tokens") is not None:
             kwargs["max_tokens"] = max(1, kwargs["max_tokens"] - used_tokens)
         tools = chat_tools(self.offered) or None
-        if self.images:
-            prompt_ids, mm = await render_multimodal(self.state, messages, self.images, tools, self.template_kwargs)
-        else:
-            prompt_ids, mm = await render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
-        return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names), mm
+        while True:
+            if self.images:
+                prompt_ids, mm = await render_multimodal(self.state, messages, self.images, tools,
+                                                         self.template_kwargs)
+            else:
+                prompt_ids, mm = await render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
+            try:
+                return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names), mm
+            except ApiError as exc:
+                shorter = truncated(messages) if self.truncate and not self.images else None
+                if exc.code != "context_length_exceeded" or shorter is None:
+                    raise
+                messages = shorter
+
+
+def truncated(messages: list[dict]) -> list[dict] | None:
+    """`messages` without their oldest turn past the leading system messages (an assistant's tool calls go with
+    their results), or None when only the last message is left to drop (as OpenAI's truncation "auto", which
+    drops input items from the start of the conversation, never the instructions)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+    end = first + 1
+    while end < len(messages) and messages[end].get("role") == "tool":  # the results of the calls dropped
+        end += 1
+    if end >= len(messages):
+        return None
+    return messages[:first] + messages[end:]
 
 
 async def run_loop(state: Any, request: Any, output: Any, turns: Turns, messages: list[dict], max_tool_calls: int,
