@@ -122,6 +122,33 @@ def test_a_job_that_fails_ends_with_its_error_and_the_next_one_is_served(transcr
     assert wer(SENTENCES["fox"]["text"], transcriber.transcribe(speech("fox")).text) < 0.5
 
 
+def test_a_window_whose_logits_are_nan_fails_its_job_alone(transcriber, monkeypatch):
+    """NaN from the model for one window (what a NaN audio file once gave) ends that job with an error; the
+    windows beside it in the same steps finish."""
+    from tfserve.audio.job import TranscriptionOptions
+
+    real, doomed = transcriber.slots.decode, []
+
+    def decode(*args, **kwargs):
+        logits, extra = real(*args, **kwargs)
+        logits = logits.clone()
+        for b, window in enumerate(transcriber.windows):
+            if window.job in doomed:
+                logits[b] = float("nan")
+        return logits, extra
+
+    monkeypatch.setattr(transcriber.slots, "decode", decode)
+    done = threading.Event()
+    events = []
+    job = transcriber.make_job(speech("fox"), TranscriptionOptions(),
+                               lambda kind, payload: (events.append((kind, payload)), done.set()))
+    doomed.append(job)
+    transcriber.submit(job)
+    other = transcriber.transcribe(speech("fox"))  # submitted beside it: they share steps
+    assert done.wait(30) and events[0][0] == "error" and "not a number" in str(events[0][1])
+    assert wer(SENTENCES["fox"]["text"], other.text) < 0.5
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_the_thread_that_steps_ends_when_idle_and_leaves_no_workers(transcriber):
     """Idle, the transcriber holds no thread (nor, with it, OpenMP workers that would slow the chat engine)."""

@@ -95,6 +95,15 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(make_engine):
     assert outputs[2].generated_tokens == reference.generated_tokens
 
 
+def test_a_tiny_repetition_penalty_stays_finite(make_engine):
+    """A repetition penalty of 1e-42 divides the seen tokens' positive logits past float32: they are bounded, so
+    the seen tokens win (what such a penalty asks) instead of NaN probabilities giving token 0."""
+    engine = make_engine()
+    for params in [sampled(repetition_penalty=1e-42, seed=2), greedy(repetition_penalty=1e-42)]:
+        (out,) = run(engine, [(PROMPT, params)])
+        assert 0 not in out.generated_tokens and set(out.generated_tokens) <= set(PROMPT) | set(out.generated_tokens[:1])
+
+
 def test_tiny_top_p_and_full_min_p_reduce_to_greedy(make_engine):
     engine = make_engine()
     (reference,) = run(engine, [(PROMPT, greedy())])

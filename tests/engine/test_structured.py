@@ -159,6 +159,7 @@ def test_cut_by_max_tokens_is_length_not_a_claimed_complete_document(make_engine
     (Grammar("json_schema", "{not json"), "not valid JSON"),
     (Grammar.regex("(("), "regex"),
     (Grammar.lark("start: undefined_rule"), "undefined_rule"),
+    (Grammar.json_schema({"enum": [2**64]}), "cannot be compiled"),  # past what llguidance reads
 ])
 def test_a_grammar_that_does_not_compile_is_a_value_error_at_add_request(make_engine, grammar, message):
     engine = make_engine()
@@ -204,6 +205,18 @@ def test_logit_bias_and_min_tokens(make_engine):
     assert held.finish_reason == "stop"
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request(PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_a_finished_grammar_ends_the_reply_whatever_holds_it_open(make_engine):
+    """min_tokens (or a bias) keeps the EOS tokens out, a finished grammar allows nothing else: the grammar wins
+    and the reply stops where it is complete, instead of running on with tokens the grammar refuses."""
+    outputs = run(make_engine(), [(PROMPT, SamplingParams(grammar=Grammar.choice(["yes", "no"]), max_tokens=12,
+                                                          temperature=0, min_tokens=8, logprobs=0)),
+                                  (PROMPT, SamplingParams(grammar=Grammar.regex("ab"), max_tokens=12, min_tokens=8,
+                                                          logit_bias={2: -100}, temperature=0.8, seed=1))])
+    for output in outputs:
+        assert output.finish_reason == "stop" and output.error is None, output
+    assert outputs[0].text in ("yes", "no") and outputs[1].text == "ab"
 
 
 def test_the_mask_kernel_equals_torch():

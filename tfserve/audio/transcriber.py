@@ -239,8 +239,12 @@ class Transcriber:
                 window.no_speech_prob = sot_logits[b].softmax(-1)[self.tokens.no_speech].item()
                 window.sot_index = -1
         sampling: list[int] = []
+        broken = torch.isnan(logits).any(dim=-1).tolist()
         for b, window in enumerate(windows):
-            if window.detect_language:
+            if broken[b]:  # this window's job ends (its slot is freed next step); the others' rows are theirs
+                if not window.job.aborted.is_set():
+                    self._fail(window.job, RuntimeError("the model's output for this audio is not a number"))
+            elif window.detect_language:
                 self._pick_language(window, logits[b])
             else:
                 sampling.append(b)

@@ -378,9 +378,9 @@ class Engine:
                 if request.matcher is not None and not request.matcher.consume_token(token_id):
                     # the mask allowed only what the grammar accepts: the grammar engine failed (a bug, or a
                     # limit it met only now); the rest of the output could not be held to the grammar
-                    error = request.matcher.get_error()
+                    error = grammar_error_line(request.matcher.get_error())  # (the whole of it quotes the grammar)
                     logger.error("request %s: grammar rejected token %d: %s", request.request_id, token_id, error)
-                    request.error = f"the output grammar failed: {grammar_error_line(error)}"
+                    request.error = f"the output grammar failed: {error}"
                     status = RequestStatus.FINISHED_ERROR
                     break
                 status = self._check_stop(request, token_id)

@@ -14,6 +14,8 @@ import torch
 from tfserve.engine.request import Request
 from tfserve.engine.structured import apply_grammars
 
+MAX_LOGIT = 1e30  # a penalized logit's bound: divided by MIN_TEMPERATURE it stays finite in float32
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -124,7 +126,9 @@ class Sampler:
                 seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device, dtype=torch.long)
                 seen = seen[seen < vocab_size]
                 scores = logits[i, seen]
-                logits[i, seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+                penalized = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+                # finite whatever the penalty (1e-38 overflows float32): room left to divide by any temperature
+                logits[i, seen] = penalized.clamp_(-MAX_LOGIT, MAX_LOGIT)
             output = request.output_token_ids
             if output and (p.presence_penalty or p.frequency_penalty):
                 counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab_size)[:vocab_size]

@@ -99,7 +99,10 @@ def _to_llguidance(grammar: Grammar) -> str:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object")
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as exc:  # what llguidance cannot read: an integer past 64 bits, ...
+            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
     if grammar.kind == "regex":
         return LLMatcher.grammar_from_regex(grammar.source)
     if grammar.kind == "choice":
@@ -130,6 +133,9 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
     dead = (~bitmask.any(dim=1)).tolist()
     eos = {i: [t for t in requests[i].eos_token_ids if t < vocab_size] for slot, i in enumerate(rows) if dead[slot]}
     saved = {i: logits[i, ids].clone() for i, ids in eos.items()}
+    # a grammar that allows only its end ends the reply, whatever else holds it open (min_tokens, a bias)
+    ending = [i for slot, i in enumerate(rows) if not dead[slot] and requests[i].matcher.is_accepting()
+              and _only_eos(bitmask[slot], requests[i].eos_token_ids, vocab_size)]
     index = torch.tensor(rows, dtype=torch.long)
     if cpu_ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         cpu_ops.apply_token_bitmask_(logits, bitmask, index)
@@ -139,7 +145,18 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
         logits[index] = torch.where(allowed, logits[index], float("-inf"))
     for i, ids in eos.items():
         logits[i, ids] = saved[i]
+    for i in ending:
+        ids = [t for t in requests[i].eos_token_ids if t < vocab_size]
+        logits[i] = float("-inf")
+        logits[i, ids] = 0.0
     return logits
+
+
+def _only_eos(mask: torch.Tensor, eos_token_ids: Any, vocab_size: int) -> bool:
+    """Whether the tokens a packed mask row allows are all EOS tokens."""
+    allowed = unpack_bitmask(mask[None], vocab_size)[0]
+    allowed[[t for t in eos_token_ids if t < vocab_size]] = False
+    return not bool(allowed.any())
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
