@@ -101,7 +101,8 @@ def test_a_tiny_repetition_penalty_stays_finite(make_engine):
     engine = make_engine()
     for params in [sampled(repetition_penalty=1e-42, seed=2), greedy(repetition_penalty=1e-42)]:
         (out,) = run(engine, [(PROMPT, params)])
-        assert 0 not in out.generated_tokens and set(out.generated_tokens) <= set(PROMPT) | set(out.generated_tokens[:1])
+        seen = set(PROMPT) | set(out.generated_tokens[:1])
+        assert 0 not in out.generated_tokens and set(out.generated_tokens) <= seen
 
 
 def test_tiny_top_p_and_full_min_p_reduce_to_greedy(make_engine):
