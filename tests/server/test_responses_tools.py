@@ -53,6 +53,19 @@ def test_forced_call_streams_argument_deltas(server):
     assert kinds[-1] == "response.completed" and final["output"][0]["arguments"] == done["arguments"]
 
 
+def test_text_format_and_tools_together(server, tokenizer):
+    """A call or the formatted answer, as on chat; a forced call whatever text.format says."""
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": Answer.model_json_schema()}}
+    opening = tokenizer.encode("<", add_special_tokens=False)[0]
+    client = server.client()
+    called = client.responses.create(**{**FORCED, "tool_choice": "auto", "text": text,
+                                        "extra_body": {"seed": 3, "logit_bias": {str(opening): 100}}})
+    assert called.output[0].type == "function_call" and called.output[0].name == "get_weather"
+    forced = client.responses.create(**{**FORCED, "text": text})
+    assert forced.output[0].type == "function_call"
+    jsonschema.validate(json.loads(forced.output[0].arguments), TOOL["parameters"])
+
+
 def test_named_tool_choice_in_the_responses_shape(server):
     other = {**TOOL, "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}},
                                                         "required": ["zone"]}}

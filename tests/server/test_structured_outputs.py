@@ -116,8 +116,6 @@ def test_cut_by_max_tokens_says_length(server):
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "both"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "launch"}}},
      "tool_choice.function.name", "not in tools"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters.type", "must be one of"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # checked without a grammar too
@@ -171,6 +169,25 @@ def test_parallel_calls_stop_where_the_model_repeats_itself(server):
         finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
     assert finish == "tool_calls" and {d.index for d in deltas} == {0}  # the repeat never began on the wire
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_tools_and_a_response_format_together(server, tokenizer):
+    """OpenAI takes both: the reply is a valid call or the final answer in the format (never neither); a forced
+    call is a call whatever the format says."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema()}}
+    body = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER_TOOL], response_format=fmt, max_tokens=120,
+                temperature=0.9, seed=3, parallel_tool_calls=False)
+    opening, brace = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("<", "{"))
+    client = server.client()
+    called = client.chat.completions.create(**body, logit_bias={str(opening): 100})  # leans to the call
+    (call,) = called.choices[0].message.tool_calls
+    check_call(call, [WEATHER_TOOL])
+    answered = client.chat.completions.create(**body, logit_bias={str(brace): 100})  # leans to the answer
+    assert not answered.choices[0].message.tool_calls and answered.choices[0].finish_reason == "stop"
+    Weather.model_validate_json(answered.choices[0].message.content)
+    forced = client.chat.completions.create(**body, tool_choice="required", logit_bias={str(brace): 100})
+    (call,) = forced.choices[0].message.tool_calls
+    check_call(call, [WEATHER_TOOL])
 
 
 def test_named_tool_choice_and_no_parallel_calls(server):

@@ -46,18 +46,42 @@ def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, wh
 def tool_call_grammar(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any) -> Grammar:
     """A Lark grammar (llguidance's, with embedded JSON schemas) for one call, or one or more when `parallel`,
     written as `fmt` writes them."""
+    return Grammar.lark("\n".join(_call_rules(fmt, functions, parallel, tokenizer, "start")) + "\n")
+
+
+def answer_or_calls(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,
+                    answer: Grammar) -> Grammar | None:
+    """A reply that is either `answer` (a response format's JSON schema: the final answer) or calls of `functions`,
+    as OpenAI takes tools and a response format together. None where the two cannot be told apart from the
+    reply's start (Llama's calls are bare JSON too) or `answer` is not a JSON schema: `answer` alone then."""
+    if answer.kind != "json_schema" or fmt.bare_json_start:
+        return None
+    schema = json.dumps({**json.loads(answer.source), "x-guidance": JSON_OPTIONS})
+    rules = _call_rules(fmt, functions, parallel, tokenizer, "calls")
+    return Grammar.lark("\n".join(["start: answer | calls", f"answer: %json {schema}"] + rules) + "\n")
+
+
+def tools_or(constraint: tuple[Grammar, str], fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool,
+             tokenizer: Any) -> tuple[Grammar, str]:
+    """A response format's constraint (grammar, field) widened to let the reply call `functions` instead, where
+    `answer_or_calls` can; as it was elsewhere."""
+    both = answer_or_calls(fmt, functions, parallel, tokenizer, constraint[0])
+    return constraint if both is None else (both, constraint[1])
+
+
+def _call_rules(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,
+                name: str) -> list[str]:
+    """The Lark rules of one call, or one or more when `parallel`, as `fmt` writes them; rule `name` is the whole."""
     # key order kept (name first, so arguments can stream); JSON laid out as in response formats
     call_schema = json.dumps({**_calls_schema(functions, fmt.arguments_key), "x-guidance": JSON_OPTIONS})
     call = f"%json {call_schema}"
     if fmt.name == "hermes":
-        rules = [f"call: {_literal(tokenizer, fmt.start)} \"\\n\" {call} \"\\n\" {_literal(tokenizer, fmt.end)}",
-                 'start: call ("\\n" call)*' if parallel else "start: call"]
-    elif fmt.list_of_calls:  # Mistral: [TOOL_CALLS][{...}, {...}]
+        return [f'{name}: call ("\\n" call)*' if parallel else f"{name}: call",
+                f"call: {_literal(tokenizer, fmt.start)} \"\\n\" {call} \"\\n\" {_literal(tokenizer, fmt.end)}"]
+    if fmt.list_of_calls:  # Mistral: [TOOL_CALLS][{...}, {...}]
         more = '(", " call)*' if parallel else ""
-        rules = [f"call: {call}", f'start: {_literal(tokenizer, fmt.start)} "[" call {more} "]"']
-    else:  # Llama 3.x JSON: {...}; {...}
-        rules = [f"call: {call}", 'start: call ("; " call)*' if parallel else "start: call"]
-    return Grammar.lark("\n".join(reversed(rules)) + "\n")
+        return [f'{name}: {_literal(tokenizer, fmt.start)} "[" call {more} "]"', f"call: {call}"]
+    return [f'{name}: call ("; " call)*' if parallel else f"{name}: call", f"call: {call}"]  # Llama 3.x: {...}; {...}
 
 
 def _calls_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from tfserve.server.response_format import compile_grammar
 from tfserve.server.response_items import chat_tools
 from tfserve.server.sse import EventStream
 from tfserve.engine.tool_calls import detect_format
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar, tools_or
 
 
 def max_tool_calls_of(body: dict[str, Any]) -> int:
@@ -65,12 +65,11 @@ class Turns:
             forced = [tool for tool in self.offered if tool["name"] in names]
         else:
             forced = forced_tools(self.offered, tool_choice) if self.offered else None
-        if forced:
-            if constraint is not None:
-                raise bad_request(f"{constraint[1]} cannot be combined with tool_choice required or a named "
-                                  "function: the reply is a tool call", constraint[1])
-            parallel = field(self.body, "parallel_tool_calls", bool, True)
+        parallel = field(self.body, "parallel_tool_calls", bool, True)
+        if forced:  # the reply is a call: text.format is for the answer that comes after the tools
             constraint = (tool_call_grammar(self.tool_format, forced, parallel, self.tokenizer), "tools")
+        elif constraint is not None and self.offered:
+            constraint = tools_or(constraint, self.tool_format, self.offered, parallel, self.tokenizer)
         if constraint is not None:
             await compile_grammar(self.state.engine, *constraint)
             kwargs["grammar"] = constraint[0]
