@@ -148,7 +148,7 @@ def test_store_false_is_not_kept(server):
     response = server.client().responses.create(model=MODEL_NAME, input="hi", store=False, max_output_tokens=2)
     status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "again",
                                                                 "previous_response_id": response.id})
-    assert status == 404 and error["error"]["param"] == "previous_response_id"
+    assert status == 400 and error["error"]["param"] == "previous_response_id"  # as OpenAI: the field is bad
     check("ErrorResponse", error)
 
 

@@ -183,7 +183,7 @@ class ResponseStore:
     def get(self, response_id: str) -> StoredResponse:
         stored = self._responses.get(response_id)
         if stored is None:
-            raise ApiError(404, f"Previous response with id {response_id!r} not found (this server keeps the last "
+            raise ApiError(400, f"Previous response with id {response_id!r} not found (this server keeps the last "
                                 f"{self.max_responses} stored responses, in memory)", param="previous_response_id",
                            code="previous_response_not_found")
         return stored
