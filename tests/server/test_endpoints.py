@@ -95,7 +95,7 @@ def test_stored_responses_are_retrieved_listed_and_deleted(server):
     for response_id in (reply.id, unstored.id):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response_id)
-    with pytest.raises(openai.NotFoundError):  # previous_response_id naming it too
+    with pytest.raises(openai.BadRequestError):  # previous_response_id naming it too (400, as OpenAI)
         client.responses.create(model=MODEL_NAME, input="and?", previous_response_id=reply.id, max_output_tokens=2)
     status, _, body = server.request("GET", f"/v1/responses/{unstored.id}/input_items")
     assert status == 404 and body["error"]["code"] == "not_found"

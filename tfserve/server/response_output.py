@@ -58,6 +58,7 @@ class ResponseOutput:
         self.message: dict | None = None  # the turn's message item, once text arrives
         self.thought: dict | None = None  # the turn's reasoning item, once reasoning text arrives
         self.thought_sent = False  # its done events went out (before the items that follow it)
+        self.closed: set[str] = set()  # ids of the turn's messages and calls whose done events went out
         self.stopped: set[int] = set()  # for run_choices: the turn ended early (a repeated tool call)
 
     def events(self, output: Any) -> list:
@@ -107,12 +108,12 @@ class ResponseOutput:
         status = "incomplete" if final.finish_reason == "length" else "completed"
         turn = self.items[self.turn_start:]
         for item in turn:
-            if item["type"] in ("message", "function_call"):
+            if item["type"] in ("message", "function_call") and item["id"] not in self.closed:
                 item["status"] = status
             elif item is self.thought:  # a reasoning block that was closed is whole even when the turn was cut
                 item["status"] = "completed" if self.splitter.closed else status
         for item in turn:
-            if item is self.thought and self.thought_sent:
+            if (item is self.thought and self.thought_sent) or item["id"] in self.closed:
                 continue
             if item["type"] == "mcp_call":
                 await self._event("response.mcp_call_arguments.done", item_id=item["id"],
@@ -121,7 +122,7 @@ class ResponseOutput:
                 await self._item_done(item)
             if item["type"] == "mcp_approval_request":
                 self.pending_approvals[item["id"]] = item
-        text = "".join(part["text"] for part in self.message["content"]) if self.message else ""
+        text = "".join(part["text"] for item in turn if item["type"] == "message" for part in item["content"])
         calls = [self._chat_call(item) for item in turn if item["type"] in ("function_call", "mcp_call")]
         if text or calls or not self.turn_items("mcp_approval_request"):  # approved calls join later, on their own
             self.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
@@ -208,6 +209,7 @@ class ResponseOutput:
             self.thought["status"], self.thought_sent = "completed", True
             await self._item_done(self.thought)
         if isinstance(event, ToolCall):
+            await self._close_open()
             await self._add(self._call_item(event))
             if event.arguments:  # a call parsed whole
                 await self._apply(ArgumentsDelta(event.index, event.arguments))
@@ -219,7 +221,8 @@ class ResponseOutput:
                 await self._event(f"response.{kind}_arguments.delta", item_id=item["id"],
                                   output_index=self.items.index(item), delta=event.text)
         else:
-            if self.message is None:
+            if self.message is None or self.message["id"] in self.closed:  # (text after a call: a new message)
+                await self._close_open()
                 self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
                                 "role": "assistant", "content": []}
                 await self._add(self.message, content=[])
@@ -231,6 +234,15 @@ class ResponseOutput:
                 part["text"] += event
                 part["logprobs"] += logprobs
                 await self._event("response.output_text.delta", **self._where(), delta=event, logprobs=logprobs)
+
+    async def _close_open(self) -> None:
+        """Finish the turn's open message and function calls before a new item starts, as OpenAI streams them
+        (each item's done events before the next one's added); MCP items finish when they have run."""
+        for item in self.items[self.turn_start:]:
+            if item["type"] in ("message", "function_call") and item["id"] not in self.closed:
+                item["status"] = "completed"  # something follows it: it was not cut
+                self.closed.add(item["id"])
+                await self._item_done(item)
 
     def _call_item(self, call: ToolCall) -> dict:
         """A model's call as a client's `function_call`, an `mcp_call`, or an `mcp_approval_request`."""
