@@ -131,11 +131,11 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
     for slot, i in enumerate(rows):  # ~10 us a row once a grammar's lexer is warm; llguidance drops the GIL
         requests[i].matcher.unsafe_compute_mask_ptr(bitmask[slot].data_ptr(), words * 4)
     dead = (~bitmask.any(dim=1)).tolist()
-    eos = {i: [t for t in requests[i].eos_token_ids if t < vocab_size] for slot, i in enumerate(rows) if dead[slot]}
-    saved = {i: logits[i, ids].clone() for i, ids in eos.items()}
+    eos_ids = {i: [t for t in requests[i].eos_token_ids if t < vocab_size] for i in rows}
+    saved = {i: logits[i, eos_ids[i]].clone() for slot, i in enumerate(rows) if dead[slot]}
     # a grammar that allows only its end ends the reply, whatever else holds it open (min_tokens, a bias)
     ending = [i for slot, i in enumerate(rows) if not dead[slot] and requests[i].matcher.is_accepting()
-              and _only_eos(bitmask[slot], requests[i].eos_token_ids, vocab_size)]
+              and _only_eos(bitmask[slot], eos_ids[i], vocab_size)]
     index = torch.tensor(rows, dtype=torch.long)
     if cpu_ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         cpu_ops.apply_token_bitmask_(logits, bitmask, index)
@@ -143,19 +143,18 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
         index = index.to(logits.device)
         allowed = unpack_bitmask(bitmask, vocab_size).to(logits.device)
         logits[index] = torch.where(allowed, logits[index], float("-inf"))
-    for i, ids in eos.items():
-        logits[i, ids] = saved[i]
+    for i, kept in saved.items():
+        logits[i, eos_ids[i]] = kept
     for i in ending:
-        ids = [t for t in requests[i].eos_token_ids if t < vocab_size]
         logits[i] = float("-inf")
-        logits[i, ids] = 0.0
+        logits[i, eos_ids[i]] = 0.0
     return logits
 
 
-def _only_eos(mask: torch.Tensor, eos_token_ids: Any, vocab_size: int) -> bool:
-    """Whether the tokens a packed mask row allows are all EOS tokens."""
+def _only_eos(mask: torch.Tensor, eos_ids: list[int], vocab_size: int) -> bool:
+    """Whether the tokens a packed mask row allows are all among `eos_ids`."""
     allowed = unpack_bitmask(mask[None], vocab_size)[0]
-    allowed[[t for t in eos_token_ids if t < vocab_size]] = False
+    allowed[eos_ids] = False
     return not bool(allowed.any())
 
 

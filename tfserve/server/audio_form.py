@@ -53,9 +53,7 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
             _set(form, name, value, task)
     except ApiError:
         raise
-    except LookupError as exc:  # a part's charset Python does not know
-        raise bad_request(f"the multipart body could not be read: {exc}", "file") from None
-    except (ValueError, UnicodeDecodeError, AssertionError) as exc:  # aiohttp's multipart reader on a bad body
+    except (ValueError, UnicodeDecodeError, AssertionError, LookupError) as exc:  # a bad body, an unknown charset
         raise bad_request(f"the multipart body could not be read: {exc}", "file") from None
     if not has_file:
         raise bad_request("the `file` field is missing: send the audio file as a multipart file field", "file")

@@ -23,7 +23,7 @@ from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, merge
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar, tools_or
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, reply_constraint
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -127,16 +127,14 @@ def parse_logprobs(body: dict[str, Any]) -> int | None:
 async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_format: Any,
                     kwargs: dict[str, Any]) -> None:
     """The grammar a reply must follow, compiled, into `kwargs`: `response_format` (and vLLM's fields), calls of
-    the forced tools (`tool_choice` "required" or named) in the model's own format, or either (`tools_or`)."""
+    the forced tools (`tool_choice` "required" or named) in the model's own format, or either."""
     constraint = requested_grammar(body)
     tool_choice = field(body, "tool_choice", (str, dict))
     forced = forced_tools(tools, tool_choice) if tools else None
     parallel = field(body, "parallel_tool_calls", bool, True)
     tokenizer = state.engine.tokenizer
-    if forced:  # the reply is a call: a response format is for the answer that comes after the tools
-        constraint = (tool_call_grammar(tool_format, forced, parallel, tokenizer), "tools")
-    elif constraint is not None and tools and tool_choice != "none":
-        constraint = tools_or(constraint, tool_format, forced_tools(tools, "required"), parallel, tokenizer)
+    offered = forced_tools(tools, "required") if tools and tool_choice != "none" else []
+    constraint = reply_constraint(constraint, tool_format, offered, forced, parallel, tokenizer)
     if constraint is not None:
         await compile_grammar(state.engine, *constraint)
         kwargs["grammar"] = constraint[0]

@@ -319,7 +319,8 @@ class ResponseOutput:
             "reasoning": {"effort": None, "summary": None}, "store": body.get("store", True),
             "temperature": self.params.temperature, "text": {"format": text_format(body)},
             "tool_choice": body.get("tool_choice", "auto"), "tools": echo_tools(body.get("tools") or []),
-            "top_p": self.params.top_p, "truncation": body.get("truncation") or "disabled", "metadata": body.get("metadata") or {},
+            "top_p": self.params.top_p, "truncation": body.get("truncation") or "disabled",
+            "metadata": body.get("metadata") or {},
             "completed_at": int(time.time()) if status == "completed" else None,
             # OpenAI's schema types usage as an object: absent, not null, until there is one
             **({"usage": _usage(usage, self.num_reasoning_tokens)} if final is not None else {}),

@@ -61,12 +61,18 @@ def answer_or_calls(fmt: ToolCallFormat, functions: list[dict[str, Any]], parall
     return Grammar.lark("\n".join(["start: answer | calls", f"answer: %json {schema}"] + rules) + "\n")
 
 
-def tools_or(constraint: tuple[Grammar, str], fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool,
-             tokenizer: Any) -> tuple[Grammar, str]:
-    """A response format's constraint (grammar, field) widened to let the reply call `functions` instead, where
-    `answer_or_calls` can; as it was elsewhere."""
-    both = answer_or_calls(fmt, functions, parallel, tokenizer, constraint[0])
-    return constraint if both is None else (both, constraint[1])
+def reply_constraint(constraint: tuple[Grammar, str] | None, fmt: ToolCallFormat, offered: list[dict[str, Any]],
+                     forced: list[dict[str, Any]] | None, parallel: bool, tokenizer: Any) -> tuple[Grammar, str] | None:
+    """What a reply offered the functions `offered` must follow, as (grammar, field) or None: calls of the
+    `forced` ones (the response format, `constraint`, is for the answer that comes after the tools); else the
+    format widened to let the reply call instead, where `answer_or_calls` can; else the format as it is."""
+    if forced:
+        return tool_call_grammar(fmt, forced, parallel, tokenizer), "tools"
+    if constraint is not None and offered:
+        both = answer_or_calls(fmt, offered, parallel, tokenizer, constraint[0])
+        if both is not None:
+            return both, constraint[1]
+    return constraint
 
 
 def _call_rules(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,

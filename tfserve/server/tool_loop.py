@@ -18,7 +18,7 @@ from tfserve.server.response_format import compile_grammar
 from tfserve.server.response_items import chat_tools
 from tfserve.server.sse import EventStream
 from tfserve.engine.tool_calls import detect_format
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar, tools_or
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, reply_constraint
 
 
 def max_tool_calls_of(body: dict[str, Any]) -> int:
@@ -66,10 +66,7 @@ class Turns:
         else:
             forced = forced_tools(self.offered, tool_choice) if self.offered else None
         parallel = field(self.body, "parallel_tool_calls", bool, True)
-        if forced:  # the reply is a call: text.format is for the answer that comes after the tools
-            constraint = (tool_call_grammar(self.tool_format, forced, parallel, self.tokenizer), "tools")
-        elif constraint is not None and self.offered:
-            constraint = tools_or(constraint, self.tool_format, self.offered, parallel, self.tokenizer)
+        constraint = reply_constraint(constraint, self.tool_format, self.offered, forced, parallel, self.tokenizer)
         if constraint is not None:
             await compile_grammar(self.state.engine, *constraint)
             kwargs["grammar"] = constraint[0]
