@@ -104,7 +104,18 @@ class _Started:
     def stop(self) -> None:
         """Ctrl+C to the command's processes (SIGKILL to the group after a minute); waits until it has ended. Not
         to bash itself: whether a bash that got the Ctrl+C too reports the server's own exit code or dies of the
-        signal varies, and the server's code is the one checked."""
+        signal varies, and the server's code is the one checked. Once across the run's test processes: the test
+        (on one worker) and the session's end (on the worker that started it) may both stop it at the same time,
+        and a second Ctrl+C that lands while the server's Python is finalizing kills it by the signal."""
+        try:
+            os.close(os.open(self.rc.with_name("stopping"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:  # another test process sent the Ctrl+C: wait for the end it brings
+            deadline = time.monotonic() + 80
+            while time.monotonic() < deadline and self.exit_code() is None and _group_alive(self.pid):
+                time.sleep(0.2)
+            if self.process is not None:
+                self.process.wait()
+            return
         deadline = time.monotonic() + 60
         for sig in (signal.SIGINT, signal.SIGKILL):
             try:

@@ -164,6 +164,27 @@ def test_drain_timeout_aborts_what_is_left(tokenizer, start_server):
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
+def test_a_second_signal_cuts_the_drain_short(tokenizer, start_server):
+    """Ctrl+C drains; Ctrl+C again aborts what is in flight now rather than at the drain timeout."""
+    from tfserve.engine.async_engine import AsyncEngine
+    from tfserve.server.run import drain
+
+    engine = build_engine(tokenizer, num_blocks=64)
+    live = start_server(state=make_state(AsyncEngine(engine).start()))
+    first_chunk, result = threading.Event(), {}
+    thread = _start_stream(live, 400, first_chunk, result)
+    assert first_chunk.wait(30)
+    hurry = asyncio.Event()
+    draining = asyncio.run_coroutine_threadsafe(drain(live.state, 600, hurry), live.loop)
+    time.sleep(0.3)
+    assert not draining.done()  # waiting for the stream
+    live.loop.call_soon_threadsafe(hurry.set)
+    assert draining.result(30) == 1
+    thread.join(30)
+    assert "error" in result and result.get("finish_reason") is None
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
 @pytest.mark.parametrize("path,body", [
     (CHAT, {"messages": [{"role": "user", "content": "word " * 20_000}], "max_tokens": 1}),
     ("/v1/completions", {"prompt": "word " * 20_000, "max_tokens": 1}),

@@ -267,7 +267,8 @@ def serve(
 
     Any OpenAI client works against it: point its base URL at http://HOST:PORT/v1.
     A request naming another model of the store loads it on demand, evicting the idle one.
-    SIGINT/SIGTERM stop accepting requests, let in-flight ones finish (up to --drain-timeout) and exit 0.
+    SIGINT/SIGTERM stop accepting requests, let in-flight ones finish (up to --drain-timeout; a second
+    Ctrl+C aborts them now) and exit 0.
     `transformers serve` command lines work unchanged, underscore spellings (--max_num_seqs) included;
     docs/transformers-serve.md says what each of its flags maps to.
 

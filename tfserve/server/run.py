@@ -1,5 +1,6 @@
 """Run the app until SIGINT/SIGTERM, then drain: refuse new requests (503), let in-flight ones finish for
-up to `drain_timeout` seconds, abort the rest, and return (the CLI exits 0)."""
+up to `drain_timeout` seconds (a second signal cuts the wait short), abort the rest, and return (the CLI
+exits 0)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
     started engine to serve; `on_ready()` runs once the model serves (the CLI's banner). `autoscale`: an
     AutoscalePolicy the engine's replicas follow while it serves."""
     state: ServerState = app[STATE]
-    stop = stop_event or asyncio.Event()
+    stop, hurry = stop_event or asyncio.Event(), asyncio.Event()
     state.request_stop = stop.set  # the engine failed for good: stop serving
+
+    def on_signal() -> None:  # the first drains, a second stops waiting for the requests in flight
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread, or not a Unix loop
             pass
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
@@ -49,7 +54,7 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
         if on_ready is not None:
             on_ready()
         await stop.wait()
-        await drain(state, drain_timeout)
+        await drain(state, drain_timeout, hurry)
     finally:
         if scaling is not None:
             scaling.cancel()
@@ -74,17 +79,20 @@ async def _load(state: ServerState, load: Callable[[], AsyncEngine], stop: async
     return True
 
 
-async def drain(state: ServerState, timeout: float) -> int:
-    """Stop accepting and wait for in-flight /v1 requests, at most `timeout` s; abort what is left (its
-    clients get a 503 or a stream error). Returns how many requests were still in flight at the deadline."""
+async def drain(state: ServerState, timeout: float, hurry: asyncio.Event | None = None) -> int:
+    """Stop accepting and wait for in-flight /v1 requests, at most `timeout` s or until `hurry` is set; abort
+    what is left (its clients get a 503 or a stream error). Returns how many requests were still in flight at
+    the deadline."""
     state.begin_drain()
-    logger.info("draining: %d request(s) in flight, waiting up to %.0f s", state.num_active, timeout)
+    logger.info("draining: %d request(s) in flight, waiting up to %.0f s (Ctrl+C again to stop now)",
+                state.num_active, timeout)
     deadline = time.monotonic() + timeout
-    while state.num_active and time.monotonic() < deadline:
+    while state.num_active and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
         await asyncio.sleep(0.05)
     left = state.num_active
     if left:
-        logger.warning("drain timeout: aborting %d request(s) still in flight", left)
+        logger.warning("%s: aborting %d request(s) still in flight",
+                       "stopping now" if hurry is not None and hurry.is_set() else "drain timeout", left)
         state.stop()
         for _ in range(40):  # give their handlers a moment to answer
             if not state.num_active:
