@@ -104,18 +104,7 @@ class _Started:
     def stop(self) -> None:
         """Ctrl+C to the command's processes (SIGKILL to the group after a minute); waits until it has ended. Not
         to bash itself: whether a bash that got the Ctrl+C too reports the server's own exit code or dies of the
-        signal varies, and the server's code is the one checked. Once across the run's test processes: the test
-        (on one worker) and the session's end (on the worker that started it) may both stop it at the same time,
-        and a second Ctrl+C that lands while the server's Python is finalizing kills it by the signal."""
-        try:
-            os.close(os.open(self.rc.with_name("stopping"), os.O_CREAT | os.O_EXCL))
-        except FileExistsError:  # another test process sent the Ctrl+C: wait for the end it brings
-            deadline = time.monotonic() + 80
-            while time.monotonic() < deadline and self.exit_code() is None and _group_alive(self.pid):
-                time.sleep(0.2)
-            if self.process is not None:
-                self.process.wait()
-            return
+        signal varies, and the server's code is the one checked."""
         deadline = time.monotonic() + 60
         for sig in (signal.SIGINT, signal.SIGKILL):
             try:
@@ -173,9 +162,16 @@ def start_early(tmp_path: Path, shared: Path) -> None:
     _early.save(shared / STATE_FILE)
 
 
-def stop_early() -> None:
-    if _early is not None:
-        _early.stop()
+def stop_early(shared: Path) -> None:
+    """Stop the README command, if the test has not, once every test process is done with it: in pytest-xdist's
+    controller after its workers have ended (a worker ends when its own tests are done, maybe while another runs
+    this test against the server; and a second Ctrl+C that lands while the server's Python finalizes kills it by
+    the signal, not exit 0), or in the one process of a run without workers."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    started = _early or (_Started.load(shared / STATE_FILE) if (shared / STATE_FILE).is_file() else None)
+    if started is not None:
+        started.stop()
 
 
 def _started(tmp_path: Path, shared: Path) -> _Started:

@@ -206,6 +206,31 @@ def test_tool_choice_none_and_auto_leave_the_model_free(server):
         assert reply.choices[0].finish_reason == "length"
 
 
+def test_auto_holds_an_opened_call_to_the_tools(start_server):
+    """Under "auto" (chat and Responses) the engine gets the grammar of text-or-valid-calls (tests/server/
+    test_tool_choice.py checks what it allows); under "none", and without tools, no grammar."""
+    live = start_server()
+    grammars = []
+    generate = live.state.generate
+
+    def spy(request):
+        grammars.append(request.params.grammar)
+        return generate(request)
+
+    live.state.generate = spy
+    client = live.client()
+    for choice in ("auto", "none"):
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice=choice,
+                                       max_tokens=3)
+    client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3)
+    client.responses.create(model=MODEL_NAME, input="Weather?", max_output_tokens=3,
+                            tools=[{"type": "function", **WEATHER_TOOL["function"]}])
+    auto, none, plain, responses = grammars
+    assert none is None and plain is None
+    for grammar in (auto, responses):
+        assert grammar.kind == "lark" and "<tool_call>" in grammar.source and '"get_weather"' in grammar.source
+
+
 def test_a_forced_call_streams_its_arguments_as_deltas(server):
     stream = server.client().chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="required", temperature=0.9, seed=1,

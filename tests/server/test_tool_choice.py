@@ -11,7 +11,8 @@ import pytest
 from tfserve import Engine, SamplingParams
 from tfserve.server.errors import ApiError
 from tfserve.engine.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, tool_call_grammar
+from tfserve.engine.structured import StructuredOutputs
+from tfserve.server.tool_choice import forced_tools, needs_special_tokens, text_or_calls, tool_call_grammar
 from tiny import build_llama, build_tokenizer
 
 FUNCTIONS = [
@@ -80,6 +81,69 @@ def test_mistral_calls_open_with_the_special_token(mistral_tokenizer):
     content, (call,) = parse_tool_calls(text, MISTRAL)
     assert content is None and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), FUNCTIONS[0]["parameters"])
+
+
+def _reads(tokenizer, grammar, pieces: list) -> tuple[bool, bool]:
+    """Whether a matcher of `grammar` takes `pieces` (texts, or token ids for special tokens) and then may end."""
+    outputs = StructuredOutputs(tokenizer, len(tokenizer), frozenset([tokenizer.eos_token_id]))
+    matcher = outputs.matcher(grammar)
+    ids = [i for piece in pieces for i in ([piece] if isinstance(piece, int) else
+                                         tokenizer.encode(piece, add_special_tokens=False))]
+    if not matcher.consume_tokens(ids):
+        return False, False
+    return True, matcher.consume_token(tokenizer.eos_token_id)
+
+
+VALID = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+PING = '{"name": "ping", "arguments": {}}'
+
+
+@pytest.mark.parametrize("text,taken,ends", [
+    ("Plain text, maybe about <tool_ calls.", True, True),
+    (f"Let me look.\n<tool_call>\n{VALID}\n</tool_call>", True, True),
+    (f"<tool_call>\n{VALID}\n</tool_call>\n<tool_call>\n{PING}\n</tool_call>", True, True),
+    ('Let me look.\n<tool_call>\n{"name": "get_time"', False, False),  # not offered
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', False, False),  # "days" missing
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}', False, False),  # > 7
+    ("I will call it.\n<tool_call>\n", True, False),  # opened: a call must follow
+    (f"<tool_call>\n{VALID}\n</tool_call> and more", False, False),
+])
+def test_auto_text_is_free_until_a_call_opens_then_calls_are_valid(text, taken, ends):
+    tokenizer = build_tokenizer()
+    assert _reads(tokenizer, text_or_calls(HERMES, FUNCTIONS, parallel=True, tokenizer=tokenizer), [text]) == (
+        taken, ends)
+
+
+def test_auto_calls_in_every_format(mistral_tokenizer):
+    tokenizer = build_tokenizer()
+    one = text_or_calls(HERMES, FUNCTIONS, parallel=False, tokenizer=tokenizer)
+    assert _reads(tokenizer, one, [f"<tool_call>\n{VALID}\n</tool_call>\n<tool_call>"]) == (False, False)
+    llama = text_or_calls(LLAMA3_JSON, FUNCTIONS, parallel=True, tokenizer=tokenizer)
+    assert _reads(tokenizer, llama, ["The answer is {not a call}."]) == (True, True)  # text that opens otherwise
+    assert _reads(tokenizer, llama, [' {"name": "ping", "parameters": {}}; {"name": "ping", "parameters": {}}']
+                  ) == (True, True)
+    assert _reads(tokenizer, llama, ['{"answer": 4}']) == (False, False)  # a reply opening with `{` is calls
+    marker = mistral_tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    mistral = text_or_calls(MISTRAL, FUNCTIONS, parallel=True, tokenizer=mistral_tokenizer)
+    assert _reads(mistral_tokenizer, mistral, ["Just text."]) == (True, True)
+    assert _reads(mistral_tokenizer, mistral, ["Hm.", marker, f"[{VALID}, {PING}]"]) == (True, True)
+    assert _reads(mistral_tokenizer, mistral, [marker, '[{"name": "nope"']) == (False, False)
+
+
+def test_an_auto_call_the_model_opens_is_valid(mistral_tokenizer):
+    """A random model that leans to the marker (as a model that decides to call) writes a call that parses and
+    validates: its arguments come from the grammar, its decision to call from the model."""
+    marker = mistral_tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    engine = Engine(build_llama(mistral_tokenizer), mistral_tokenizer, block_size=8, num_blocks=64)
+    grammar = text_or_calls(MISTRAL, FUNCTIONS[:1], parallel=False, tokenizer=mistral_tokenizer)
+    for seed in range(3):
+        params = SamplingParams(grammar=grammar, max_tokens=120, temperature=1.0, seed=seed, logit_bias={marker: 50},
+                                skip_special_tokens=False)
+        (output,) = engine.generate_batch([mistral_tokenizer.encode("weather in Paris?")], params).values()
+        assert output.finish_reason == "stop", output.text
+        content, (call,) = parse_tool_calls(output.text, MISTRAL)
+        assert call.name == "get_weather" and content is None
+        jsonschema.validate(json.loads(call.arguments), FUNCTIONS[0]["parameters"])
 
 
 def test_forced_tools_by_choice():

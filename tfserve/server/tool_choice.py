@@ -61,32 +61,58 @@ def answer_or_calls(fmt: ToolCallFormat, functions: list[dict[str, Any]], parall
     return Grammar.lark("\n".join(["start: answer | calls", f"answer: %json {schema}"] + rules) + "\n")
 
 
+def text_or_calls(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any) -> Grammar:
+    """`tool_choice` "auto": free text, but once the format's marker is written (or, for Llama's bare JSON, once
+    the reply opens with `{`), valid calls of `functions` to the end, as llama.cpp's lazy grammars do. The text
+    holds no marker that does not open calls; a special-token marker cannot appear in text at all."""
+    marker = _literal(tokenizer, fmt.start)
+    special = marker.startswith("<[")
+    rules = _call_rules(fmt, functions, parallel, tokenizer, "calls", opened=True)
+    if fmt.bare_json_start:  # Llama 3.x: a reply that opens with `{` is calls (`<|python_tag|>` too, when special)
+        rules += ["start: FREE | WS? calls" + (f" | FREE {marker} WS? calls" if special else ""),
+                  r"FREE: /\s*([^{\s](.|\n)*)?/", r"WS: /\s+/"]
+    elif special:  # the marker is a token of its own: text until it, or text alone
+        rules += [f"start: ANY ({marker} opened)?", r"ANY: /(.|\n)*/"]
+    else:  # text that ends with the marker (llguidance's suffix: kept in the text), or text without it
+        escaped = "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in fmt.start)
+        rules += ["start: FREE | text opened", rf"FREE: /(.|\n)*/ & ~/(.|\n)*{escaped}(.|\n)*/",
+                  f"text[suffix={marker}]: /(.|\\n)*/"]
+    return Grammar.lark("\n".join(rules) + "\n")
+
+
 def reply_constraint(constraint: tuple[Grammar, str] | None, fmt: ToolCallFormat, offered: list[dict[str, Any]],
                      forced: list[dict[str, Any]] | None, parallel: bool, tokenizer: Any) -> tuple[Grammar, str] | None:
     """What a reply offered the functions `offered` must follow, as (grammar, field) or None: calls of the
     `forced` ones (the response format, `constraint`, is for the answer that comes after the tools); else the
-    format widened to let the reply call instead, where `answer_or_calls` can; else the format as it is."""
+    format widened to let the reply call instead, where `answer_or_calls` can; else the format as it is; with no
+    format, text or valid calls (`text_or_calls`)."""
     if forced:
         return tool_call_grammar(fmt, forced, parallel, tokenizer), "tools"
     if constraint is not None and offered:
         both = answer_or_calls(fmt, offered, parallel, tokenizer, constraint[0])
         if both is not None:
             return both, constraint[1]
+    if constraint is None and offered:
+        return text_or_calls(fmt, offered, parallel, tokenizer), "tools"
     return constraint
 
 
 def _call_rules(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,
-                name: str) -> list[str]:
-    """The Lark rules of one call, or one or more when `parallel`, as `fmt` writes them; rule `name` is the whole."""
+                name: str, opened: bool = False) -> list[str]:
+    """The Lark rules of one call, or one or more when `parallel`, as `fmt` writes them; rule `name` is the whole,
+    and, with `opened`, rule "opened" is the whole after the format's marker (where text ended with it)."""
     # key order kept (name first, so arguments can stream); JSON laid out as in response formats
     call_schema = json.dumps({**_calls_schema(functions, fmt.arguments_key), "x-guidance": JSON_OPTIONS})
     call = f"%json {call_schema}"
+    marker = _literal(tokenizer, fmt.start)
     if fmt.name == "hermes":
-        return [f'{name}: call ("\\n" call)*' if parallel else f"{name}: call",
-                f"call: {_literal(tokenizer, fmt.start)} \"\\n\" {call} \"\\n\" {_literal(tokenizer, fmt.end)}"]
+        body = f"\"\\n\" {call} \"\\n\" {_literal(tokenizer, fmt.end)}"
+        rules = [f'{name}: call ("\\n" call)*' if parallel else f"{name}: call", f"call: {marker} body",
+                 f"body: {body}"]
+        return rules + (['opened: body ("\\n" call)*' if parallel else "opened: body"] if opened else [])
     if fmt.list_of_calls:  # Mistral: [TOOL_CALLS][{...}, {...}]
         more = '(", " call)*' if parallel else ""
-        return [f'{name}: {_literal(tokenizer, fmt.start)} "[" call {more} "]"', f"call: {call}"]
+        return [f"{name}: {marker} opened", f'opened: "[" call {more} "]"', f"call: {call}"]
     return [f'{name}: call ("; " call)*' if parallel else f"{name}: call", f"call: {call}"]  # Llama 3.x: {...}; {...}
 
 
