@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tfserve.server import chat_functions
 from tfserve.server.body import loads
 from tfserve.server.chat_mcp import chat_with_mcp
 from tfserve.server.chat_prompt import parse_tools, render_chat, render_multimodal, render_options, template_kwargs
@@ -25,13 +26,14 @@ from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, merge
 from tfserve.server.tool_choice import forced_tools, needs_special_tokens, reply_constraint
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: a legacy call's result
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     check_fields(body, CHAT_FIELDS)
+    body, legacy = chat_functions.as_tools(body)
     model = await use_model(request, body, state)
     messages, image_refs = parse_messages(body)
     if any(isinstance(t, dict) and t.get("type") == "mcp" for t in field(body, "tools", list, [])):
@@ -58,7 +60,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     names = param_names(body, max_tokens_fields, "messages")
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names, mm=mm)
-    reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format)
+    reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format, legacy=legacy)
     reply.reasoning = reasoning_for(state.engine.tokenizer, prompt_ids)
     reply.num_prompt_top = num_prompt_top
     async with aclosing(run_choices(state, usage, engine_requests, reply.stopped)) as outputs:
@@ -74,6 +76,7 @@ def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Ima
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
     result, images = [], []
+    legacy_call = None  # the id of the last legacy function_call, which a function message answers
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -82,6 +85,13 @@ def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Ima
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
         tool_calls = field(message, "tool_calls", list, param=f"{where}.tool_calls") if role == "assistant" else None
+        if role == "assistant" and not tool_calls and message.get("function_call") is not None:
+            tool_calls = [chat_functions.call_of(message, where)]
+            legacy_call = tool_calls[0]["id"]
+        if role == "function":  # a legacy call's result: a tool message
+            message = {**message, "role": "tool", "tool_call_id": legacy_call or chat_functions.call_id(where)}
+            field(message, "name", str, required=True, param=f"{where}.name")
+            role = "tool"
         content = message.get("content")
         if content is None and not tool_calls:
             raise bad_request(f"{where}.content is required", f"{where}.content")
@@ -149,10 +159,11 @@ class _Reply(Reply):
     num_prompt_top: int | None = None  # vLLM's prompt_logprobs: the top tokens shown per prompt token
 
     def __init__(self, state: Any, model: str, num_top: int | None, parse_tools_enabled: bool,
-                 tool_format: Any = None) -> None:
+                 tool_format: Any = None, legacy: bool = False) -> None:
         super().__init__(model, "chatcmpl")
         self.state, self.num_top, self.tools = state, num_top, parse_tools_enabled
         self.tool_format = tool_format
+        self.legacy = legacy  # the request gave the legacy functions: calls go back as function_call
         self.reasoning: Reasoning | None = None  # a reasoning model's split of the output (reasoning_for)
         self.num_reasoning_tokens = 0
         self.stopped: set[int] = set()  # choices ended early (a repeated tool call), for run_choices
@@ -189,6 +200,9 @@ class _Reply(Reply):
                 if calls:
                     message.update(content=content, tool_calls=[call.to_openai() for call in calls])
                     finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
+                    if self.legacy:
+                        chat_functions.reply_message(message)
+                        finish_reason = chat_functions.finish_reason(finish_reason)
             choices.append({"index": index, "message": message,
                             "logprobs": self._logprobs(shown(output.logprobs, output)), "finish_reason": finish_reason})
         return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage),
@@ -254,7 +268,7 @@ class _Reply(Reply):
                 if output.finished or index in self.stopped:
                     finish_reason = output.finish_reason if output.finished else None
                     if finish_reason in ("stop", None) and parsers.get(index) and parsers[index].num_calls:
-                        finish_reason = "tool_calls"
+                        finish_reason = chat_functions.finish_reason("tool_calls") if self.legacy else "tool_calls"
                     await sse.send(self.chunk([{"index": index, "delta": {}, "logprobs": None,
                                                  "finish_reason": finish_reason}], include_usage))
             if include_usage:
@@ -282,6 +296,8 @@ class _Reply(Reply):
                 delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
             else:
                 delta = {"content": event}
+            if self.legacy:
+                delta = chat_functions.reply_delta(delta)
             deltas.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
         if logprobs is not None:  # logprobs ride on the first chunk of this step, or one of their own
             if deltas:
