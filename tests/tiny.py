@@ -74,7 +74,7 @@ class LiveServer:
     def __init__(self, state, **app_kwargs) -> None:
         from aiohttp import web
 
-        from tfserve.server.app import create_app
+        from tfserve.server.app import create_app, json_errors
 
         self.state = state
         self.app = create_app(state, **app_kwargs)
@@ -85,6 +85,7 @@ class LiveServer:
         async def start():
             runner = web.AppRunner(self.app, shutdown_timeout=0.5)
             await runner.setup()
+            json_errors(runner)
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             return runner
 

@@ -3,6 +3,8 @@ a failure of one request that leaves the others alone."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 
 import openai
@@ -139,6 +141,30 @@ def test_unknown_route_and_wrong_method_are_json(server):
     assert status == 404 and "error" in data
     status, headers, data = server.request("GET", CHAT)
     assert status == 405 and "error" in data and "POST" in headers["Allow"]
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+    b"GET /v1/models HTTP/9.9\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+])
+def test_requests_aiohttp_cannot_parse_are_json_400s(server, raw):
+    """What never reaches the app (aiohttp answers it) is an OpenAI error body too, on one line."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0], head
+    assert b"application/json" in head
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "bad_http_request"
+    assert error["message"] and "\n" not in error["message"]
+    assert server.request("GET", "/v1/models")[0] == 200  # and the server goes on
 
 
 def test_body_over_the_limit_is_413(start_server):

@@ -7,10 +7,12 @@ import hmac
 import logging
 import time
 from collections.abc import Sequence
+from http import HTTPStatus
 
 import aiohttp_cors
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web_protocol import RequestHandler
 
 from tfserve.server import admin, audio, chat, completions, health, models, responses
 from tfserve.server.errors import ApiError
@@ -65,6 +67,34 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
         for route in list(app.router.routes()):
             cors.add(route)
     return app
+
+
+def json_errors(runner: web.AppRunner) -> None:
+    """After `runner.setup()`: what aiohttp answers itself, for a request that never reaches the app (a request
+    line or header it cannot parse, a line past its limits, a broken chunked body), is an OpenAI error body like
+    every other error here, not aiohttp's text/plain. aiohttp has no hook for it: its server makes our handler."""
+    runner.server.__class__ = _JsonErrorServer
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _JsonErrorHandler(RequestHandler):
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; refuses where a response has begun
+        if status >= 500:
+            error = ApiError(status, HTTPStatus(status).phrase, code="internal_error")
+        else:  # aiohttp's message points at the bad byte over three lines: one line here
+            lines = [line.strip() for line in (message or "").splitlines() if line.strip().strip("^")]
+            error = ApiError(status, " ".join(lines) or HTTPStatus(status).phrase, code="bad_http_request")
+        response = web.json_response(error.body(), status=status)
+        response.force_close()
+        return response
 
 
 def _endpoint(request: web.Request) -> str:

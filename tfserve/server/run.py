@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from tfserve.server.app import json_errors
 from tfserve.server.threads import in_daemon_thread
 from tfserve.server.state import STATE, ServerState
 
@@ -43,6 +44,7 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
             pass
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
+    json_errors(runner)
     mcp_started = asyncio.ensure_future(state.start_mcp())  # alongside the model's loading
     scaling = None
     try:
