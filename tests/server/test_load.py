@@ -149,23 +149,9 @@ def test_drain_lets_in_flight_requests_finish(start_server, async_engine):
     assert result["finish_reason"] == "length" and "error" not in result
 
 
-def test_drain_timeout_aborts_what_is_left(tokenizer, start_server):
-    from tfserve.engine.async_engine import AsyncEngine
-    from tfserve.server.run import drain
-
-    engine = build_engine(tokenizer, num_blocks=64)
-    live = start_server(state=make_state(AsyncEngine(engine).start()))
-    first_chunk, result = threading.Event(), {}
-    thread = _start_stream(live, 400, first_chunk, result)
-    assert first_chunk.wait(30)
-    left = asyncio.run_coroutine_threadsafe(drain(live.state, timeout=0.1), live.loop).result(30)
-    thread.join(30)
-    assert left == 1 and "error" in result and result.get("finish_reason") is None
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-
-
-def test_a_second_signal_cuts_the_drain_short(tokenizer, start_server):
-    """Ctrl+C drains; Ctrl+C again aborts what is in flight now rather than at the drain timeout."""
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_drain_aborts_what_is_left_at_its_timeout_or_a_second_signal(tokenizer, start_server, second_signal):
+    """Draining aborts the requests still in flight at `--drain-timeout`, or at once on a second Ctrl+C."""
     from tfserve.engine.async_engine import AsyncEngine
     from tfserve.server.run import drain
 
@@ -175,10 +161,11 @@ def test_a_second_signal_cuts_the_drain_short(tokenizer, start_server):
     thread = _start_stream(live, 400, first_chunk, result)
     assert first_chunk.wait(30)
     hurry = asyncio.Event()
-    draining = asyncio.run_coroutine_threadsafe(drain(live.state, 600, hurry), live.loop)
-    time.sleep(0.3)
-    assert not draining.done()  # waiting for the stream
-    live.loop.call_soon_threadsafe(hurry.set)
+    draining = asyncio.run_coroutine_threadsafe(drain(live.state, 600 if second_signal else 0.1, hurry), live.loop)
+    if second_signal:
+        time.sleep(0.3)
+        assert not draining.done()  # waiting for the stream
+        live.loop.call_soon_threadsafe(hurry.set)
     assert draining.result(30) == 1
     thread.join(30)
     assert "error" in result and result.get("finish_reason") is None
