@@ -125,9 +125,10 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """True when the sampler changes this request's logits beyond temperature and truncation (penalties,
-        biases, a grammar, a minimum length): its greedy token is not the model's plain argmax."""
-        return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+        """True when the sampler changes this request's logits beyond temperature, truncation and a grammar
+        (penalties, biases, a minimum length): its greedy token is not the model's plain argmax, nor the masked
+        argmax that speculative decoding can check proposals against (`structured.mask_proposals`)."""
+        return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def needs_penalties(self) -> bool:

@@ -186,3 +186,31 @@ def test_a_draft_model_is_needed_and_must_share_the_tokenizer(make_engine, llama
     (out,) = engine.generate_batch([prompt], params).values()
     (want,) = make_engine(with_tokenizer=False).generate_batch([prompt], params).values()
     assert out.generated_tokens == want.generated_tokens and engine.num_draft_tokens > 0
+
+
+def test_proposals_under_a_grammar_are_checked_against_its_masked_choice():
+    """A constrained greedy request speculates too: each proposal is checked against the token the grammar's mask
+    leaves likeliest at its position, so the output is the one of one token a step; proposals the grammar refuses
+    are cut there."""
+    from tfserve import Engine
+    from tfserve.sampling_params import Grammar
+    from tiny import build_llama, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_llama(tokenizer)
+    grammar = Grammar.regex("(the cat sat |on the mat )+")
+    prompts = [tokenizer.encode(text) for text in (
+        "the cat sat on the mat the cat sat on the mat on the mat",  # the grammar's own words: proposals it takes
+        "hello world hello world hello world",  # proposals the grammar refuses
+    )]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, grammar=grammar)
+    outputs = {}
+    for speculative in (None, "ngram"):
+        engine = Engine(model, tokenizer, block_size=8, num_blocks=64, speculative=speculative,
+                        num_speculative_tokens=4)
+        outputs[speculative] = [o.generated_tokens for o in engine.generate_batch(prompts, params).values()]
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert outputs["ngram"] == outputs[None]
+    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0
+    for tokens in outputs[None]:  # max_tokens may cut the last word
+        assert set(tokenizer.decode(tokens).split()[:-1]) <= {"the", "cat", "sat", "on", "mat"}

@@ -22,6 +22,7 @@ from tfserve.engine.prompt_logprobs import positions_to_score, score
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
 from tfserve.engine.scheduler import SchedulerOutput
+from tfserve.engine.structured import mask_proposals
 
 
 class ModelRunner:
@@ -166,6 +167,9 @@ class ModelRunner:
         verified = []
         if verify:
             checks = logits[num_samples:num_samples + num_checks]
+            if any(request.matcher is not None for request, _, _ in verify):
+                checks = checks.float().contiguous()  # the grammars' masks are written in place
+                mask_proposals(checks, verify, self.sampler.cpu_ops)
             choices = checks.max(dim=-1).indices.tolist()  # greedy, as the sampler's own
             verified = [(request, choices[first:first + rows]) for request, first, rows in verify]
         prompt_entries = score(logits[num_samples + num_checks:], scored) if scored else []

@@ -151,6 +151,26 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
     return logits
 
 
+def mask_proposals(logits: torch.Tensor, verify: list[tuple[Any, int, int]], cpu_ops: Any = None) -> None:
+    """Speculative decoding under a grammar: in `logits` [rows, vocab], each constrained request's rows (its
+    greedy choice after its last token, then after each of its proposals; `verify` gives (request, first row,
+    rows)) masked in place as its grammar stands at that position, so the argmax that checks a proposal is the
+    one the request would sample. The matcher goes through the proposals it accepts and back."""
+    for request, first, rows in verify:
+        matcher = request.matcher
+        if matcher is None:
+            continue
+        proposals = request.spec_token_ids
+        valid = matcher.validate_tokens(proposals)  # past a proposal the grammar refuses, no row is kept
+        for j in range(min(rows, valid + 1)):
+            if j:
+                matcher.consume_token(proposals[j - 1])
+            apply_grammars(logits[first + j:first + j + 1], [request], cpu_ops)
+        consumed = min(rows, valid + 1) - 1
+        if consumed > 0:
+            matcher.rollback(consumed)
+
+
 def _only_eos(mask: torch.Tensor, eos_ids: list[int], vocab_size: int) -> bool:
     """Whether the tokens a packed mask row allows are all among `eos_ids`."""
     allowed = unpack_bitmask(mask[None], vocab_size)[0]
