@@ -10,6 +10,7 @@ from typing import Any
 GRAMMAR_KINDS = ("json_schema", "regex", "lark", "choice")
 # temperatures below this sample greedily (as vLLM): dividing float32 logits by less overflows to inf
 MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e4  # far past any useful value (OpenAI takes at most 2); 1e39 is infinite in float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(isinstance(self.stop or [], (list, tuple)), "stop", "must be a string or a list of strings")
+        _check(isinstance(self.stop_token_ids or [], (list, tuple)), "stop_token_ids", "must be a list of token ids")
+        _check(isinstance(self.logit_bias or {}, dict), "logit_bias", "must map token ids to numbers")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
@@ -90,32 +94,35 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a finite number")
             setattr(self, name, float(value))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        # past float32's range the logits would divide to 0 and the probabilities to NaN
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {MAX_TEMPERATURE:g}]")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
         _check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
                "must be in [-2, 2]")
         _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
                "must be in [-2, 2]")
-        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63), "seed",
-               "must be a 64-bit integer")
-        _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+        _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        # the samples of n > 1 take seed, seed + 1, ...: each must be a 64-bit integer
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**63 - self.n), "seed",
+               "must be a 64-bit integer" + (f" (at most 2**63 - {self.n} with n={self.n})" if self.n > 1 else ""))
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                "must be an integer in [0, 20]")
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
             self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs",
                "must be an integer in [0, 20]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
         _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", "must be a tfserve Grammar")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias.items()), "logit_bias",
                "must map token ids (integers >= 0) to numbers in [-100, 100]")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                "must be an integer in [0, max_tokens]")
 
     @property
@@ -174,6 +181,11 @@ def _is_number(value: Any) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, not a bool (True is an int to Python, and would be taken as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, what: str, value: Any = None) -> None:

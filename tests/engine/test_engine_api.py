@@ -309,3 +309,53 @@ def test_seeded_request_unaffected_by_a_neighbour_failing_in_the_sampler(make_en
     outputs = drain(engine)
     assert outputs["bad"].finish_reason == "error"
     assert outputs["seeded"].generated_tokens == expected
+
+
+def test_generate_batch_validates_every_prompt_before_queueing_any(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        engine.generate_batch([[5, 6, 7], []], greedy(max_tokens=2))
+    assert engine.num_waiting == 0 and not engine.requests  # the first was not left to run unseen later
+
+
+def test_generate_batch_takes_one_prompt_and_array_ids(make_engine):
+    import numpy as np
+    import torch
+
+    engine = make_engine()
+    (text,) = engine.generate_batch("hello world", greedy(max_tokens=2)).values()  # one prompt, not 11
+    (ids,) = engine.generate_batch([5, 6, 7], greedy(max_tokens=2)).values()
+    arrays = engine.generate_batch([np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), 6, 7]],
+                                   greedy(max_tokens=2))
+    assert len(text.generated_tokens) == 2
+    assert [o.generated_tokens for o in arrays.values()] == [ids.generated_tokens] * 3
+    with pytest.raises(ValueError, match="prompt must be"):
+        engine.generate_batch([[True, 5]], greedy())
+
+
+def test_no_params_take_the_models_recommended_sampling(make_engine):
+    engine = make_engine()
+    engine.sampling_defaults = {"max_tokens": 3, "temperature": 0.0}  # as a generation_config gives them
+    (output,) = engine.generate_batch([[5, 6, 7]]).values()
+    assert len(output.generated_tokens) == 3  # not SamplingParams()'s 16
+
+
+def test_a_prompt_that_fills_the_context_names_the_prompt(make_engine):
+    from tfserve.errors import ContextLengthError
+
+    engine = make_engine()
+    with pytest.raises(ContextLengthError) as error:
+        engine.add_request([5] * engine.max_model_len, greedy(max_tokens=1))
+    assert error.value.param == "prompt"
+
+
+@pytest.mark.parametrize("fields,name", [
+    ({"seed": True}, "seed"), ({"logprobs": True}, "logprobs"), ({"n": True}, "n"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"top_k": True}, "top_k"), ({"stop_token_ids": [True]}, "stop_token_ids"), ({"temperature": 1e39}, "temperature"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"logit_bias": [1, 2]}, "logit_bias"), ({"stop": 5}, "stop"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed"),
+])
+def test_bad_sampling_values_name_their_field(fields, name):
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        SamplingParams(**fields)

@@ -211,7 +211,7 @@ def test_replace_validates_again():
 @pytest.mark.parametrize("prompt, params, match", [
     ([], None, "prompt"),
     (list(range(10)), SamplingParams(max_tokens=510), "max_tokens"),
-    ([1] * 600, SamplingParams(max_tokens=1), "max_tokens"),
+    ([1] * 600, SamplingParams(max_tokens=1), "the prompt is 600 tokens"),  # ContextLengthError, param prompt
     ([1, 2, 100000], None, "vocab"),
     ([1, -1], None, "vocab"),
     ([1, 2], {"max_tokens": 3}, "params"),

@@ -176,7 +176,7 @@ def test_grammars_compile_once(make_engine, monkeypatch):
     assert engine.structured.compile(Grammar.json_schema(json.loads(json.dumps(SCHEMAS["refs"])))) is first
 
 
-def test_speculative_decoding_leaves_constrained_requests_alone(make_engine):
+def test_speculative_decoding_gives_constrained_requests_their_own_tokens(make_engine):
     schema = SCHEMAS["arrays_with_bounds"]
     plain = run(make_engine(), [(PROMPT, schema_params(schema, temperature=0))])[0]
     spec = run(make_engine(speculative="ngram", num_speculative_tokens=4), [(PROMPT, schema_params(schema, temperature=0))])[0]

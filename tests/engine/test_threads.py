@@ -121,3 +121,50 @@ def test_engine_thread_ends_when_idle_and_serves_the_next_request(make_engine):
         assert second.generated_tokens == first.generated_tokens
         assert manager._worker.num_starts == 2
     assert not manager.is_running
+
+
+def test_results_are_read_once_and_not_kept_after(make_engine):
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with BatchingManager(make_engine()) as manager:
+        by_id = [manager.add_request([1, 2, 3], params=params) for _ in range(3)]
+        for request_id in by_id[:2]:
+            assert manager.get_result(request_id, timeout=30).request_id == request_id
+        assert list(manager.request_iter(by_id[2]))[-1].finished  # transformers' name for request_id_iter
+        assert manager.get_result(timeout=0.2) is None  # nothing unread: not a result already read by its id
+        later = manager.add_request([1, 2, 3], params=params, request_id=7)
+        assert later == "7"  # an id is a string, as the outputs carry it
+        assert manager.get_result(timeout=30).request_id == "7"
+        assert not manager._queues and not manager._unread  # nothing kept once read
+
+
+def test_a_stopped_manager_refuses_requests(make_engine):
+    manager = BatchingManager(make_engine()).start()
+    manager.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        manager.add_request([1, 2, 3], params=SamplingParams(max_tokens=2))
+    manager.start()
+    assert manager.get_result(manager.add_request([1, 2, 3], params=SamplingParams(max_tokens=2)), timeout=30)
+    manager.stop()
+
+
+def test_exiting_with_requests_in_flight_exits_cleanly(tmp_path):
+    """A script that ends without stop() while the engine thread is mid-step: the thread is stopped at exit (it
+    aborted the process: "terminate called without an active exception")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "script.py"
+    script.write_text(f"""import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from tiny import build_tokenizer, build_llama
+from tfserve import Engine, SamplingParams
+from tfserve.engine.manager import BatchingManager
+tokenizer = build_tokenizer()
+manager = BatchingManager(Engine(build_llama(tokenizer), tokenizer, num_blocks=256, block_size=16)).start()
+for _ in range(8):
+    manager.add_request([5, 6, 7], params=SamplingParams(max_tokens=500, ignore_eos=True))
+time.sleep(1)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import time
 from typing import Any, Iterable
 
@@ -191,7 +192,8 @@ class Engine:
         `render_multimodal`."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
-        params = _as_sampling_params(params)
+        # no params: the model's own recommended sampling (its generation_config), as the server's defaults
+        params = SamplingParams(**self.sampling_defaults) if params is None else _as_sampling_params(params)
         prompt_ids = self._encode(prompt)
         self._validate(prompt_ids, params)
         if mm is not None and self.vision is None:
@@ -248,15 +250,22 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the engine has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:  # a numpy array or torch tensor of ids
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids")
-        return list(prompt)
+        return [int(t) for t in prompt]
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
+        if len(prompt_ids) >= capacity:
+            raise ContextLengthError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room to generate: "
+                                     f"this engine takes at most {capacity} tokens per sequence, prompt and output "
+                                     "together")
         num_tokens = len(prompt_ids) + params.max_tokens
         if num_tokens > self.max_model_len:
             raise ValueError(
@@ -449,10 +458,17 @@ class Engine:
 
     def generate_batch(self, inputs: Iterable[list[int] | str], params: SamplingParams | Any | None = None,
                        progress: bool = False) -> dict[str, RequestOutput]:
-        """Generate for every input; returns request id -> final output, in input order."""
-        order = []
-        for prompt in inputs:
-            order.extend(self.add_request(prompt, params))
+        """Generate for every input (a prompt alone, a string or a list of token ids, is one input); returns
+        request id -> final output, in input order. Every input is validated before any is queued."""
+        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and _is_token_id(inputs[0])):
+            inputs = [inputs]
+        if not isinstance(inputs, Iterable):
+            raise ValueError(f"inputs must be a list of prompts (strings or lists of token ids), not "
+                             f"{type(inputs).__name__}")
+        requests = [request for prompt in inputs for request in self.make_requests(prompt, params)]
+        for request in requests:
+            self.enqueue(request)
+        order = [request.request_id for request in requests]
         results: dict[str, RequestOutput] = {}
         pending = set(order)
         bar = _progress(len(order)) if progress else None
@@ -485,6 +501,11 @@ class Engine:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.block_pool.stats.hit_rate
+
+
+def _is_token_id(value: Any) -> bool:
+    """An integer token id: a Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _as_sampling_params(params: SamplingParams | Any | None) -> SamplingParams:

@@ -8,6 +8,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,9 @@ class BatchingManager:
         self._lock = threading.Lock()
         self._sinks: dict[str, tuple[Sink, bool, bool]] = {}  # request id -> (sink, stream, own queue)
         self._queues: dict[str, queue.SimpleQueue] = {}
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        # requests of the built-in queues that have finished and whose result nobody has read yet, oldest first
+        self._unread: OrderedDict[str, None] = OrderedDict()
+        self._unread_changed = threading.Condition()
         self._ids = itertools.count()
         self._worker = WorkThread("tfserve-engine", self._step, self._has_work, on_stop=self._abort_all)
         # told once, on the engine thread, when the engine fails for good (Engine.failure: a dead rank)
@@ -46,7 +49,7 @@ class BatchingManager:
         return self
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Stop the loop; requests still running are aborted."""
+        """Stop the loop; requests still running are aborted. Requests added after it raise until `start()`."""
         self._worker.stop(block, timeout)
 
     @property
@@ -65,9 +68,9 @@ class BatchingManager:
                     params: SamplingParams | Any | None = None, stream: bool = False,
                     sink: Sink | None = None) -> str:
         """Validate and queue one request and return its id. `stream=True` delivers every new token's output,
-        else only the final one; `sink` (called on the engine thread) replaces the built-in queue."""
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
+        else only the final one; `sink` (called on the engine thread) replaces the built-in queue. Before
+        `start()` a request waits for it; after `stop()` it is a RuntimeError."""
+        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in use")
         requests = self.engine.make_requests(input_ids, params, request_id)
@@ -79,6 +82,8 @@ class BatchingManager:
     def add_requests(self, requests: list[Request], stream: bool = False, sink: Sink | None = None) -> list[str]:
         """Queue requests built by `Engine.make_requests` as they are (not validated again) and return their
         ids. `stream` and `sink` as for `add_request`; one sink may serve them all (outputs carry their id)."""
+        if self._worker.stopped:
+            raise RuntimeError("the manager is stopped: start() it again before adding requests")
         with self._lock:
             for request in requests:
                 if request.request_id in self._sinks:
@@ -100,32 +105,44 @@ class BatchingManager:
         self._worker.wake()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
-        """The final output of `request_id`, or of whichever request finishes next. None on timeout."""
+        """The final output of `request_id`, or, without one, of a finished request whose result nobody has
+        read yet (the oldest; else the next to finish). A result is kept until it is read. None on timeout."""
+        if request_id is None:
+            with self._unread_changed:
+                if not self._unread_changed.wait_for(lambda: self._unread, timeout):
+                    return None
+                request_id, _ = self._unread.popitem(last=False)
+        q = self._queues.get(str(request_id))
+        if q is None:
+            raise KeyError(f"unknown request_id {request_id!r}")
         try:
-            if request_id is None:
-                return self._finished.get(timeout=timeout)
-            q = self._queues.get(request_id)
-            if q is None:
-                raise KeyError(f"unknown request_id {request_id!r}")
             while True:
                 output = q.get(timeout=timeout)
                 if output.finished:
-                    self._queues.pop(request_id, None)
+                    self._read(output.request_id)
                     return output
         except queue.Empty:
             return None
 
     def request_id_iter(self, request_id: str) -> Iterator[RequestOutput]:
         """Yield the request's outputs as they come; ends by itself when it finishes."""
-        q = self._queues.get(request_id)
+        q = self._queues.get(str(request_id))
         if q is None:
             raise KeyError(f"unknown request_id {request_id!r}")
         while True:
             output = q.get()
             yield output
             if output.finished:
-                self._queues.pop(request_id, None)
+                self._read(output.request_id)
                 return
+
+    request_iter = request_id_iter  # transformers' ContinuousBatchingManager's name
+
+    def _read(self, request_id: str) -> None:
+        """A finished result has been read: its queue and its place among the unread go."""
+        self._queues.pop(request_id, None)
+        with self._unread_changed:
+            self._unread.pop(request_id, None)
 
     # -- the engine thread ---------------------------------------------------------------------------------
 
@@ -181,10 +198,12 @@ class BatchingManager:
         if entry is None:
             return
         sink, stream, own_queue = entry
-        if output.finished and own_queue:
-            self._finished.put(output)
         if stream or output.finished:
             try:
                 sink(output)
             except Exception:
                 logger.exception("output sink of %s failed", output.request_id)
+        if output.finished and own_queue:  # after its queue has it: get_result() without an id reads it there
+            with self._unread_changed:
+                self._unread[output.request_id] = None
+                self._unread_changed.notify_all()

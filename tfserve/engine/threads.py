@@ -11,9 +11,11 @@ an idle chat engine does not slow a busy transcriber, nor a finished transcripti
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -42,6 +44,17 @@ def run_in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return box["result"]
 
 
+_started: weakref.WeakSet[WorkThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, stop every work thread and wait for its step: a daemon thread still inside a torch op while the
+    interpreter tears down aborts the process ("terminate called without an active exception")."""
+    for work in list(_started):
+        work.stop(block=True, timeout=30)
+
+
 class WorkThread:
     """Calls `step()` on a thread of its own while `has_work()`; `wake()` (from any thread) says there is new
     work and starts the thread again if it has ended. After `stop()`, `on_stop()` runs once: on the thread if
@@ -65,6 +78,11 @@ class WorkThread:
         return self._started and not self._stopped
 
     @property
+    def stopped(self) -> bool:
+        """`stop()` was called (and `start()` not since)."""
+        return self._stopped
+
+    @property
     def is_alive(self) -> bool:
         thread = self._thread
         return thread is not None and thread.is_alive()
@@ -72,6 +90,7 @@ class WorkThread:
     def start(self) -> WorkThread:
         with self._cond:
             self._started, self._stopped = True, False
+        _started.add(self)
         self.wake()
         return self
 
