@@ -224,3 +224,20 @@ def test_unreachable_server_is_one_readable_line():
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_cli_all_requests_failing_is_an_error_and_the_json_stays_strict(fake_server, tmp_path):
+    base_url = fake_server(fail_every=1)
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "--model", "m", "-n", "2", "-c", "1",
+                                      "--max-tokens", "4", "-o", str(out)])
+    assert result.exit_code == 1 and "every request failed" in result.output, result.output
+    json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))  # NaN -> null
+
+
+@pytest.mark.parametrize("flag", ["-o", "--plot"])
+def test_cli_an_output_path_that_cannot_be_written_is_one_line_before_the_run(tmp_path, flag):
+    for path in (tmp_path / "missing" / "x", tmp_path):
+        result = CliRunner().invoke(app, ["bench", "serve", "--url", "127.0.0.1:9", flag, str(path)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert ("no folder" in result.output or "is a folder" in result.output) and "reach" not in result.output

@@ -170,3 +170,15 @@ def test_connect_to_nothing_raises_connection_lost():
         port = sock.getsockname()[1]
     with pytest.raises(ConnectionLost, match=f"cannot reach http://127.0.0.1:{port} — is `tfserve serve` running"):
         RemoteBackend(f"http://127.0.0.1:{port}/v1/").connect()
+
+
+@pytest.mark.parametrize("url", ["localhost:abc", "http://[::1"])
+def test_a_url_that_is_no_url_is_a_chat_error(url):
+    with pytest.raises(ChatError, match="invalid URL"):
+        RemoteBackend(url)
+
+
+def test_max_tokens_zero_is_refused_at_once():
+    with pytest.raises(ValueError, match="max_tokens"):
+        Settings(max_tokens=0)
+    assert Settings(max_tokens=None).max_tokens is None  # unset: the default cap

@@ -119,5 +119,9 @@ def plot_sweep(series: list[tuple[str, list[float], list[dict]]], path: str | Pa
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise TfserveError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

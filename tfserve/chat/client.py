@@ -100,8 +100,11 @@ class RemoteBackend:
         self.model = model
         api_key = api_key or next((os.environ[k] for k in API_KEY_ENVVARS if os.environ.get(k)), None)
         # the SDK insists on a key; servers without one ignore the header
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0,
-                                    timeout=timeout)
+        try:
+            self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0,
+                                        timeout=timeout)
+        except Exception as exc:  # httpx's InvalidURL (a port that is no number, an unclosed [host]), ...
+            raise ChatError(f"invalid URL {url!r}: {exc}") from None
 
     def connect(self) -> RemoteBackend:
         """Check the server answers; without a model, take the first it lists. Raises ChatError."""

@@ -28,7 +28,8 @@ class Settings:
     frequency_penalty: float | None = None
 
     def __post_init__(self) -> None:
-        SamplingParams(**self.sampling_kwargs(max_tokens=self.max_tokens or 1))  # raises ValueError naming the field
+        # raises ValueError naming the field (max_tokens None is a default, 0 is not)
+        SamplingParams(**self.sampling_kwargs(max_tokens=1 if self.max_tokens is None else self.max_tokens))
 
     def sampling_kwargs(self, **overrides: Any) -> dict[str, Any]:
         """The settings that are set, as SamplingParams / OpenAI keyword arguments."""

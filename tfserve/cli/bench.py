@@ -14,7 +14,7 @@ import typer
 from tfserve.cli import bench_audio
 from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
                                  TensorParallelOpt, CompileOpt)
-from tfserve.cli.output import console, err_console
+from tfserve.cli.output import console, err_console, to_json, writable, write_text
 from tfserve.errors import TfserveError
 
 app = typer.Typer(
@@ -75,6 +75,7 @@ def offline(
 
     if engine not in ("tfserve", "transformers", "transformers-static"):
         raise TfserveError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
+    writable(output_json, "--output-json")
     with step_progress() as progress:
         if engine == "tfserve":  # the engine as `tfserve serve` builds it (weight formats, kernels)
             from tfserve.engine.engine import Engine
@@ -171,6 +172,8 @@ def serve(
 
     if endpoint not in ("chat", "completions"):
         raise TfserveError(f"--endpoint must be chat or completions, not {endpoint!r}")
+    writable(output_json, "--output-json")
+    writable(plot, "--plot")
     base_url = _base_url(url)
     extra = _parse_json(extra_body, "--extra-body")
     image_url = _image_data_url(image, endpoint) if image is not None else None
@@ -217,9 +220,11 @@ def serve(
             _show(result, f"{base_url} {model} {sweep_key}={value}", None)
     if output_json is not None:
         payload = runs[0] if not sweep else {"sweep": sweep_key, "values": sweep_values, "runs": runs}
-        output_json.write_text(json.dumps(payload, indent=2))
+        write_text(output_json, to_json(payload))
     if plot is not None:
         plot_sweep([(model, sweep_values, runs)], plot, sweep_key)
+    if all(run["completed"] == 0 for run in runs):
+        raise TfserveError("every request failed (see above)")
 
 
 def _image_data_url(path: Path, endpoint: str) -> str:
@@ -270,7 +275,7 @@ def _show(result: dict, title: str, output_json: Path | None) -> None:
 
     console.print(result_table(result, title))
     if output_json is not None:
-        output_json.write_text(json.dumps(result, indent=2))
+        write_text(output_json, to_json(result))
 
 
 def _base_url(url: str) -> str:

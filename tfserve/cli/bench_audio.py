@@ -4,14 +4,13 @@ concurrencies."""
 from __future__ import annotations
 
 import asyncio
-import json
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tfserve.cli.output import console, err_console
+from tfserve.cli.output import console, err_console, to_json, writable, write_text
 from tfserve.errors import TfserveError
 
 
@@ -55,6 +54,7 @@ def transcribe(
     from tfserve.bench.audio import clips
 
     levels = _concurrencies(concurrency)
+    writable(output_json, "--output-json")
     audio = []
     for path in files:
         try:
@@ -73,7 +73,9 @@ def transcribe(
         runs.append(result)
         _show(result, f"{label} concurrency={level}")
     if output_json is not None:
-        output_json.write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=2))
+        write_text(output_json, to_json(runs[0] if len(runs) == 1 else {"runs": runs}))
+    if all(run["num_failed"] == run["num_requests"] for run in runs):
+        raise TfserveError("every transcription failed (see above)")
 
 
 def _offline(model: str, backend: AudioBackend):

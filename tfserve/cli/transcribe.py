@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from tfserve.cli.options import _complete_model
+from tfserve.cli.output import writable, write_text
 from tfserve.errors import TfserveError
 
 
@@ -55,6 +56,7 @@ def transcribe(
       tfserve transcribe talk.mp3 --format srt -o talk.srt
       tfserve transcribe interview.m4a -m whisper-base --translate
     """
+    writable(output, "--output")
     from tfserve.audio import formats
     from tfserve.audio.decode import AudioError, decode_audio
     from tfserve.audio.job import TranscriptionOptions
@@ -92,7 +94,7 @@ def transcribe(
     if output is None:
         typer.echo(text, nl=False)
     else:
-        output.write_text(text)
+        write_text(output, text)
 
 
 def _run(transcriber, audio, options, name: str):
