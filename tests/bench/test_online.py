@@ -241,3 +241,9 @@ def test_cli_an_output_path_that_cannot_be_written_is_one_line_before_the_run(tm
         result = CliRunner().invoke(app, ["bench", "serve", "--url", "127.0.0.1:9", flag, str(path)])
         assert result.exit_code == 1 and "Traceback" not in result.output, result.output
         assert ("no folder" in result.output or "is a folder" in result.output) and "reach" not in result.output
+
+
+def test_cli_launch_refuses_when_something_already_answers(fake_server):
+    base_url = fake_server()
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "-n", "1", "--launch", "sleep 30"])
+    assert result.exit_code == 1 and "already answers" in result.output, result.output

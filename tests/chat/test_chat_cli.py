@@ -38,6 +38,8 @@ def greedy_answer(server, text: str) -> str:
     ("http://host:1/proxy/v1", "http://host:1/proxy"),
     ("8000", "http://localhost:8000"),
     (":8000", "http://localhost:8000"),
+    ("http://127.0.0.1:8000/v1/chat/completions", "http://127.0.0.1:8000"),  # an endpoint's URL, pasted
+    ("localhost:8000/v1/models/", "http://localhost:8000"),
 ])
 def test_normalize_url(url, expected):
     assert normalize_url(url) == expected

@@ -66,6 +66,21 @@ def test_list_table_and_json(make_fake_model):
     assert row["name"] == "tiny" and row["num_parameters"] == 40 and row["path"] == str(store.model_path("tiny"))
 
 
+def test_list_never_cuts_a_name(make_fake_model):
+    make_fake_model(store.model_path("a-rather-long-model-name-instruct"))
+    result = invoke("models", "list", env={"COLUMNS": "60"})  # piped, or a narrow terminal: `| grep NAME` finds it
+    assert result.exit_code == 0 and "a-rather-long-model-name-instruct" in result.output
+
+
+def test_bench_offline_refuses_a_speech_model(make_fake_model):
+    path = store.model_path("whisper-x")
+    make_fake_model(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "whisper"}))
+    assert_one_line_error(invoke("bench", "offline", "-m", "whisper-x", "-n", "1"), "speech-to-text",
+                          "bench transcribe")
+
+
 def test_info_table_and_json(make_fake_model):
     make_fake_model(store.model_path("tiny"))
     result = invoke("models", "info", "tiny")

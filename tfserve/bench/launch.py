@@ -70,6 +70,10 @@ def launched(command: str | None, base_url: str, timeout_s: float = 600.0, log_p
     if not command:
         yield None
         return
+    root = server_root(base_url)
+    if _status(root + "/health") is not None:  # else the run would measure that server, whatever ours did
+        raise TfserveError(f"something already answers at {root}: stop it, or give --url the address the "
+                           "--launch command listens on")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     process = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -76,7 +76,8 @@ class ChatBackend(Protocol):
 
 
 def normalize_url(url: str) -> str:
-    """`8000`, `host:port`, `http(s)://host:port[/v1][/]` -> `http(s)://host:port` (no trailing /v1)."""
+    """`8000`, `host:port`, `http(s)://host:port[/v1][/chat/completions][/]` -> `http(s)://host:port` (no
+    trailing /v1 nor endpoint)."""
     url = url.strip()
     if url.isdigit():
         url = f"localhost:{url}"
@@ -85,6 +86,8 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = f"http://{url}"
     url = url.rstrip("/")
+    for endpoint in ("/chat/completions", "/completions", "/responses", "/models"):  # a pasted endpoint URL
+        url = url.removesuffix(endpoint)
     return url.removesuffix("/v1").rstrip("/")
 
 

@@ -76,6 +76,10 @@ def offline(
     if engine not in ("tfserve", "transformers", "transformers-static"):
         raise TfserveError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
     writable(output_json, "--output-json")
+    from tfserve.models import store
+
+    if store.is_speech_model(model):
+        raise TfserveError(f"{model!r} is a speech-to-text model: benchmark it with `tfserve bench transcribe`")
     with step_progress() as progress:
         if engine == "tfserve":  # the engine as `tfserve serve` builds it (weight formats, kernels)
             from tfserve.engine.engine import Engine

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.filesize import decimal
-from rich.table import Table
+from rich.table import Column, Table
 
 from tfserve.cli.options import _complete_model
 from tfserve.cli.output import console, err_console
@@ -93,7 +93,9 @@ def list_(as_json: JsonOpt = False) -> None:
         err_console.print(f"No models in {store.models_dir()}; run `tfserve models pull` to fetch "
                           f"{catalog.DEFAULT_MODEL}.", highlight=False, soft_wrap=True)
         return
-    table = Table("Name", "Architecture", "Parameters", "Size on disk", "Path")
+    # never cut a name (scripts grep for it) nor a path (folded onto the next line where the terminal is narrow)
+    table = Table(Column("Name", no_wrap=True, min_width=max(len(row.name) for row in rows)), "Architecture",
+                  "Parameters", "Size on disk", Column("Path", overflow="fold"))
     for row in rows:
         table.add_row(row.name, row.architecture or "-", format_parameters(row.num_parameters),
                       decimal(row.size_bytes), row.path)
