@@ -112,14 +112,13 @@ class SamplingParams:
                "must be a 64-bit integer" + (f" (at most 2**63 - {self.n} with n={self.n})" if self.n > 1 else ""))
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                "must be an integer in [0, 20]")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
-            self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs",
-               "must be an integer in [0, 20]")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", "must be an integer in [0, 20]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
         _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", "must be a tfserve Grammar")
-        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
+        _check(all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias.items()), "logit_bias",
                "must map token ids (integers >= 0) to numbers in [-100, 100]")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",

@@ -224,17 +224,23 @@ class Engine:
         generation_config defaults; a max_tokens still unset is what is left of the context and of the KV
         cache. Raises ValueError naming a bad field; ContextLengthError (a ValueError naming "prompt") for a
         prompt that leaves no room to generate, whatever max_tokens says."""
-        capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
-        if num_prompt_tokens >= capacity:
-            raise ContextLengthError(
-                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: this model takes at "
-                f"most {capacity} tokens per sequence, prompt and output together")
+        capacity = self._room_for(num_prompt_tokens)
         kwargs = {**self.sampling_defaults, **{k: v for k, v in kwargs.items() if v is not None}}
         if isinstance(kwargs.get("top_k"), int) and kwargs["top_k"] >= self.vocab_size:
             kwargs["top_k"] = 0  # keeps every token: the same as no top-k
         if kwargs.get("max_tokens") is None:
             kwargs["max_tokens"] = capacity - num_prompt_tokens
         return SamplingParams(**kwargs)
+
+    def _room_for(self, num_prompt_tokens: int) -> int:
+        """The tokens a sequence may hold (the context, or the whole KV cache if smaller); ContextLengthError for
+        a prompt that leaves no room to generate."""
+        capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
+        if num_prompt_tokens >= capacity:
+            raise ContextLengthError(
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: this model takes at "
+                f"most {capacity} tokens per sequence, prompt and output together")
+        return capacity
 
     def enqueue(self, request: Request) -> None:
         """Hand a request made by `make_requests` to the scheduler."""
@@ -261,11 +267,7 @@ class Engine:
             raise ValueError("prompt must not be empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
-        if len(prompt_ids) >= capacity:
-            raise ContextLengthError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room to generate: "
-                                     f"this engine takes at most {capacity} tokens per sequence, prompt and output "
-                                     "together")
+        self._room_for(len(prompt_ids))
         num_tokens = len(prompt_ids) + params.max_tokens
         if num_tokens > self.max_model_len:
             raise ValueError(

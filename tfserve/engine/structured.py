@@ -161,14 +161,14 @@ def mask_proposals(logits: torch.Tensor, verify: list[tuple[Any, int, int]], cpu
         if matcher is None:
             continue
         proposals = request.spec_token_ids
-        valid = matcher.validate_tokens(proposals)  # past a proposal the grammar refuses, no row is kept
-        for j in range(min(rows, valid + 1)):
+        # past a proposal the grammar refuses no row is kept: the rows up to it, each after the proposals before
+        masked = min(rows, matcher.validate_tokens(proposals) + 1)
+        for j in range(masked):
             if j:
                 matcher.consume_token(proposals[j - 1])
             apply_grammars(logits[first + j:first + j + 1], [request], cpu_ops)
-        consumed = min(rows, valid + 1) - 1
-        if consumed > 0:
-            matcher.rollback(consumed)
+        if masked > 1:
+            matcher.rollback(masked - 1)
 
 
 def _only_eos(mask: torch.Tensor, eos_ids: list[int], vocab_size: int) -> bool:

@@ -86,10 +86,10 @@ def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Ima
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
         tool_calls = field(message, "tool_calls", list, param=f"{where}.tool_calls") if role == "assistant" else None
         if role == "assistant" and not tool_calls and message.get("function_call") is not None:
-            tool_calls = [chat_functions.call_of(message, where)]
+            tool_calls = [chat_functions.call_of(message, i)]
             legacy_call = tool_calls[0]["id"]
         if role == "function":  # a legacy call's result: a tool message
-            message = {**message, "role": "tool", "tool_call_id": legacy_call or chat_functions.call_id(where)}
+            message = {**message, "role": "tool", "tool_call_id": legacy_call or chat_functions.call_id(i)}
             field(message, "name", str, required=True, param=f"{where}.name")
             role = "tool"
         content = message.get("content")

@@ -46,15 +46,16 @@ def as_tools(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return {**rest, "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": False}, True
 
 
-def call_of(message: dict[str, Any], where: str) -> dict[str, Any]:
-    """An assistant message's legacy `function_call` as its one entry of `tool_calls` (the id its result names)."""
-    call = field(message, "function_call", dict, param=f"{where}.function_call")
-    return {"id": call_id(where), "type": "function", "function": call}
+def call_of(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """Assistant message `index`'s legacy `function_call` as its one entry of `tool_calls` (the id its result
+    names)."""
+    call = field(message, "function_call", dict, param=f"messages[{index}].function_call")
+    return {"id": call_id(index), "type": "function", "function": call}
 
 
-def call_id(where: str) -> str:
-    """The id the legacy call of the message at `where` goes by (legacy calls have none): `call_<index>`."""
-    return "call_" + where.removeprefix("messages[").rstrip("]")
+def call_id(index: int) -> str:
+    """The id the legacy call of message `index` goes by (legacy calls have none)."""
+    return f"call_{index}"
 
 
 def reply_message(message: dict[str, Any]) -> None:

@@ -85,16 +85,17 @@ async def drain(state: ServerState, timeout: float, hurry: asyncio.Event | None 
     """Stop accepting and wait for in-flight /v1 requests, at most `timeout` s or until `hurry` is set; abort
     what is left (its clients get a 503 or a stream error). Returns how many requests were still in flight at
     the deadline."""
+    hurry = hurry or asyncio.Event()
     state.begin_drain()
     logger.info("draining: %d request(s) in flight, waiting up to %.0f s (Ctrl+C again to stop now)",
                 state.num_active, timeout)
     deadline = time.monotonic() + timeout
-    while state.num_active and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
+    while state.num_active and time.monotonic() < deadline and not hurry.is_set():
         await asyncio.sleep(0.05)
     left = state.num_active
     if left:
         logger.warning("%s: aborting %d request(s) still in flight",
-                       "stopping now" if hurry is not None and hurry.is_set() else "drain timeout", left)
+                       "stopping now" if hurry.is_set() else "drain timeout", left)
         state.stop()
         for _ in range(40):  # give their handlers a moment to answer
             if not state.num_active:
