@@ -80,3 +80,53 @@ def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
     expected = _group_attention(q.transpose(0, 1).contiguous(), k_cache, v_cache, group, num_heads // num_kv_heads,
                                 scale, sliding_window, block_size, None)
     torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 37])
+def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_window):
+    """A prefill group through the kernel (one query per row, `table_rows` naming its sequence's table): the
+    torch path's result within rounding, and every row bit for bit what a decode of that row alone gives, also
+    when a long group is cut into several kernel calls."""
+    from tfserve.engine import attention
+
+    gen = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 120
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    chunks = [(0, 7), (130, 170), (3, 1), (0, 290)]  # (first position, new tokens): a cached prefix, one token
+    tables = [torch.randperm(num_blocks, generator=gen)[: -(-(s + n) // block_size)].tolist() for s, n in chunks]
+    max_blocks, max_q = max(map(len, tables)), max(n for _, n in chunks)
+    positions, pad_index, unpad_index, offset = [], [], [], 0
+    for row, (start, n) in enumerate(chunks):
+        positions.append([start + min(i, n - 1) for i in range(max_q)])
+        pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
+        unpad_index.extend(range(row * max_q, row * max_q + n))
+        offset += n
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+
+    def group():
+        return AttentionGroup(start=0, end=offset, block_tables=block_tables, query_positions=torch.tensor(positions),
+                              key_lens=torch.tensor([s + n for s, n in chunks]), pad_index=torch.tensor(pad_index),
+                              unpad_index=torch.tensor(unpad_index))
+
+    q = torch.randn(num_heads, offset, head_dim, generator=gen)
+    rows = q.transpose(0, 1).contiguous()
+    scale = head_dim**-0.5
+    expected = _group_attention(q, k_cache, v_cache, group(), num_heads // num_kv_heads, scale, sliding_window,
+                                block_size)
+    got = attention._row_attention(ops, rows, k_cache, v_cache, group(), scale, sliding_window or -1, 0.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    token = 0
+    for row, (start, n) in enumerate(chunks):
+        for i in range(n):
+            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, block_tables[row:row + 1],
+                                               torch.tensor([start + i + 1]), scale, sliding_window or -1, 0.0)
+            assert torch.equal(got[token], alone[0]), (row, i)
+            token += 1
+    monkeypatch.setattr(attention, "ROW_ATTENTION_BYTES", 4 * num_heads * (head_dim + 2) * 50)  # ~50 partitions
+    calls = []
+    counted = type("Counted", (), {"paged_decode_attention": lambda self, *a, **k: calls.append(1)
+                                   or ops.paged_decode_attention(*a, **k)})()
+    assert torch.equal(attention._row_attention(counted, rows, k_cache, v_cache, group(), scale,
+                                                sliding_window or -1, 0.0), got)
+    assert len(calls) > 3

@@ -116,6 +116,23 @@ def test_speculative_decoding_gives_the_same_greedy_tokens(gguf_engine):
     assert speculating.num_accepted_tokens > 0
 
 
+def test_a_prompt_gets_the_same_tokens_alone_and_beside_others(gguf_engine):
+    """Prompt attention runs every row on its own (the decode kernel), so a prompt prefilled beside prompts of
+    other lengths gets the same keys and values, bit for bit, as alone: with SDPA over the padded prompts one
+    of these eight parted from its tokens alone a few tokens on (the int8 road turns a last-bit difference
+    into another token)."""
+    from tfserve import SamplingParams
+
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Tell me a joke about cats.",
+                 "Explain gravity in one sentence.", "List three colors.", "What is 2+2?", "Name a famous painter.",
+                 "Why is the sky blue?"]
+    prompts = [chat_ids(gguf_engine.tokenizer, q) for q in questions]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    alone = [next(iter(gguf_engine.generate_batch([p], params).values())).generated_tokens for p in prompts]
+    together = [o.generated_tokens for o in gguf_engine.generate_batch(prompts, params).values()]
+    assert together == alone
+
+
 # -- structured outputs and enforced tool calls on the real model ----------------------------------------
 
 WEATHER_TOOL = {"type": "function", "function": {

@@ -3,9 +3,12 @@
 The runner packs every scheduled sequence's new tokens into one row (`[1, num_tokens]`, no padding),
 sets an `AttentionMetadata` for the step and calls the model. Each attention layer then:
 1. writes the step's new keys and values into their cache slots (`slot_mapping`), then
-2. attends, per group, over keys gathered from the cache by block table. There are at most two groups:
-   decodes (one query each) and prefills (several queries each, padded to the longest). No Python loop
-   over sequences: each group is one batched `scaled_dot_product_attention`.
+2. attends, per group. There are at most two groups: decodes (one query each) and prefills (several
+   queries each). With the CPU kernels each group is one call of the decode kernel, which reads keys in
+   place through the block tables and computes every query row on its own (a prompt's rows each as the
+   decode at that position), so no row depends on the rest of the step. Without them (or for Gemma 3's image
+   tokens, which attend both ways) each group is one batched `scaled_dot_product_attention` over keys
+   gathered from the cache, prefills padded to the longest. No Python loop over sequences.
 Grouped-query attention folds the query heads sharing a KV head into the query-length axis, so keys and
 values are never repeated.
 
@@ -39,6 +42,17 @@ class AttentionGroup:
     masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)  # by (window, repeat)
     # per sequence, runs [start, end) of image tokens that attend to each other both ways (Gemma 3), or None
     image_runs: list[list[tuple[int, int]]] | None = None
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # see query_rows
+
+    def query_rows(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(table_rows, key_lens), one per packed query: the block table each query reads (None: its own row,
+        as decodes do) and how many keys it attends to (causal: its position + 1)."""
+        if self.pad_index is None:
+            return None, self.key_lens
+        if self.rows is None:
+            self.rows = (torch.div(self.unpad_index, self.max_q, rounding_mode="floor"),
+                         self.query_positions.reshape(-1).index_select(0, self.unpad_index) + 1)
+        return self.rows
 
     @property
     def num_seqs(self) -> int:
@@ -189,15 +203,43 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
     group_size = num_heads // num_kv_heads
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
-        if group.pad_index is None and meta.cpu_ops is not None:
-            out[group.start : group.end] = meta.cpu_ops.paged_decode_attention(
-                q.transpose(0, 1).contiguous(), k_cache, v_cache, group.block_tables, group.key_lens,
+        if meta.cpu_ops is not None and group.image_runs is None:
+            out[group.start : group.end] = _row_attention(
+                meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group,
                 head_dim**-0.5 if scaling is None else scaling, sliding_window or -1, softcap or 0.0)
             continue
         out[group.start : group.end] = _group_attention(
             q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
         )
     return out.unsqueeze(0)
+
+
+# Bytes of partial results (softmax sums and weighted values per partition of 128 keys and query head) one
+# kernel call may hold: a long prompt's rows go in several calls.
+ROW_ATTENTION_BYTES = 32 << 20
+
+
+def _row_attention(ops, q: torch.Tensor, k_cache, v_cache, group: AttentionGroup, scale: float, window: int,
+                   softcap: float) -> torch.Tensor:
+    """q [group_tokens, num_heads, head_dim] through the decode kernel, every query on its own over its keys:
+    a row's result depends on its own query and keys alone, not on the other rows of the step, its prompt's
+    length, the chunk it came in or a cached prefix (SDPA's CPU kernel tiles by the padded shapes, so its rows
+    differ in the last bits with them)."""
+    table_rows, key_lens = group.query_rows()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    max_parts = max(1, ROW_ATTENTION_BYTES // (4 * num_heads * (head_dim + 2)))
+    parts = torch.div(key_lens - 1, 128, rounding_mode="floor") + 1  # the kernel's partitions per row, at most
+    if table_rows is None or int(parts.sum()) <= max_parts:
+        return ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables, key_lens, scale, window,
+                                          softcap, table_rows=table_rows)
+    out = torch.empty_like(q)
+    ends = torch.searchsorted(parts.cumsum(0), torch.arange(max_parts, int(parts.sum()), max_parts), right=True)
+    bounds = [0, *sorted({max(1, int(e)) for e in ends.tolist()}), q.shape[0]]
+    for a, b in zip(bounds, bounds[1:]):
+        if a < b:
+            out[a:b] = ops.paged_decode_attention(q[a:b], k_cache, v_cache, group.block_tables, key_lens[a:b],
+                                                  scale, window, softcap, table_rows=table_rows[a:b])
+    return out
 
 
 def _flash_attention(query, k_cache, v_cache, meta: AttentionMetadata, scaling, sliding_window,

@@ -42,10 +42,10 @@ static inline float dot(const float* a, const scalar_t* b, int64_t n) {
 // block (block_size * num_kv_heads * head_dim values) is one contiguous stream for the prefetcher.
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
-                          const int64_t* block_tables, const int64_t* context_lens, scalar_t* out,
-                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, double scale, int64_t sliding_window,
-                          double softcap) {
+                          const int64_t* block_tables, const int64_t* context_lens, const int64_t* table_rows,
+                          scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, int64_t max_blocks, double scale,
+                          int64_t sliding_window, double softcap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;      // between consecutive slots of a block
   const int64_t block_stride = block_size * token_stride;     // between blocks
@@ -58,7 +58,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
       scores.assign(num_heads * n, 0.f);  // [num_heads, n]
       const scalar_t* q_seq = q + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(q_seq[i]) * scale;
-      const int64_t* table = block_tables + seq * max_blocks;
+      const int64_t* table = block_tables + (table_rows ? table_rows[seq] : seq) * max_blocks;
       constexpr int64_t ahead = 4;
       for (int64_t t = first; t < std::min(first + ahead, ctx); ++t)
         prefetch_slot(k_cache, table, t, ctx, block_size, block_stride, token_stride);
@@ -113,9 +113,10 @@ constexpr int64_t kPartition = 128;
 // A sequence of several partitions has them merged in order at the end (log-sum-exp). V = head_dim / Vec::N.
 template <int V>
 static void decode_kernel_vec(const float* q, const float* k_cache, const float* v_cache,
-                              const int64_t* block_tables, const int64_t* context_lens, float* out,
-                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                              int64_t max_blocks, float scale, int64_t sliding_window, float softcap) {
+                              const int64_t* block_tables, const int64_t* context_lens, const int64_t* table_rows,
+                              float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                              float softcap) {
   using tfs::Vec;
   constexpr int64_t L = Vec::N;  // tokens per chunk
   constexpr int64_t D = V * L;
@@ -152,7 +153,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
     int64_t seq, a, b;
     rows_of(part, seq, a, b);
     const int64_t n = b - a, padded = (n + L - 1) / L * L;
-    const int64_t* table = block_tables + seq * max_blocks;
+    const int64_t* table = block_tables + (table_rows ? table_rows[seq] : seq) * max_blocks;
     // Row offsets of the partition's tokens in the caches (one division per partition, not per row).
     int64_t rows[P];
     for (int64_t t = a, blk = a / block_size, off = a % block_size; t < b; ++t) {
@@ -266,13 +267,13 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
 
 // The vector kernel where it applies (float32, head_dim = Vec::N times 1, 2, 4, 8 or 16); false where not.
 static bool decode_vec(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& bt, const torch::Tensor& cl, torch::Tensor& out, double scale,
-                       int64_t sliding_window, double softcap) {
+                       const torch::Tensor& bt, const torch::Tensor& cl, const int64_t* table_rows, torch::Tensor& out,
+                       double scale, int64_t sliding_window, double softcap) {
   if (q.scalar_type() != torch::kFloat32 || k_cache.scalar_type() != torch::kFloat32) return false;
   auto run = [&](auto v) {
     decode_kernel_vec<decltype(v)::value>(
         q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
-        cl.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
+        cl.data_ptr<int64_t>(), table_rows, out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
         bt.size(1), static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
     return true;
   };
@@ -312,20 +313,34 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
 // q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 -> [num_seqs, num_heads, head_dim].
 // With new_k, new_v and slots, first writes the step's keys and values into the cache (write_kv_).
+// With table_rows ([num_seqs] int64), query row i reads block_tables[table_rows[i]]: a prompt's rows, one query
+// each, attend over their sequence's blocks up to their own context_lens, each as a decode of that row would.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t sliding_window, double softcap, c10::optional<torch::Tensor> new_k,
-                                     c10::optional<torch::Tensor> new_v, c10::optional<torch::Tensor> slots) {
+                                     c10::optional<torch::Tensor> new_v, c10::optional<torch::Tensor> slots,
+                                     c10::optional<torch::Tensor> table_rows) {
   if (new_k) write_kv_(*new_k, *new_v, k_cache, v_cache, *slots);
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64);
   auto bt = block_tables.contiguous();
   auto cl = context_lens.contiguous();
+  TORCH_CHECK(cl.numel() == q.size(0), "one context length per query row");
+  torch::Tensor rows;
+  const int64_t* rp = nullptr;
+  if (table_rows) {
+    rows = table_rows->contiguous();
+    TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.numel() == q.size(0), "table_rows: int64, one per row");
+    rp = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.numel(); ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < bt.size(0), "table row out of range");
+  } else {
+    TORCH_CHECK(bt.size(0) == q.size(0), "one block table per query row");
+  }
   auto out = torch::empty_like(q);
-  if (decode_vec(q, k_cache, v_cache, bt, cl, out, scale, sliding_window, softcap)) return out;
+  if (decode_vec(q, k_cache, v_cache, bt, cl, rp, out, scale, sliding_window, softcap)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
+                            bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), rp, out.data_ptr<scalar_t>(), q.size(0),
                             q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), bt.size(1), scale,
                             sliding_window, softcap);
   });
@@ -517,7 +532,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("new_k") = py::none(), py::arg("new_v") = py::none(),
-        py::arg("slots") = py::none());
+        py::arg("slots") = py::none(), py::arg("table_rows") = py::none());
   m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)", nogil,
         py::arg("weight"), py::arg("dtype") = py::none());
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),
