@@ -3,7 +3,7 @@
 import numpy as np
 
 from tfserve.audio import formats
-from tfserve.audio.job import Segment, TranscriptionResult, compression_ratio
+from tfserve.audio.job import Segment, TranscriptionResult, Word, compression_ratio
 from tfserve.audio.timestamps import split_window
 from tfserve.audio.words import dtw
 
@@ -29,6 +29,23 @@ def test_srt_and_vtt_number_and_time_cues():
     assert formats.render(RESULT, "text") == "Hello there. Bye.\n"
 
 
+def test_srt_and_vtt_with_words_have_a_cue_per_word():
+    timed = [Segment(id=0, seek=0, start=0.0, end=1.5, text=" Hello there.", tokens=[1, 2], temperature=0.0,
+                     avg_logprob=-0.25, compression_ratio=1.1, no_speech_prob=0.01,
+                     words=[Word(" Hello", 0.0, 0.6), Word(" there.", 0.7, 1.5)]),
+             Segment(id=1, seek=0, start=2.0, end=2.5, text=" Bye.", tokens=[3], temperature=0.0, avg_logprob=-0.5,
+                     compression_ratio=1.0, no_speech_prob=0.01, words=[Word(" Bye.", 2.0, 2.5)])]
+    result = TranscriptionResult(text="Hello there. Bye.", segments=timed, language="en", duration_s=3.0,
+                                 num_windows=1)
+    assert formats.render(result, "srt", include_words=True) == (
+        "1\n00:00:00,000 --> 00:00:00,600\nHello\n\n2\n00:00:00,700 --> 00:00:01,500\nthere.\n\n"
+        "3\n00:00:02,000 --> 00:00:02,500\nBye.\n")
+    assert formats.render(result, "vtt", include_words=True) == (
+        "WEBVTT\n\n00:00:00.000 --> 00:00:00.600\nHello\n\n00:00:00.700 --> 00:00:01.500\nthere.\n\n"
+        "00:00:02.000 --> 00:00:02.500\nBye.\n")
+    assert formats.render(result, "srt").count(" --> ") == 2  # without words: a cue per segment
+
+
 def test_verbose_json_has_openais_fields():
     body = formats.render(RESULT, "verbose_json", "transcribe", usage={"type": "duration", "seconds": 3662.25})
     assert body["task"] == "transcribe" and body["language"] == "english" and body["duration"] == 3662.25
@@ -43,6 +60,8 @@ def test_split_window_cuts_at_timestamp_pairs():
     tokens = [TS, 1, 2, TS + 50, TS + 50, 3, TS + 100]
     segments, advance = split_window(tokens, 3000, TS)
     assert [(s.start, s.end) for s in segments] == [(0.0, 1.0), (1.0, 2.0)]
+    assert [tokens[s.first:s.first + len(s.tokens)] == s.tokens for s in segments] == [True, True]  # where each is
+    assert [s.first for s in segments] == [0, 4]
     assert advance == 3000
 
 

@@ -78,6 +78,35 @@ def test_two_minutes_have_monotonic_plausible_timestamps(transcriber):
     assert wer(text, result.text) < 0.35
 
 
+def test_each_segment_has_the_average_log_probability_of_its_own_tokens(transcriber, monkeypatch):
+    import numpy as np
+
+    decoded = []  # (the window's attempt, the segments made of it)
+    segments_of = type(transcriber)._segments
+
+    def spy(self, window, attempt):
+        new = segments_of(self, window, attempt)
+        decoded.append((attempt, new))
+        return new
+
+    monkeypatch.setattr(type(transcriber), "_segments", spy)
+    gap = np.zeros(8000, np.float32)
+    audio = np.concatenate([part for name in ENGLISH[:4] for part in (speech(name), gap)])  # one window, 4 sentences
+    result = transcriber.transcribe(audio)
+    assert sum(len(new) for _, new in decoded) == len(result.segments) >= 2
+    for attempt, new in decoded:
+        assert len(attempt.logprobs) == len(attempt.tokens)
+        start = 0
+        for segment in new:  # a window's segments are runs of its tokens, in order
+            start = next(i for i in range(start, len(attempt.tokens))
+                         if attempt.tokens[i:i + len(segment.tokens)] == segment.tokens)
+            own = attempt.logprobs[start:start + len(segment.tokens)]
+            assert segment.avg_logprob == pytest.approx(sum(own) / len(own))
+            start += len(segment.tokens)
+    window_of = [(attempt, new) for attempt, new in decoded if len(new) >= 2]
+    assert window_of and any(len({s.avg_logprob for s in new}) > 1 for _, new in window_of)  # not the window's
+
+
 def test_word_timestamps_fall_inside_their_segment(transcriber):
     from tfserve.audio.job import TranscriptionOptions
 

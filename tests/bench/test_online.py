@@ -60,10 +60,15 @@ def _fake_app(fail_every: int = 0) -> web.Application:
     async def models(request):  # as vLLM names a model: by its path
         return web.json_response({"object": "list", "data": [{"id": "/models/served-one", "object": "model"}]})
 
+    async def transcription(request):
+        await request.post()
+        return web.json_response({"text": "Hello there."})
+
     app_ = web.Application()
     app_.router.add_post("/v1/chat/completions", chat)
     app_.router.add_get("/health", health)
     app_.router.add_get("/v1/models", models)
+    app_.router.add_post("/v1/audio/transcriptions", transcription)
     app_[SEEN_MODELS] = seen_models
     app_[SEEN_BODIES] = seen_bodies
     return app_
@@ -149,9 +154,50 @@ def test_cli_serve_writes_the_json_schema(fake_server, tmp_path):
                                       "--max-tokens", "8", "-o", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert set(data) == KEYS
+    assert set(data) == KEYS | {"settings"}
     assert data["completed"] == 8 and data["failed"] == 2
     assert "boom" in result.output  # the first errors are shown
+
+
+def test_cli_serve_json_says_how_the_run_was_made(fake_server, tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from tfserve import __version__
+
+    monkeypatch.setenv("TFSERVE_API_KEY", "sekrit")
+    base_url = fake_server()
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url.removesuffix("/v1"), "-n", "4", "-c", "2",
+                                      "--max-tokens", "8", "--input-len", "16", "--ignore-eos", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["command"] == "tfserve bench serve"
+    assert settings["url"] == base_url and settings["model"] == "/models/served-one"  # as the server named it
+    assert (settings["num_prompts"], settings["concurrency"], settings["max_tokens"], settings["input_len"]) == \
+        (4, 2, 8, 16)
+    assert settings["ignore_eos"] is True and settings["endpoint"] == "chat" and settings["launch"] is None
+    assert datetime.fromisoformat(settings["date"]).tzinfo is not None
+    assert settings["tfserve_version"] == __version__
+    assert settings["host"]["isa"] in ("AVX-512", "AVX2", "NEON", "scalar") and settings["host"]["num_cpus"] >= 1
+    assert "sekrit" not in out.read_text() and "api_key" not in settings  # a key is never written down
+
+
+def test_cli_transcribe_json_says_how_the_runs_were_made(fake_server, tmp_path):
+    from pathlib import Path
+
+    audio = Path(__file__).parents[1] / "audio" / "data" / "fox.opus"
+    base_url = fake_server()
+    out = tmp_path / "runs.json"
+    result = CliRunner().invoke(app, ["bench", "transcribe", str(audio), "--url", base_url, "-m", "whisper-1",
+                                      "-n", "2", "-c", "1,2", "--clip-seconds", "1", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data) == {"runs", "settings"} and [run["concurrency"] for run in data["runs"]] == [1, 2]
+    settings = data["settings"]
+    assert settings["command"] == "tfserve bench transcribe" and settings["files"] == [str(audio)]
+    assert (settings["url"], settings["model"], settings["num_requests"], settings["concurrency"],
+            settings["clip_seconds"]) == (base_url, "whisper-1", 2, [1, 2], 1.0)
+    assert settings["tfserve_version"] and settings["date"] and settings["host"]["isa"]
 
 
 def test_cli_serve_asks_the_server_which_model_it_serves(fake_server):
@@ -169,7 +215,9 @@ def test_cli_sweep_and_request_rate(fake_server, tmp_path):
                                       "--sweep", "concurrency=1,4", "--request-rate", "50", "-o", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
+    assert set(data) == {"sweep", "values", "runs", "settings"}
     assert data["sweep"] == "concurrency" and data["values"] == [1, 4]
+    assert data["settings"]["sweep"] == "concurrency=1,4" and data["settings"]["request_rate"] == 50
     assert all(set(run) == KEYS and run["completed"] == 4 for run in data["runs"])
     compared = CliRunner().invoke(app, ["bench", "compare", str(out)])
     assert compared.exit_code == 0 and "c=4" in compared.output

@@ -49,6 +49,26 @@ def test_no_args_shows_help():
     assert "Usage: tfserve" in result.output
 
 
+@pytest.mark.parametrize("args, fragments", [
+    (["serve", "--port", "abc"], ["Invalid value for '--port'", "Try 'tfserve serve --help' for help."]),
+    (["bench", "serve", "-c", "0"], ["Invalid value for '--concurrency'", "Try 'tfserve bench serve --help'"]),
+    (["chat", "--bogus"], ["No such option: --bogus", "Try 'tfserve chat --help' for help."]),
+    (["transcribe"], ["Missing argument 'file'", "Try 'tfserve transcribe --help' for help."]),
+    (["models", "info"], ["Missing argument 'NAME'", "Try 'tfserve models info --help' for help."]),
+    (["nosuch"], ["No such command 'nosuch'", "Try 'tfserve --help' for help."]),
+    (["models", "nosuch"], ["No such command 'nosuch'", "Try 'tfserve models --help' for help."]),
+    (["--bogus"], ["No such option: --bogus", "Try 'tfserve --help' for help."]),
+    (["chat", "localhost:1", "--top-p", "0"], ["--top-p", "must be in (0, 1]"]),  # raised inside the command
+])
+def test_usage_errors_are_one_line_with_clicks_message_and_exit_2(args, fragments):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output  # no usage line, no boxed panel
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
 def test_list_empty_store():
     result = invoke("models", "list")
     assert result.exit_code == 0 and "tfserve models pull" in result.output
@@ -151,13 +171,93 @@ def test_pull_checksum_mismatch_is_one_line(fake_index, fake_convert):
     assert store.list_models() == []
 
 
-def test_model_name_completion(make_fake_model):
+def complete(words: str, shell: str = "bash", **env: str):
+    """What Typer answers a TAB after `words` (the app built, as for any command)."""
+    if shell == "bash":
+        env |= {"COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - (not words.endswith(" ")))}
+    else:
+        env |= {"_TYPER_COMPLETE_ARGS": words}
+    return invoke(env={"_TFSERVE_COMPLETE": f"complete_{shell}", **env})
+
+
+def make_speech_model(make_fake_model, name: str) -> None:
+    path = make_fake_model(store.model_path(name), architecture="WhisperForConditionalGeneration")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "whisper"}))
+
+
+def test_model_name_completion_offers_what_each_option_takes(make_fake_model):
     make_fake_model(store.model_path("tiny"))
-    result = invoke(env={"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve models info ", "COMP_CWORD": "3"})
-    assert set(result.output.split()) == {*catalog.known_names(), "tiny"}
-    result = invoke(env={"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve models info ti",
-                         "COMP_CWORD": "3"})
-    assert result.output.split() == ["tiny"]
+    make_speech_model(make_fake_model, "whisper-x")
+    speech_catalog = {n for n in catalog.known_names() if catalog.get_known(n).task == "speech"}
+    # installed models only: the catalog's are not in the store (an empty store but for these two)
+    assert set(complete("tfserve models info ").output.split()) == {"tiny", "whisper-x"}
+    assert complete("tfserve models info ti").output.split() == ["tiny"]
+    assert set(complete("tfserve models rm ").output.split()) == {"tiny", "whisper-x"}
+    for words in ("tfserve serve -m ", "tfserve serve ", "tfserve chat 8000 -m ", "tfserve bench offline --model "):
+        assert complete(words).output.split() == ["tiny"], words  # chat models: no speech model
+    # transcribe pulls the catalog's speech models on first use
+    assert set(complete("tfserve transcribe a.wav -m ").output.split()) == {"whisper-x", *speech_catalog}
+    assert set(complete("tfserve models pull ").output.split()) == set(catalog.known_names())
+    assert complete("tfserve bench serve -m ").output.split() == []  # the server's model: not this store's
+
+
+COMPLETION_CASES = [
+    ("bash", "tfserve serve -m "), ("bash", "tfserve serve --port 8000 --model t"), ("bash", "tfserve chat 8000 -m "),
+    ("bash", "tfserve bench offline -n 4 -m "), ("bash", "tfserve transcribe a.wav -m w"),
+    ("bash", "tfserve bench transcribe a.wav --model "), ("bash", "tfserve models info "),
+    ("bash", "tfserve models rm --yes "), ("bash", "tfserve models pull "), ("bash", "tfserve serve -m nothing"),
+    ("zsh", "tfserve serve -m "), ("zsh", "tfserve models rm t"), ("zsh", "tfserve serve --model=t"),
+    ("zsh", "tfserve serve -m none"), ("fish", "tfserve serve -m "), ("fish", "tfserve transcribe a --model w"),
+]
+
+
+@pytest.mark.parametrize("shell, words", COMPLETION_CASES)
+def test_quick_completion_answers_as_typer_does(make_fake_model, monkeypatch, shell, words):
+    """`tfserve.cli.main` answers a model name without building the app: the same bytes Typer would print."""
+    from tfserve.cli.completion import answer_quickly
+
+    make_fake_model(store.model_path("tiny"))
+    make_speech_model(make_fake_model, "whisper-x")
+    actions = ["get-args", "is-args"] if shell == "fish" else [None]
+    for action in actions:
+        env = {"_TYPER_COMPLETE_FISH_ACTION": action} if action else {}
+        typer_result = complete(words, shell, **env)
+        environ = {"_TFSERVE_COMPLETE": f"complete_{shell}", **env}
+        if shell == "bash":
+            environ |= {"COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - (not words.endswith(" ")))}
+        else:
+            environ["_TYPER_COMPLETE_ARGS"] = words
+        assert answer_quickly(environ) == (typer_result.output, typer_result.exit_code), (words, action)
+
+
+@pytest.mark.parametrize("words", ["tfserve se", "tfserve serve --p", "tfserve bench serve -m ", "tfserve chat "])
+def test_quick_completion_leaves_the_rest_to_typer(words):
+    from tfserve.cli.completion import answer_quickly
+
+    environ = {"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": words,
+               "COMP_CWORD": str(len(words.split()) - (not words.endswith(" ")))}
+    assert answer_quickly(environ) is None
+
+
+QUICK_COMPLETION = """
+import os, sys
+os.environ.update({"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve chat -m ", "COMP_CWORD": "3"})
+sys.argv[0] = "tfserve"
+from tfserve.cli import main
+try:
+    main()
+finally:
+    loaded = sorted(m for m in ("typer", "rich", "torch", "transformers", "tfserve.cli.root") if m in sys.modules)
+    print("loaded:", loaded)
+"""
+
+
+def test_a_tab_after_model_loads_neither_typer_nor_the_commands(make_fake_model):
+    make_fake_model(store.model_path("tiny"))
+    proc = subprocess.run([sys.executable, "-c", QUICK_COMPLETION], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["tiny", "loaded: []"], proc.stdout + proc.stderr
 
 
 LIGHT_COMMANDS = """
@@ -171,6 +271,18 @@ for args in (["--help"], ["--version"], ["models", "--help"], ["models", "list"]
 heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
 print("heavy:", heavy)
 """
+
+
+@pytest.mark.parametrize("response_format", ["text", "json"])
+def test_transcribe_words_without_times_to_carry_them_is_refused(tmp_path, response_format):
+    """--words with a format that has no times would be dropped silently: one line (before any model loads)."""
+    audio = tmp_path / "talk.wav"
+    audio.write_bytes(b"RIFF")
+    result = invoke("transcribe", str(audio), "--words", "--format", response_format)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert "--words" in lines[0] and f"--format {response_format}" in lines[0] and "srt or vtt" in lines[0]
 
 
 def test_help_list_info_rm_do_not_import_torch():

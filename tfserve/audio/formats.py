@@ -55,23 +55,31 @@ def to_text(result: TranscriptionResult) -> str:
     return result.text + "\n"
 
 
-def to_srt(segments: list[Segment]) -> str:
-    """SubRip: numbered cues, `HH:MM:SS,mmm --> HH:MM:SS,mmm`."""
-    cues = [f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
-            for i, s in enumerate(segments, start=1)]
+def to_srt(segments: list[Segment], by_word: bool = False) -> str:
+    """SubRip: numbered cues, `HH:MM:SS,mmm --> HH:MM:SS,mmm`; a cue per segment, or per word."""
+    cues = [f"{i}\n{_clock(start, ',')} --> {_clock(end, ',')}\n{text}\n"
+            for i, (start, end, text) in enumerate(_cues(segments, by_word), start=1)]
     return "\n".join(cues)
 
 
-def to_vtt(segments: list[Segment]) -> str:
-    """WebVTT: a header, then `HH:MM:SS.mmm --> HH:MM:SS.mmm` cues."""
-    cues = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in segments]
+def to_vtt(segments: list[Segment], by_word: bool = False) -> str:
+    """WebVTT: a header, then `HH:MM:SS.mmm --> HH:MM:SS.mmm` cues; a cue per segment, or per word."""
+    cues = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{text}\n" for start, end, text in _cues(segments, by_word)]
     return "WEBVTT\n\n" + "\n".join(cues)
+
+
+def _cues(segments: list[Segment], by_word: bool) -> list[tuple[float, float, str]]:
+    """(start, end, text) of each segment, or with `by_word` of each timed word (whisper.cpp's `-ml 1`)."""
+    if by_word:
+        return [(w.start, w.end, w.word.strip()) for s in segments for w in (s.words or ())]
+    return [(s.start, s.end, s.text.strip()) for s in segments]
 
 
 def render(result: TranscriptionResult, response_format: str, task: str = "transcribe",
            include_words: bool = False, include_segments: bool = True,
            usage: dict[str, Any] | None = None) -> str | dict[str, Any]:
-    """The body of `result` in `response_format`: a dict for the JSON formats, text for the others."""
+    """The body of `result` in `response_format`: a dict for the JSON formats, text for the others. With
+    `include_words`, verbose_json gets a `words` list and srt and vtt a cue per word."""
     if response_format == "json":
         return to_json(result, usage)
     if response_format == "verbose_json":
@@ -79,9 +87,9 @@ def render(result: TranscriptionResult, response_format: str, task: str = "trans
     if response_format == "text":
         return to_text(result)
     if response_format == "srt":
-        return to_srt(result.segments)
+        return to_srt(result.segments, include_words)
     if response_format == "vtt":
-        return to_vtt(result.segments)
+        return to_vtt(result.segments, include_words)
     raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}")
 
 

@@ -58,7 +58,7 @@ class Segment:
     text: str
     tokens: list[int]
     temperature: float
-    avg_logprob: float
+    avg_logprob: float  # over its own tokens (its timestamps included)
     compression_ratio: float
     no_speech_prob: float
     words: list[Word] | None = None  # with word_timestamps

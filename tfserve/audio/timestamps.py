@@ -58,6 +58,7 @@ class RawSegment:
     start: float
     end: float
     tokens: list[int]
+    first: int = 0  # where `tokens` start in the window's tokens
 
 
 def split_window(tokens: list[int], num_frames: int, timestamp_begin: int) -> tuple[list[RawSegment], int]:
@@ -74,7 +75,7 @@ def split_window(tokens: list[int], num_frames: int, timestamp_begin: int) -> tu
         for cut in cuts:
             piece = tokens[last:cut]
             segments.append(RawSegment((piece[0] - timestamp_begin) * TIME_PRECISION,
-                                       (piece[-1] - timestamp_begin) * TIME_PRECISION, piece))
+                                       (piece[-1] - timestamp_begin) * TIME_PRECISION, piece, last))
             last = cut
         if single_timestamp_ending:  # nothing is said after the last timestamp
             return segments, num_frames

@@ -44,6 +44,7 @@ class Window:
     pending: list[int] = field(default_factory=list)  # fed at the next step
     position: int = 0  # decoder positions filled
     sampled: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each sampled token
     sum_logprob: float = 0.0
     no_speech_prob: float = 0.0
     sot_index: int = -1  # index of <|startoftranscript|> in `pending` (its logits give the no-speech probability)
@@ -56,8 +57,9 @@ class Attempt:
     """One decode of a window, judged by its average log-probability and compression ratio."""
 
     tokens: list[int]  # sampled, without the end of text
+    logprobs: list[float]  # of each of `tokens`
     temperature: float
-    avg_logprob: float
+    avg_logprob: float  # over the window's every token, the end of text included (what the thresholds judge)
     compression_ratio: float
     no_speech_prob: float
 
@@ -258,7 +260,8 @@ class Transcriber:
         for i, b in enumerate(sampling):
             window, token = windows[b], int(chosen[i])
             window.sampled.append(token)
-            window.sum_logprob += float(logprobs[i, token])
+            window.logprobs.append(float(logprobs[i, token]))
+            window.sum_logprob += window.logprobs[-1]
             window.pending = [token]
             self.stats.num_tokens += 1
             if (token == self.tokens.eot or len(window.sampled) >= self.max_sample_len
@@ -325,8 +328,8 @@ class Transcriber:
     def _attempt(self, window: Window) -> Attempt:
         tokens = window.sampled[:-1] if window.sampled[-1] == self.tokens.eot else window.sampled
         text = self.whisper.decode_text(tokens)
-        return Attempt(tokens, window.temperature, window.sum_logprob / (len(window.sampled) + 1),
-                       compression_ratio(text), window.no_speech_prob)
+        return Attempt(tokens, window.logprobs[:len(tokens)], window.temperature,
+                       window.sum_logprob / (len(window.sampled) + 1), compression_ratio(text), window.no_speech_prob)
 
     def _segments(self, window: Window, attempt: Attempt) -> list[Segment]:
         job = window.job
@@ -337,9 +340,11 @@ class Transcriber:
             text = self.whisper.decode_text(piece.tokens)
             if not text.strip():
                 continue
+            # the segment's own tokens (timestamps included), not the window's: segments differ in confidence
+            logprobs = attempt.logprobs[piece.first:piece.first + len(piece.tokens)]
             new.append(Segment(id=len(job.segments), seek=window.seek, start=round(offset + piece.start, 2),
                                end=round(min(offset + piece.end, job.duration_s), 2), text=text, tokens=piece.tokens,
-                               temperature=attempt.temperature, avg_logprob=attempt.avg_logprob,
+                               temperature=attempt.temperature, avg_logprob=sum(logprobs) / len(logprobs),
                                compression_ratio=attempt.compression_ratio, no_speech_prob=attempt.no_speech_prob))
             job.segments.append(new[-1])
             job.all_tokens += piece.tokens
@@ -373,7 +378,7 @@ class Transcriber:
     def _restart(self, window: Window, temperature: float) -> None:
         fresh = self._window(window.job, temperature)
         window.prompt, window.pending, window.temperature = fresh.prompt, list(fresh.prompt), temperature
-        window.position, window.sampled, window.sum_logprob = 0, [], 0.0
+        window.position, window.sampled, window.logprobs, window.sum_logprob = 0, [], [], 0.0
         window.sot_index, window.detect_language = fresh.sot_index, fresh.detect_language
 
     def _free(self, window: Window) -> None:

@@ -110,28 +110,54 @@ class RemoteBackend:
             raise ChatError(f"invalid URL {url!r}: {exc}") from None
 
     def connect(self) -> RemoteBackend:
-        """Check the server answers; without a model, take the first it lists. Raises ChatError."""
+        """Check the server answers and serves the model for chat; without a model, take the first chat model
+        it lists. Raises ChatError."""
         try:
-            models = self.list_models()
+            models = self._models()
         except ServerError as exc:
             if self.model is None or exc.status != 404:
                 raise
             return self  # it answers, without /v1/models: the named model may still chat
+        chat_models = [model.id for model in models if not _is_speech(model)]
         if self.model is None:
-            if not models:
-                raise ChatError(f"{self.url} lists no models; name one with --model")
-            self.model = models[0]
+            if not chat_models:
+                raise ChatError(f"{self.url} lists no chat models; name one with --model")
+            self.model = chat_models[0]
+            return self
+        # a name the list leaves out may still be served: an alias, or a model the server loads on demand
+        model = next((model for model in models if model.id == self.model), None) or self._retrieve(self.model)
+        served = ", ".join(chat_models) or "none"
+        if model is None:
+            raise ChatError(f"{self.url} does not serve {self.model!r}; its chat models: {served}")
+        if _is_speech(model):
+            raise ChatError(f"{self.model!r} is a speech-to-text model (`tfserve transcribe` takes it), not a chat "
+                            f"model; {self.url}'s chat models: {served}")
         return self
 
     def list_models(self) -> list[str]:
+        """The server's chat models (speech-to-text models, which only transcribe, left out)."""
+        return [model.id for model in self._models() if not _is_speech(model)]
+
+    def _models(self) -> list[Any]:
         import openai
 
         try:
-            return [model.id for model in self.client.models.list()]
+            return list(self.client.models.list())
         except openai.APIConnectionError:
             raise ConnectionLost(self.unreachable_message) from None
         except openai.APIError as exc:
             raise describe(exc) from None
+
+    def _retrieve(self, name: str) -> Any | None:
+        """GET /v1/models/NAME: the model, or None where the server does not know it (or has no such route)."""
+        import openai
+
+        try:
+            return self.client.models.retrieve(name)
+        except openai.APIConnectionError:
+            raise ConnectionLost(self.unreachable_message) from None
+        except openai.APIError:
+            return None
 
     @property
     def unreachable_message(self) -> str:
@@ -222,6 +248,15 @@ class _RemoteReply:
     def close(self) -> None:
         """Close the HTTP response: the server sees the client leave and aborts the generation."""
         self._stream.close()
+
+
+def _is_speech(model: Any) -> bool:
+    """Whether a /v1/models entry is a speech-to-text model: tfserve says so by its input_modalities (["audio"]);
+    servers that do not (OpenAI's whisper-1, vLLM's openai/whisper-*) by its name."""
+    modalities = getattr(model, "input_modalities", None)  # an extra field, kept by the SDK as it came
+    if isinstance(modalities, list):
+        return "text" not in modalities
+    return "whisper" in model.id.lower()
 
 
 def _context_too_short(exc: Any) -> bool:

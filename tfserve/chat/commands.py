@@ -247,7 +247,7 @@ def _load(session: ChatSession, arg: str) -> bool:
     return True
 
 
-@command("/models", "list the models the server offers")
+@command("/models", "list the chat models the server offers")
 def _models(session: ChatSession, arg: str) -> bool:
     try:
         names = session.backend.list_models()

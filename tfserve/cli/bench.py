@@ -31,6 +31,7 @@ InputLenOpt = Annotated[int | None, typer.Option("--input-len", min=1, help="Ran
 
 @app.command("offline")
 def offline(
+    ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
     num_prompts: NumPromptsOpt = 64,
     input_len: Annotated[int | None, typer.Option("--input-len", min=1,
@@ -68,8 +69,9 @@ def offline(
       tfserve bench offline --tensor-parallel-size 2 --dtype float32   # the model split over 2 ranks
     """
     from tfserve.bench import offline as bench_offline
-    from tfserve.cli.loading import engine_config_from_flags
     from tfserve.bench.metrics import summarize
+    from tfserve.bench.settings import run_settings
+    from tfserve.cli.loading import engine_config_from_flags
     from tfserve.cli.progress import step_progress
     from tfserve.models.loading import load_model
 
@@ -92,9 +94,11 @@ def offline(
             ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,
                                           quantization=quantization.value, progress=progress)
             loaded = SimpleNamespace(model=ours.model, tokenizer=ours.tokenizer, name=ours.model_name)
+            ran_on = _engine_details(ours)
         else:
             loaded = load_model(model, dtype=dtype.value, device=device, quantization=quantization.value,
                                 progress=progress)
+            ran_on = {"device": str(loaded.model.device), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
     tokenizer = loaded.tokenizer
     if dataset is not None:
         from tfserve.bench.datasets import load_file, take
@@ -122,11 +126,23 @@ def offline(
         per_request = run.num_output_tokens // max(run.num_prompts, 1)
         result = summarize([RequestRecord(ok=True, prompt_tokens=run.num_prompt_tokens // run.num_prompts,
                                           output_tokens=per_request) for _ in range(run.num_prompts)], run.duration_s)
-    _show(result, f"offline {engine}: {loaded.name}", output_json)
+    settings = run_settings("offline", ctx.params, model_name=loaded.name, **ran_on,
+                            mean_input_len=round(sum(map(len, prompts)) / max(len(prompts), 1), 1))
+    _show(result, f"offline {engine}: {loaded.name}", output_json, settings)
+
+
+def _engine_details(engine) -> dict:
+    """What ran a tfserve engine's forward: device, dtype, the forward backend, the CPU kernels' ISA (or None)."""
+    from tfserve.engine.kernels import isa
+
+    runner = engine.runner
+    return {"device": engine.device, "dtype": str(engine.dtype).removeprefix("torch."),
+            "forward_backend": runner.forward.name, "cpu_kernels": isa() if runner.cpu_ops is not None else None}
 
 
 @app.command("serve")
 def serve(
+    ctx: typer.Context,
     url: Annotated[str, typer.Option("--url", help="Server URL (host:port, http://host:port or .../v1).")] = "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Model name to send in requests (default: the first the server lists in /v1/models).")] = None,
@@ -173,6 +189,7 @@ def serve(
     from tfserve.bench.metrics import summarize
     from tfserve.bench.online import OnlineConfig, run_online
     from tfserve.bench.report import plot_sweep
+    from tfserve.bench.settings import run_settings
 
     if endpoint not in ("chat", "completions"):
         raise TfserveError(f"--endpoint must be chat or completions, not {endpoint!r}")
@@ -223,8 +240,9 @@ def serve(
             runs.append(result)
             _show(result, f"{base_url} {model} {sweep_key}={value}", None)
     if output_json is not None:
+        settings = run_settings("serve", ctx.params, url=base_url, model=model)
         payload = runs[0] if not sweep else {"sweep": sweep_key, "values": sweep_values, "runs": runs}
-        write_text(output_json, to_json(payload))
+        write_text(output_json, to_json({**payload, "settings": settings}))
     if plot is not None:
         plot_sweep([(model, sweep_values, runs)], plot, sweep_key)
     if all(run["completed"] == 0 for run in runs):
@@ -274,12 +292,13 @@ def compare(
         plot_sweep(series, plot, json.loads(Path(files[0]).read_text()).get("sweep", "concurrency"))
 
 
-def _show(result: dict, title: str, output_json: Path | None) -> None:
+def _show(result: dict, title: str, output_json: Path | None, settings: dict | None = None) -> None:
+    """Print `result`'s table; write it (with the run's `settings`) to `output_json` if given."""
     from tfserve.bench.report import result_table
 
     console.print(result_table(result, title))
     if output_json is not None:
-        write_text(output_json, to_json(result))
+        write_text(output_json, to_json({**result, "settings": settings}))
 
 
 def _base_url(url: str) -> str:

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from tfserve.cli.completion import speech_models
 from tfserve.cli.output import console, err_console, to_json, writable, write_text
 from tfserve.errors import TfserveError
 
@@ -20,12 +21,13 @@ class AudioBackend(str, Enum):
 
 
 def transcribe(
+    ctx: typer.Context,
     files: Annotated[list[Path], typer.Argument(show_default=False, help="Audio files (any common format).")],
     url: Annotated[str | None, typer.Option(
         "--url", show_default=False, help="Send to this OpenAI-compatible server instead of running in-process.")
     ] = None,
-    model: Annotated[str, typer.Option("--model", "-m", help="Whisper model (store name, directory, hub id).")
-                     ] = "whisper-tiny.en",
+    model: Annotated[str, typer.Option("--model", "-m", help="Whisper model (store name, directory, hub id).",
+                                       autocompletion=speech_models)] = "whisper-tiny.en",
     backend: Annotated[AudioBackend, typer.Option(
         help="In-process: tfserve's batched transcriber, or transformers' own ASR pipeline (the baseline).")
     ] = AudioBackend.tfserve,
@@ -52,6 +54,7 @@ def transcribe(
     """
     from tfserve.audio.decode import AudioError, decode_audio
     from tfserve.bench.audio import clips
+    from tfserve.bench.settings import run_settings
 
     levels = _concurrencies(concurrency)
     writable(output_json, "--output-json")
@@ -73,7 +76,9 @@ def transcribe(
         runs.append(result)
         _show(result, f"{label} concurrency={level}")
     if output_json is not None:
-        write_text(output_json, to_json(runs[0] if len(runs) == 1 else {"runs": runs}))
+        settings = run_settings("transcribe", ctx.params, concurrency=levels)
+        payload = runs[0] if len(runs) == 1 else {"runs": runs}
+        write_text(output_json, to_json({**payload, "settings": settings}))
     if all(run["num_failed"] == run["num_requests"] for run in runs):
         raise TfserveError("every transcription failed (see above)")
 

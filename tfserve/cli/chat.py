@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS
+from tfserve.cli.completion import chat_models
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, Quantization,
                                  QuantizationOpt, TrustRemoteCodeOpt)
 
@@ -23,8 +24,9 @@ def chat(
         help="Server to talk to: PORT, HOST:PORT or http(s)://HOST:PORT, with or without /v1. "
              "Without it, the model is loaded in this process.", show_default=False)] = None,
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", show_default=False,
-        help="With a URL: the server's model (default: the first in /v1/models). Without: what to load, like "
+        "--model", "-m", show_default=False, autocompletion=chat_models,
+        help="With a URL: the server's model (default: the first chat model in /v1/models; one the server "
+             "does not serve is refused at start). Without: what to load, like "
              f"`serve --model` (default: {DEFAULT_MODEL}).")] = None,
     api_key: Annotated[str | None, typer.Option(
         envvar=["TFSERVE_API_KEY", "OPENAI_API_KEY"], show_envvar=True, show_default=False,

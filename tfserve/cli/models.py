@@ -12,7 +12,7 @@ import typer
 from rich.filesize import decimal
 from rich.table import Column, Table
 
-from tfserve.cli.options import _complete_model
+from tfserve.cli.completion import known_models, stored_models
 from tfserve.cli.output import console, err_console
 from tfserve.errors import ModelNotFoundError, ModelStoreError
 from tfserve.models import catalog, store
@@ -35,7 +35,7 @@ app = typer.Typer(
 
 NameArg = Annotated[
     str,
-    typer.Argument(help="Store name of the model.", metavar="NAME", autocompletion=_complete_model,
+    typer.Argument(help="Store name of the model.", metavar="NAME", autocompletion=stored_models,
                    show_default=False),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -46,7 +46,7 @@ def pull(
     name: Annotated[
         str,
         typer.Argument(help=f"A known model: {', '.join(catalog.known_names())}.", metavar="NAME",
-                       autocompletion=_complete_model),
+                       autocompletion=known_models),
     ] = catalog.DEFAULT_MODEL,
     force: Annotated[bool, typer.Option("--force", "-f", help="Download and convert again even if present.")] = False,
 ) -> None:
@@ -104,7 +104,7 @@ def list_(as_json: JsonOpt = False) -> None:
 
 @app.command("info")
 def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory or cached hub id.", metavar="NAME",
-                                              autocompletion=_complete_model, show_default=False)],
+                                              autocompletion=stored_models, show_default=False)],
          as_json: JsonOpt = False) -> None:
     """Show architecture, layers, heads, context length, vocabulary, dtype, chat template, GGUF blocks, and a
     vision-language model's vision tower and image tokens.

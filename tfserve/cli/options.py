@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from tfserve.cli.completion import chat_models
 from tfserve.models.catalog import DEFAULT_MODEL
 
 
@@ -25,12 +26,6 @@ class Quantization(str, Enum):
     bnb_8bit = "bnb-8bit"
 
 
-def _complete_model(incomplete: str) -> list[str]:
-    from tfserve.models.store import completion_names
-
-    return [name for name in completion_names() if name.startswith(incomplete)]
-
-
 LOAD = "Model loading"
 
 ModelOpt = Annotated[
@@ -39,7 +34,7 @@ ModelOpt = Annotated[
         "--model",
         "-m",
         help="Store name, local HF directory, local .gguf file, or a hub id already in the local HF cache.",
-        autocompletion=_complete_model,
+        autocompletion=chat_models,
         rich_help_panel=LOAD,
     ),
 ]

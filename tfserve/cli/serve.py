@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from tfserve.cli import serve_compat as compat
+from tfserve.cli.completion import chat_models
 from tfserve.cli.loading import engine_config_from_flags, load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
                                  Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt)
@@ -78,7 +79,7 @@ def parse_size(text: str, name: str) -> float:
 def serve(
     ctx: typer.Context,
     model_arg: Annotated[str | None, typer.Argument(
-        metavar="MODEL", show_default=False,
+        metavar="MODEL", show_default=False, autocompletion=chat_models,
         help="Model to serve, pinned as with --force-model (as `transformers serve MODEL`).")] = None,
     model: ModelOpt = DEFAULT_MODEL,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",

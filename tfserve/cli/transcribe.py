@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from tfserve.cli.options import _complete_model
+from tfserve.cli.completion import speech_models
 from tfserve.cli.output import writable, write_text
 from tfserve.errors import TfserveError
 
@@ -26,7 +26,7 @@ def transcribe(
     file: Annotated[Path, typer.Argument(
         show_default=False, help="Audio in any common format: wav, flac, mp3, ogg/opus, m4a, webm...")],
     model: Annotated[str, typer.Option(
-        "--model", "-m", autocompletion=_complete_model,
+        "--model", "-m", autocompletion=speech_models,
         help="Whisper model: a store name (catalog ones are pulled on first use), an HF directory or a cached "
              "hub id.")] = "whisper-tiny.en",
     response_format: Annotated[AudioFormat, typer.Option(
@@ -42,7 +42,8 @@ def transcribe(
     temperature: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="0: greedy, falling back to sampling on a repetition loop.")] = 0.0,
     words: Annotated[bool, typer.Option(
-        "--words", help="Time every word too (verbose_json gets a `words` list).")] = False,
+        "--words", help="Time every word too: verbose_json gets a `words` list, srt and vtt a cue per word "
+                        "(text and json have no times to carry them).")] = False,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", show_default=False, help="Write to this file instead of standard output.")] = None,
     max_audio_windows: Annotated[int, typer.Option(
@@ -54,8 +55,12 @@ def transcribe(
 
       tfserve transcribe talk.mp3
       tfserve transcribe talk.mp3 --format srt -o talk.srt
+      tfserve transcribe talk.mp3 --format vtt --words    # a cue per word (karaoke-style captions)
       tfserve transcribe interview.m4a -m whisper-base --translate
     """
+    if words and response_format in (AudioFormat.text, AudioFormat.json):
+        raise typer.BadParameter(f"--format {response_format.value} has no timestamps to carry word times; use "
+                                 "--format verbose_json, srt or vtt", param_hint="--words")
     writable(output, "--output")
     from tfserve.audio import formats
     from tfserve.audio.decode import AudioError, decode_audio
