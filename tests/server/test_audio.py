@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def speech_server(start_server, whisper_dir):
+def speech_server(start_server, whisper_dir):  # noqa: F811  (the fixture, by name)
     from tfserve.server.speech import SpeechOptions
 
     return start_server(state_kwargs={"speech": SpeechOptions(default_model=str(whisper_dir), max_audio_s=20)},

@@ -13,7 +13,7 @@ from typing import Any
 
 from tfserve.chat.client import ChatError, ReplyStats
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
-from tfserve.engine.chat_template import ChatTemplateError, has_chat_template, render_chat
+from tfserve.engine.chat_template import has_chat_template, render_chat
 from tfserve.engine.request import RequestOutput
 from tfserve.images import ImageError, MediaImage, data_url_bytes, decode_image
 

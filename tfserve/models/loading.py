@@ -108,7 +108,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         raise DeviceError(f"--quantization {quantization} cannot re-quantize a .gguf file; "
                           "load it with --quantization none, or convert it to an HF directory first")
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     source, tok_kwargs = str(resolved.path), {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if resolved.kind == "gguf":
