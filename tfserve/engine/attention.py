@@ -203,7 +203,7 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
     group_size = num_heads // num_kv_heads
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
-        if meta.cpu_ops is not None and group.image_runs is None:
+        if meta.cpu_ops is not None and (group.pad_index is None or _rows_apply(meta.cpu_ops, query, k_cache, group)):
             out[group.start : group.end] = _row_attention(
                 meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group,
                 head_dim**-0.5 if scaling is None else scaling, sliding_window or -1, softcap or 0.0)
@@ -212,6 +212,15 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
             q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
         )
     return out.unsqueeze(0)
+
+
+def _rows_apply(ops, query: torch.Tensor, k_cache: torch.Tensor, group: AttentionGroup) -> bool:
+    """Prompt rows go through the decode kernel where its vector path runs (float32, a head of 1, 2, 4, 8 or 16
+    vectors); elsewhere (16-bit caches, other head sizes, Gemma 3's image tokens that attend both ways) through
+    SDPA."""
+    vectors, rest = divmod(query.shape[-1], ops.vec_width)
+    return (group.image_runs is None and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and not rest and vectors in (1, 2, 4, 8, 16))
 
 
 # Bytes of partial results (softmax sums and weighted values per partition of 128 keys and query head) one
