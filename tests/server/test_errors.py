@@ -84,6 +84,9 @@ BAD_REQUESTS = [
     ("/v1/responses", {"input": "hi", "metadata": {"a": 5}}, "metadata.a"),
     ("/v1/responses", {"input": "hi", "truncation": "sometimes"}, "truncation"),
     ("/v1/responses", {"input": "hi", "background": True}, "background"),
+    ("/v1/responses", {"input": "hi", "prompt": {"id": "pmpt_1", "variables": {"a": "b"}}}, "prompt"),
+    (CHAT, chat(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "modalities"),
+    (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     ("/v1/responses", {"input": "hi", "include": "x"}, "include"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice"),
@@ -112,6 +115,17 @@ def test_context_overflow_says_both_numbers(server, engine):
     assert status == 400 and data["error"]["param"] == "max_tokens"
     assert data["error"]["code"] == "context_length_exceeded"
     assert "1000" in data["error"]["message"] and str(engine.max_model_len) in data["error"]["message"]
+    status, _, data = server.request("POST", CHAT, chat(max_completion_tokens=1000))
+    assert data["error"]["param"] == "max_completion_tokens" and "max_completion_tokens" in data["error"]["message"]
+
+
+def test_context_overflow_is_worded_as_openai_words_it(server):
+    """litellm (ContextWindowExceededError) and LangChain (OpenAIContextOverflowError) tell an overflow apart
+    by OpenAI's words in the message: the SDK's exception text is the message alone."""
+    for body in (chat(max_tokens=1000), chat(messages=[{"role": "user", "content": "hello " * 5000}])):
+        status, _, data = server.request("POST", CHAT, body)
+        assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length is" in data["error"]["message"]
 
 
 def test_odd_but_valid_values_are_served(server):

@@ -102,6 +102,22 @@ def test_previous_response_id_continues_the_conversation(server, tokenizer):
     assert third.usage.input_tokens > second.usage.input_tokens
 
 
+def test_reasoning_items_sent_back_are_read_past(server, tokenizer):
+    """`input += response.output` of a reasoning model sends its reasoning items back, as OpenAI takes them
+    (they were a 400): the prompt is the conversation without them, as chat templates drop earlier thinking."""
+    history = [{"role": "user", "content": "hi"},
+               {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello",
+                                                                     "annotations": []}]},
+               {"role": "user", "content": "bye"}]
+    response = server.client().responses.create(model=MODEL_NAME, input=history, max_output_tokens=2, temperature=0)
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "Hello"},
+                                              {"role": "user", "content": "bye"}],
+                                             add_generation_prompt=True, tokenize=True)
+    assert response.usage.input_tokens == len(expected["input_ids"])
+
+
 def test_instructions_lead_their_turn_only(server, tokenizer):
     """A response's instructions are not carried over to the next (OpenAI's rule): the next turn's prompt is the
     conversation alone, or under its own instructions."""

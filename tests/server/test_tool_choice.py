@@ -72,6 +72,26 @@ def test_forced_calls_in_text_formats_parse_and_validate(fmt, seed):
     jsonschema.validate(json.loads(call.arguments), schema)
 
 
+@pytest.mark.parametrize("seed", [0, 3])  # (seeds 1 and 2: the random model nests items past max_tokens)
+def test_parameters_with_defs_and_refs_compile_and_validate(seed):
+    """A pydantic model's parameters (`$defs`, `#/$defs/...`, a reference to its own root): the calls' grammar
+    keeps every reference pointing at its definition (they were a 400: the pointer did not exist)."""
+    item = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                             "more": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]}},
+            "required": ["name", "more"], "additionalProperties": False}
+    order = {"type": "object", "$defs": {"Item": item},
+             "properties": {"item": {"$ref": "#/$defs/Item"}, "count": {"$ref": "#/properties/n"},
+                            "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+             "required": ["item", "count", "n"], "additionalProperties": False}
+    functions = [{"name": "order", "parameters": order}, {"name": "tree", "parameters": {
+        "type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["child"], "additionalProperties": False}}]
+    tokenizer = build_tokenizer()
+    text = generate(tokenizer, tool_call_grammar(HERMES, functions, parallel=False, tokenizer=tokenizer), seed=seed)
+    _, (call,) = parse_tool_calls(text, HERMES)
+    jsonschema.validate(json.loads(call.arguments), {f["name"]: f["parameters"] for f in functions}[call.name])
+
+
 def test_mistral_calls_open_with_the_special_token(mistral_tokenizer):
     assert needs_special_tokens(MISTRAL, mistral_tokenizer)
     grammar = tool_call_grammar(MISTRAL, FUNCTIONS[:1], parallel=False, tokenizer=mistral_tokenizer)

@@ -237,9 +237,10 @@ class Engine:
         a prompt that leaves no room to generate."""
         capacity = min(self.max_model_len, self.block_pool.num_blocks * self.block_pool.block_size)
         if num_prompt_tokens >= capacity:
+            # OpenAI's words, which client libraries (litellm, LangChain) match to tell a context overflow apart
             raise ContextLengthError(
-                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: this model takes at "
-                f"most {capacity} tokens per sequence, prompt and output together")
+                f"This model's maximum context length is {capacity} tokens (prompt and output together). However, "
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: the prompt is too long")
         return capacity
 
     def enqueue(self, request: Request) -> None:
@@ -270,9 +271,10 @@ class Engine:
         self._room_for(len(prompt_ids))
         num_tokens = len(prompt_ids) + params.max_tokens
         if num_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{num_tokens} tokens, beyond the model's context of {self.max_model_len}")
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_tokens} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} in max_tokens): "
+                f"lower max_tokens or shorten the prompt", param="max_tokens")
         num_blocks = self.block_pool.num_blocks_for(num_tokens)
         if num_blocks > self.block_pool.num_blocks:
             raise ValueError(

@@ -49,6 +49,8 @@ def from_value_error(exc: ValueError, default_param: str | None = None,
     ContextLengthError names its field itself; its message stays as it is."""
     message = str(exc)
     if isinstance(exc, ContextLengthError):
+        if names and exc.param == "max_tokens" and exc.param in names:  # max_completion_tokens, in the words too
+            message = re.sub(rf"\b{exc.param}\b", names[exc.param], message)
         return ApiError(400, message, param=(names or {}).get(exc.param, exc.param), code="context_length_exceeded")
     first = message.split(" ", 1)[0].rstrip(":")
     param = first if first.isidentifier() and first.islower() else default_param

@@ -63,9 +63,13 @@ def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = ()) -> tup
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, f"{where}.output")})
         elif kind == "mcp_call":  # an earlier response's output sent back: the call and what it returned
             messages += mcp_call_messages(item, where)
+        elif kind == "reasoning":
+            # an earlier reply's thinking sent back (`input += response.output`): chat templates leave earlier
+            # turns' thinking out of the prompt, so it is read past
+            continue
         elif kind not in MCP_CONTROL_ITEMS:
             raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call, "
-                              "function_call_output or mcp items", f"{where}.type")
+                              "function_call_output, reasoning or mcp items", f"{where}.type")
     return messages, images
 
 

@@ -39,6 +39,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     model = await use_model(request, body, state)
     if body.get("conversation") is not None:
         raise bad_request("conversation is not supported: use previous_response_id", "conversation")
+    if body.get("prompt") is not None:  # a template stored on OpenAI's side: nothing here to apply
+        raise bad_request("prompt (a stored prompt template) is not supported: send the instructions and input "
+                          "themselves", "prompt")
     instructions = field(body, "instructions", str)
     previous_id = field(body, "previous_response_id", str)
     previous = state.responses.get(previous_id) if previous_id else None

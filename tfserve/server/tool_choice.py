@@ -117,19 +117,38 @@ def _call_rules(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: 
 
 
 def _calls_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
-    options = []
-    for function in functions:
+    """One call of any of `functions`: {"name": its name, arguments_key: its parameters}. Each parameters schema
+    sits in the root's `$defs` (`f0`, `f1`, ...), its own references rewritten to point there, so the `$defs`
+    and `$ref`s a pydantic model or zod schema brings (`#/$defs/Item`) still resolve."""
+    options, defs = [], {}
+    for i, function in enumerate(functions):
         parameters = function.get("parameters") or _EMPTY_PARAMETERS
         if isinstance(parameters.get("properties"), dict) and "additionalProperties" not in parameters:
             # only the declared parameters (as OpenAI's strict tools): an open object lets a model invent keys
             parameters = {**parameters, "additionalProperties": False}
+        defs[f"f{i}"] = _rebase_refs(parameters, f"#/$defs/f{i}")
         options.append({
             "type": "object",
-            "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+            "properties": {"name": {"const": function["name"]}, arguments_key: {"$ref": f"#/$defs/f{i}"}},
             "required": ["name", arguments_key],
             "additionalProperties": False,
         })
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return {**(options[0] if len(options) == 1 else {"anyOf": options}), "$defs": defs}
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` ("#", "#/...") made relative to `base` instead of its own root."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
 
 
 def _literal(tokenizer: Any, text: str) -> str:
