@@ -106,17 +106,11 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
 // fixed positions, so a sequence's result does not depend on its batch or on the thread count.
 constexpr int64_t kPartition = 128;
 
-// Rows of one run: a prompt's consecutive rows (one sequence's block table, context lengths one apart) share
-// each partition's keys and values, read into cache once for all of them; decodes are runs of one row.
-constexpr int64_t kRunRows = 8;
-
-// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON). Per work item (a run of rows, a
-// partition of their context, a KV head), two passes over its rows: the scores of Vec::N tokens at a time for
-// each row and query head of the KV head (Vec::N independent dot products, summed across lanes at once: no
-// dependent chain of multiply-adds per token), an exact softmax over the partition, then the values weighted
-// in registers. A row of several partitions has them merged in order at the end (log-sum-exp). Every row's
-// arithmetic is the same whatever run it is in (each dot product, softmax and sum in the same order), so a
-// prompt's row gets the bits of a decode at its position. V = head_dim / Vec::N.
+// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON). Per work item (a sequence, a partition
+// of its context, a KV head), two passes over its rows: the scores of Vec::N tokens at a time for each query
+// head of the KV head (Vec::N independent dot products, summed across lanes at once: no dependent chain of
+// multiply-adds per token), an exact softmax over the partition, then the values weighted in registers.
+// A sequence of several partitions has them merged in order at the end (log-sum-exp). V = head_dim / Vec::N.
 template <int V>
 static void decode_kernel_vec(const float* q, const float* k_cache, const float* v_cache,
                               const int64_t* block_tables, const int64_t* context_lens, const int64_t* table_rows,
@@ -134,53 +128,32 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  auto table_of = [&](int64_t seq) { return table_rows ? table_rows[seq] : seq; };
 
-  // Partitions of each row (a "seq" here): the ones of row s are [part_begin[s], part_begin[s + 1]).
-  std::vector<int64_t> part_begin(num_seqs + 1, 0);
+  // Partitions: the ones of sequence s are [part_begin[s], part_begin[s + 1]); part_seq maps back.
+  std::vector<int64_t> part_begin(num_seqs + 1, 0), part_seq;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t ctx = context_lens[s], first = window_start(ctx, sliding_window);
-    part_begin[s + 1] = part_begin[s] + (ctx > first ? (ctx - 1) / P - first / P + 1 : 0);
-  }
-  // Runs [run_begin[i], run_begin[i + 1]); within a window every row starts elsewhere: runs of one.
-  std::vector<int64_t> run_begin{0};
-  for (int64_t s = 1; s < num_seqs; ++s)
-    if (!table_rows || sliding_window > 0 || table_of(s) != table_of(s - 1) ||
-        context_lens[s] != context_lens[s - 1] + 1 || s - run_begin.back() == kRunRows || context_lens[s - 1] < 1)
-      run_begin.push_back(s);
-  run_begin.push_back(num_seqs);
-  const int64_t num_runs = static_cast<int64_t>(run_begin.size()) - 1;
-  // Items (run, partition, KV head), partitions numbered as the run's last row (the longest) numbers them.
-  std::vector<int64_t> item_run, item_part;
-  for (int64_t run = 0; run < num_runs; ++run) {
-    const int64_t last = run_begin[run + 1] - 1;
-    const int64_t ctx = context_lens[last], first = window_start(ctx, sliding_window);
-    for (int64_t p = first / P; ctx > first && p <= (ctx - 1) / P; ++p) {
-      item_run.push_back(run);
-      item_part.push_back(p);
-    }
+    const int64_t parts = ctx > first ? (ctx - 1) / P - first / P + 1 : 0;
+    part_begin[s + 1] = part_begin[s] + parts;
+    part_seq.insert(part_seq.end(), parts, s);
   }
   const int64_t num_parts = part_begin[num_seqs];
-  // Each partition's softmax max, sum and weighted values per query head, for rows of several.
+  // Each partition's softmax max, sum and weighted values per query head, for sequences of several.
   std::unique_ptr<float[]> part_m(new float[num_parts * num_heads]), part_l(new float[num_parts * num_heads]);
   std::unique_ptr<float[]> part_acc(new float[num_parts * num_heads * D]);
-  // Row s's tokens [a, b) in partition p (b <= a where it has none there).
-  auto range_of = [&](int64_t s, int64_t p, int64_t& a, int64_t& b) {
-    const int64_t ctx = context_lens[s];
-    a = std::max(window_start(ctx, sliding_window), p * P);
+  auto rows_of = [&](int64_t part, int64_t& seq, int64_t& a, int64_t& b) {
+    seq = part_seq[part];
+    const int64_t ctx = context_lens[seq], first = window_start(ctx, sliding_window);
+    const int64_t p = first / P + (part - part_begin[seq]);
+    a = std::max(first, p * P);
     b = std::min(ctx, (p + 1) * P);
   };
 
-  auto item = [&](int64_t it, int64_t kvh, float* scores) {
-    const int64_t run = item_run[it], p = item_part[it], r1 = run_begin[run + 1];
-    int64_t r0 = run_begin[run], a, b;
-    while (r0 < r1) {  // the run's first rows may end before this partition
-      range_of(r0, p, a, b);
-      if (b > a) break;
-      ++r0;
-    }
-    range_of(r1 - 1, p, a, b);  // the widest: every row of the run starts at the same token here
-    const int64_t* table = block_tables + table_of(r0) * max_blocks;
+  auto item = [&](int64_t part, int64_t kvh, float* scores) {
+    int64_t seq, a, b;
+    rows_of(part, seq, a, b);
+    const int64_t n = b - a, padded = (n + L - 1) / L * L;
+    const int64_t* table = block_tables + (table_rows ? table_rows[seq] : seq) * max_blocks;
     // Row offsets of the partition's tokens in the caches (one division per partition, not per row).
     int64_t rows[P];
     for (int64_t t = a, blk = a / block_size, off = a % block_size; t < b; ++t) {
@@ -197,60 +170,51 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
       }
     };
     for (int64_t t = a; t < std::min(b, a + kAhead); ++t) prefetch(t);
+    const float* q_seq = q + (seq * num_heads + kvh * group) * D;
     for (int64_t t0 = a; t0 < b; t0 += L) {
       for (int64_t t = t0 + kAhead; t < std::min(b, t0 + kAhead + L); ++t) prefetch(t);
       const float* k[L];
       for (int64_t i = 0; i < L; ++i) k[i] = row(k_cache, std::min(t0 + i, b - 1));
-      for (int64_t s = r0; s < r1; ++s) {
-        if (t0 >= std::min(context_lens[s], (p + 1) * P)) continue;  // past this row's last token
-        const float* q_seq = q + (s * num_heads + kvh * group) * D;
-        float* row_scores = scores + (s - r0) * group * P;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qh = q_seq + g * D;
-          Vec acc[L];
-          const Vec q0 = Vec::load(qh);
-          for (int64_t i = 0; i < L; ++i) acc[i] = q0 * Vec::load(k[i]);
-          for (int j = 1; j < V; ++j) {
-            const Vec qj = Vec::load(qh + L * j);
-            for (int64_t i = 0; i < L; ++i) acc[i] = fma(qj, Vec::load(k[i] + L * j), acc[i]);
-          }
-          (tfs::sums(acc) * Vec::set1(scale)).store(row_scores + g * P + (t0 - a));
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qh = q_seq + g * D;
+        Vec acc[L];
+        const Vec q0 = Vec::load(qh);
+        for (int64_t i = 0; i < L; ++i) acc[i] = q0 * Vec::load(k[i]);
+        for (int j = 1; j < V; ++j) {
+          const Vec qj = Vec::load(qh + L * j);
+          for (int64_t i = 0; i < L; ++i) acc[i] = fma(qj, Vec::load(k[i] + L * j), acc[i]);
         }
+        (tfs::sums(acc) * Vec::set1(scale)).store(scores + g * P + (t0 - a));
       }
     }
-    // Per row and query head: an exact softmax over its tokens of the partition, then the values it weights.
-    for (int64_t pair = 0; pair < (r1 - r0) * group; ++pair) {
-      const int64_t s = r0 + pair / group, h = kvh * group + pair % group;
-      int64_t sa, sb;
-      range_of(s, p, sa, sb);
-      const int64_t n = sb - sa, padded = (n + L - 1) / L * L;
-      float* sc = scores + pair * P;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
+      float* s = scores + g * P;
       if (softcap > 0)
-        for (int64_t i = 0; i < n; ++i) sc[i] = std::tanh(sc[i] / softcap) * softcap;
-      std::fill(sc + n, sc + padded, neg_inf);
+        for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
+      std::fill(s + n, s + padded, neg_inf);
       Vec mv = Vec::set1(neg_inf);
-      for (int64_t i = 0; i < padded; i += L) mv = max(mv, Vec::load(sc + i));
+      for (int64_t i = 0; i < padded; i += L) mv = max(mv, Vec::load(s + i));
       const float mx = mv.max();
       Vec lv = Vec::zero();
       for (int64_t i = 0; i < padded; i += L) {
-        const Vec e = tfs::exp(Vec::load(sc + i) - Vec::set1(mx));
-        e.store(sc + i);
+        const Vec e = tfs::exp(Vec::load(s + i) - Vec::set1(mx));
+        e.store(s + i);
       }
-      std::fill(sc + n, sc + padded, 0.f);  // exp's far tail is tiny, not 0
-      for (int64_t i = 0; i < padded; i += L) lv = lv + Vec::load(sc + i);
+      std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
+      for (int64_t i = 0; i < padded; i += L) lv = lv + Vec::load(s + i);
       const float l = lv.sum();
-      const bool alone = part_begin[s + 1] - part_begin[s] == 1;
-      const int64_t part = part_begin[s] + p - window_start(context_lens[s], sliding_window) / P;
-      float* o = alone ? out + (s * num_heads + h) * D : part_acc.get() + (part * num_heads + h) * D;
+      const bool alone = part_begin[seq + 1] - part_begin[seq] == 1;
+      float* o = alone ? out + (seq * num_heads + h) * D : part_acc.get() + (part * num_heads + h) * D;
       const float inv = alone ? 1.f / l : 1.f;
       for (int j0 = 0; j0 < V; j0 += 8) {  // at most 8 vectors of values in registers at a time
         const int jn = std::min(V - j0, 8);
         Vec acc[8];
         for (int j = 0; j < jn; ++j) acc[j] = Vec::zero();
-        for (int64_t t = sa; t < sb; ++t) {
+        for (int64_t t = a; t < b; ++t) {
           const float* v = row(v_cache, t) + L * j0;
-          const Vec pt = Vec::set1(sc[t - sa]);
-          for (int j = 0; j < jn; ++j) acc[j] = fma(pt, Vec::load(v + L * j), acc[j]);
+          const Vec p = Vec::set1(s[t - a]);
+          for (int j = 0; j < jn; ++j) acc[j] = fma(p, Vec::load(v + L * j), acc[j]);
         }
         for (int j = 0; j < jn; ++j) (acc[j] * Vec::set1(inv)).store(o + L * (j0 + j));
       }
@@ -261,21 +225,17 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
     }
   };
 
-  // Items in order (run, partition, KV head), split into one contiguous run per thread of about equal work.
-  const int64_t num_items = static_cast<int64_t>(item_run.size()) * num_kv_heads;
+  // Items in order (partition, KV head), split into one contiguous run per thread of about equal rows.
+  const int64_t num_items = num_parts * num_kv_heads;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::vector<int64_t> cost(num_items + 1, 0);
   for (int64_t i = 0; i < num_items; ++i) {
-    const int64_t it = i / num_kv_heads, run = item_run[it];
-    int64_t work = L, a, b;  // a chunk's worth for the item's fixed work
-    for (int64_t s = run_begin[run]; s < run_begin[run + 1]; ++s) {
-      range_of(s, item_part[it], a, b);
-      work += std::max<int64_t>(0, b - a);
-    }
-    cost[i + 1] = cost[i] + work;
+    int64_t seq, a, b;
+    rows_of(i / num_kv_heads, seq, a, b);
+    cost[i + 1] = cost[i] + (b - a) + L;  // rows, and a chunk's worth for the item's fixed work
   }
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
-    std::vector<float> scores(kRunRows * group * P);
+    std::vector<float> scores(group * P);
     for (int64_t t = first_thread; t < last_thread; ++t) {
       const int64_t lo = std::lower_bound(cost.begin(), cost.end(), cost.back() * t / threads) - cost.begin();
       const int64_t hi = std::lower_bound(cost.begin(), cost.end(), cost.back() * (t + 1) / threads) - cost.begin();
@@ -283,7 +243,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
     }
   });
 
-  // Rows of several partitions: their results merged in partition order.
+  // Sequences of several partitions: their results merged in partition order.
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t p0 = part_begin[seq], p1 = part_begin[seq + 1];
     if (p1 - p0 < 2) continue;
