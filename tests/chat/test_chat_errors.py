@@ -77,7 +77,7 @@ def test_ctrl_c_cancels_the_reply_and_the_engine_aborts_it(where, backend, async
 
 def test_server_error_body_in_red_then_retry(session, server):
     out = run_keys(session, "/set max_tokens 5000\rhello\r/set max_tokens 8\r/retry\r/exit\r")
-    assert "Error: server error 400: max_tokens" in out and "5000" in out
+    assert "Error: server error 400: This model's maximum context length" in out and "5000" in out
     assert "Traceback" not in out
     # the failed message was not kept in the conversation; /retry sent it again
     assert [t["role"] for t in session.conversation.turns] == ["user", "assistant"]

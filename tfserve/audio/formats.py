@@ -23,6 +23,19 @@ def usage(result: TranscriptionResult) -> dict[str, Any]:
     return {"type": "duration", "seconds": round(result.duration_s, 2)}
 
 
+# Whisper's encoder: 1500 positions per 30-second window, the audio's tokens as the decoder attends to them
+ENCODER_POSITIONS_PER_SECOND = 50
+
+
+def token_usage(result: TranscriptionResult) -> dict[str, Any]:
+    """OpenAI's token usage, the only kind its SDK reads on a streamed transcription's last event: the audio as
+    encoder positions (50 a second), the text as the tokens decoded."""
+    audio = round(result.duration_s * ENCODER_POSITIONS_PER_SECOND)
+    text = sum(len(segment.tokens) for segment in result.segments)
+    return {"type": "tokens", "input_tokens": audio, "input_token_details": {"text_tokens": 0, "audio_tokens": audio},
+            "output_tokens": text, "total_tokens": audio + text}
+
+
 def to_json(result: TranscriptionResult, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"text": result.text}
     if usage is not None:

@@ -95,7 +95,7 @@ async def _stream(request: web.Request, events: asyncio.Queue) -> web.StreamResp
             await stream.send({"type": "transcript.text.delta", "delta": delta})
         elif kind == "done":
             await stream.send({"type": "transcript.text.done", "text": payload.text,
-                               "usage": formats.usage(payload)})
+                               "usage": formats.token_usage(payload)})
             return await stream.close()
         else:
             await stream.send_error(ApiError(500, f"transcription failed: {payload}", code="internal_error"))
