@@ -233,6 +233,38 @@ def run_engine(engine, items: list) -> list:
     return [results[i] for i in ids]
 
 
+class FakeHandler:
+    """Mixed into a `BaseHTTPRequestHandler` of a fake server: no request log, and `send`/`send_json`."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def send(self, status: int, kind: str, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_json(self, status: int, body: dict) -> None:
+        self.send(status, "application/json", json.dumps(body).encode())
+
+
+class FakeHTTPServer:
+    """`handler` (a BaseHTTPRequestHandler class) served on a free local port from a daemon thread."""
+
+    def __init__(self, handler) -> None:
+        from http.server import ThreadingHTTPServer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 def free_port() -> int:
     import socket
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from PIL import Image
 
-from tiny import run_keys
+from tiny import FakeHandler, FakeHTTPServer, run_keys
 
 from tfserve.chat.client import RemoteBackend
 from tfserve.chat.conversation import Conversation, Settings
@@ -20,20 +19,17 @@ from tfserve.chat.images import dropped_images, path_of
 from tfserve.chat.session import ChatSession
 
 
-class FakeServer:
+class FakeServer(FakeHTTPServer):
     """An OpenAI-compatible server that records each chat request's body and streams "ok" back."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
         bodies = self.bodies
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
+        class Handler(FakeHandler, BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                self._send("application/json", json.dumps({"object": "list", "data": [
-                    {"id": "fake-vlm", "object": "model", "created": 0, "owned_by": "test"}]}).encode())
+                self.send_json(200, {"object": "list", "data": [
+                    {"id": "fake-vlm", "object": "model", "created": 0, "owned_by": "test"}]})
 
             def do_POST(self) -> None:
                 bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -42,18 +38,9 @@ class FakeServer:
                                                  "finish_reason": None}]},
                           {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
                 sse = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
-                self._send("text/event-stream", sse.encode())
+                self.send(200, "text/event-stream", sse.encode())
 
-            def _send(self, kind: str, data: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        super().__init__(Handler)
 
     def images(self, index: int = -1) -> list[bytes]:
         """The image bytes of the last user message of request `index`, in order."""
@@ -61,11 +48,6 @@ class FakeServer:
         urls = [part["image_url"]["url"] for part in content if part["type"] == "image_url"]
         assert all(url.startswith("data:image/png;base64,") for url in urls)
         return [base64.b64decode(url.partition(",")[2]) for url in urls]
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
 
 @pytest.fixture
 def fake():

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote
 
 import pytest
 from typer.testing import CliRunner
 
-from tiny import run_keys
+from tiny import FakeHandler, FakeHTTPServer, run_keys
 
 from tfserve.chat.client import ChatError, RemoteBackend
 from tfserve.chat.session import ChatSession
@@ -26,40 +24,23 @@ MODELS = [  # a speech model first, as a server that lists what it loaded may
 ALIASES = {"/srv/models/chat-one": "chat-one"}  # served under another name too: GET /v1/models/{id} knows it
 
 
-class ModelsServer:
+class ModelsServer(FakeHTTPServer):
     """Answers GET /v1/models and GET /v1/models/{id} (404 for a name it does not serve)."""
 
     def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
+        class Handler(FakeHandler, BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": MODELS})
+                    return self.send_json(200, {"object": "list", "data": MODELS})
                 name = unquote(self.path.removeprefix("/v1/models/"))  # the SDK quotes a name's slashes
                 name = ALIASES.get(name, name)
                 model = next((m for m in MODELS if m["id"] == name), None)
                 if model is None:
-                    return self._send(404, {"error": {"message": f"The model {name!r} does not exist",
-                                                      "type": "invalid_request_error", "code": "model_not_found"}})
-                return self._send(200, model)
+                    return self.send_json(404, {"error": {"message": f"The model {name!r} does not exist",
+                                                          "type": "invalid_request_error", "code": "model_not_found"}})
+                return self.send_json(200, model)
 
-            def _send(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture
