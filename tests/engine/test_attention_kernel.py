@@ -95,19 +95,10 @@ def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_win
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     chunks = [(0, 7), (130, 170), (3, 1), (0, 290)]  # (first position, new tokens): a cached prefix, one token
     tables = [torch.randperm(num_blocks, generator=gen)[: -(-(s + n) // block_size)].tolist() for s, n in chunks]
-    max_blocks, max_q = max(map(len, tables)), max(n for _, n in chunks)
-    positions, pad_index, unpad_index, offset = [], [], [], 0
-    for row, (start, n) in enumerate(chunks):
-        positions.append([start + min(i, n - 1) for i in range(max_q)])
-        pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
-        unpad_index.extend(range(row * max_q, row * max_q + n))
-        offset += n
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    offset = sum(n for _, n in chunks)
 
     def group():
-        return AttentionGroup(start=0, end=offset, block_tables=block_tables, query_positions=torch.tensor(positions),
-                              key_lens=torch.tensor([s + n for s, n in chunks]), pad_index=torch.tensor(pad_index),
-                              unpad_index=torch.tensor(unpad_index))
+        return AttentionGroup.prefills(chunks, tables)
 
     q = torch.randn(num_heads, offset, head_dim, generator=gen)
     rows = q.transpose(0, 1).contiguous()
@@ -119,7 +110,7 @@ def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_win
     token = 0
     for row, (start, n) in enumerate(chunks):
         for i in range(n):
-            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, block_tables[row:row + 1],
+            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, torch.tensor([tables[row]]),
                                                torch.tensor([start + i + 1]), scale, sliding_window or -1, 0.0)
             assert torch.equal(got[token], alone[0]), (row, i)
             token += 1

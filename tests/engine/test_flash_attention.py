@@ -61,16 +61,8 @@ def _step(block_size: int, gen):
     decodes = AttentionGroup(start=0, end=2, block_tables=padded(tables[:2]),
                              query_positions=torch.tensor([[n - 1] for n in decode_lens]),
                              key_lens=torch.tensor(decode_lens), pad_index=None, unpad_index=None)
-    max_q = max(n for _, n in prefill)
-    positions, pad_index, unpad_index, offset = [], [], [], 0
-    for row, (start, n) in enumerate(prefill):
-        positions.append([start + min(i, n - 1) for i in range(max_q)])
-        pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
-        unpad_index.extend(range(row * max_q, row * max_q + n))
-        offset += n
-    prefills = AttentionGroup(start=2, end=2 + offset, block_tables=padded(tables[2:]),
-                              query_positions=torch.tensor(positions), key_lens=torch.tensor([s + n for s, n in prefill]),
-                              pad_index=torch.tensor(pad_index), unpad_index=torch.tensor(unpad_index))
+    prefills = AttentionGroup.prefills(prefill, tables[2:], token_start=2)
+    offset = prefills.end - 2
     slots = []
     for table, lens in zip(tables, [(n - 1, n) for n in decode_lens] + [(s, s + n) for s, n in prefill]):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(*lens)]

@@ -69,11 +69,6 @@ def test_info_errors(tmp_path):
         store.model_info(str(tmp_path))
 
 
-def test_completion_names_include_registry_and_store(make_fake_model):
-    make_fake_model(store.model_path("tiny"))
-    assert store.completion_names() == sorted([*catalog.known_names(), "tiny"])
-
-
 def test_remove(make_fake_model):
     make_fake_model(store.model_path("tiny"))
     store.remove("tiny")

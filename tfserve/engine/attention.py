@@ -54,6 +54,28 @@ class AttentionGroup:
                          self.query_positions.reshape(-1).index_select(0, self.unpad_index) + 1)
         return self.rows
 
+    @classmethod
+    def prefills(cls, chunks: list[tuple[int, int]], tables: list[list[int]], token_start: int = 0, device=None,
+                 image_runs: list[list[tuple[int, int]]] | None = None) -> AttentionGroup:
+        """The group of prefill `chunks`, (first position, new tokens) each, over their sequences' block ids
+        `tables`, whose tokens start at packed index `token_start` (after the decode rows)."""
+        max_q, max_blocks = max(n for _, n in chunks), max(map(len, tables))
+        positions, pad_index, unpad_index, offset = [], [], [], 0
+        for row, (start, n) in enumerate(chunks):
+            positions.append([start + min(i, n - 1) for i in range(max_q)])
+            pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
+            unpad_index.extend(range(row * max_q, row * max_q + n))
+            offset += n
+        return cls(
+            image_runs=image_runs, start=token_start, end=token_start + offset,
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long,
+                                      device=device),
+            query_positions=torch.tensor(positions, dtype=torch.long, device=device),
+            key_lens=torch.tensor([start + n for start, n in chunks], dtype=torch.long, device=device),
+            pad_index=torch.tensor(pad_index, dtype=torch.long, device=device),
+            unpad_index=torch.tensor(unpad_index, dtype=torch.long, device=device),
+        )
+
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
@@ -235,10 +257,12 @@ def _row_attention(ops, q: torch.Tensor, k_cache, v_cache, group: AttentionGroup
     length, the chunk it came in or a cached prefix (SDPA's CPU kernel tiles by the padded shapes, so its rows
     differ in the last bits with them)."""
     table_rows, key_lens = group.query_rows()
+    if table_rows is None:  # decodes: one row per sequence, partials bounded by the batch
+        return ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables, key_lens, scale, window, softcap)
     num_heads, head_dim = q.shape[1], q.shape[2]
     max_parts = max(1, ROW_ATTENTION_BYTES // (4 * num_heads * (head_dim + 2)))
     parts = torch.div(key_lens - 1, 128, rounding_mode="floor") + 1  # the kernel's partitions per row, at most
-    if table_rows is None or int(parts.sum()) <= max_parts:
+    if int(parts.sum()) <= max_parts:
         return ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables, key_lens, scale, window,
                                           softcap, table_rows=table_rows)
     out = torch.empty_like(q)

@@ -249,31 +249,11 @@ class ModelRunner:
     def _group(self, chunks: list[tuple[Request, int, int]], token_start: int) -> AttentionGroup:
         """Metadata for prefill `chunks` of (request, first position, tokens), whose tokens start at packed
         index `token_start` (after the decode rows)."""
-        requests = [r for r, _, _ in chunks]
-        num_new = [n for _, _, n in chunks]
-        max_blocks = max(len(r.block_ids) for r in requests)
-        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests]
-        device = self.device
-        max_q = max(num_new)
-        positions, pad_index, unpad_index = [], [], []
-        offset = 0
-        for row, (request, start, n) in enumerate(chunks):
-            positions.append([start + min(i, n - 1) for i in range(max_q)])
-            pad_index.append([offset + min(i, n - 1) for i in range(max_q)])
-            unpad_index.extend(range(row * max_q, row * max_q + n))
-            offset += n
         image_runs = None
         if self.vision is not None and self.vision.bidirectional:
             image_runs = [r.mm.runs_in(start, start + n) if r.mm is not None else [] for r, start, n in chunks]
-        return AttentionGroup(
-            image_runs=image_runs if image_runs and any(image_runs) else None,
-            start=token_start, end=token_start + offset,
-            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-            query_positions=torch.tensor(positions, dtype=torch.long, device=device),
-            key_lens=torch.tensor([start + n for _, start, n in chunks], device=device),
-            pad_index=torch.tensor(pad_index, dtype=torch.long, device=device),
-            unpad_index=torch.tensor(unpad_index, dtype=torch.long, device=device),
-        )
+        return AttentionGroup.prefills([(start, n) for _, start, n in chunks], [r.block_ids for r, _, _ in chunks],
+                                       token_start, self.device, image_runs if image_runs and any(image_runs) else None)
 
 
 def available_memory() -> int:

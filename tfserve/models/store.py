@@ -106,11 +106,6 @@ def stored_names() -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and is_store_name(p.name))
 
 
-def completion_names() -> list[str]:
-    """Registry names and store names, for shell completion; reads one directory listing."""
-    return sorted(set(catalog.known_names()) | set(stored_names()))
-
-
 def list_models() -> list[StoredModel]:
     """Every model in the store, sorted by name."""
     rows = []

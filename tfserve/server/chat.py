@@ -33,9 +33,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     check_fields(body, CHAT_FIELDS)
-    if "audio" in (body.get("modalities") or ()) or body.get("audio") is not None:
+    audio_modality = "audio" in (body.get("modalities") or ())
+    if audio_modality or body.get("audio") is not None:
         raise bad_request("audio output is not supported: this server answers in text (leave out modalities "
-                          "audio and the audio parameter)", "modalities" if body.get("modalities") else "audio")
+                          "audio and the audio parameter)", "modalities" if audio_modality else "audio")
     body, legacy = chat_functions.as_tools(body)
     model = await use_model(request, body, state)
     messages, image_refs = parse_messages(body)
