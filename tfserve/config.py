@@ -33,6 +33,10 @@ class EngineConfig:
     # torch.compile the model's own forward (engine/backends/compiled.py) where it runs, i.e. where the lean
     # forward does not; compiled at load time
     compile: bool = False
+    # replay decode steps as CUDA graphs, one per bucket of batch sizes (engine/backends/cuda_graphs.py): None
+    # where the model is on a CUDA device (and not on flash-attn), True likewise (a warning where it cannot),
+    # False never
+    cuda_graph: bool | None = None
     cpu_kernels: bool = field(default_factory=lambda: _env_default("TFSERVE_CPU_KERNELS", True, False))
     pack_weights: bool | None = None  # panel-packed float32 linear weights (lean forward, CPU); None: where they help
     # how the lean forward holds linear weights on CPU (engine/cpu_linear.py): float32, float16, bfloat16 (16-bit

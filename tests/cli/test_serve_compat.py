@@ -136,7 +136,7 @@ def test_continuous_batching_is_accepted_with_one_note(served):
 
 
 @pytest.mark.parametrize("flag,note", [
-    ("--cb-use-cuda-graph", "CUDA graphs"), ("--input-validation", "validates"),
+    ("--input-validation", "validates"),
     ("--non-blocking", "foreground"), ("--use-bnb-nested-quant", "bitsandbytes"),
 ])
 def test_flags_without_effect_say_so_in_one_line(served, flag, note):
@@ -148,6 +148,17 @@ def test_compile_reaches_the_engine(served):
     assert ok(served("--compile"))["engine_kwargs"].compile is True
     assert ok(served())["engine_kwargs"].compile is False
     assert "torch.compile" not in ok(served("--compile"))["result"].output  # no note: it is not ignored
+
+
+def test_cuda_graph_flags_reach_the_engine(served):
+    assert ok(served())["engine_kwargs"].cuda_graph is None  # on where the model is on a CUDA device
+    assert ok(served("--no-cuda-graph"))["engine_kwargs"].cuda_graph is False
+    assert ok(served("--cb-use-cuda-graph"))["engine_kwargs"].cuda_graph is True  # transformers' spelling
+    assert ok(served("--cuda-graph", "--cb-use-cuda-graph"))["engine_kwargs"].cuda_graph is True
+    result = served("--cuda-graph", "--no-cb-use-cuda-graph")["result"]
+    assert result.exit_code != 0
+    assert "--cuda-graph and --no-cb-use-cuda-graph disagree" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_decision_config_is_accepted(served):

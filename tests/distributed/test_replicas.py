@@ -230,3 +230,44 @@ def test_replicas_each_split_over_two_ranks_give_one_engines_tokens(tmp_path):
     for outputs, expected in zip(results, whole.values()):
         assert [t for o in outputs for t in o.delta_tokens] == expected.generated_tokens
     assert [s["num_routed"] for s in stats] == [1, 1]
+
+
+def test_replicas_take_the_gpus_in_turn():
+    from tfserve.distributed.replicas import gpus_per_actor, replica_device
+
+    assert [replica_device("auto", i, 4) for i in range(5)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0"]
+    assert [replica_device("cuda", i, 2) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert replica_device("auto", 1, 0) == "auto" and replica_device("cuda", 1, 0) == "cuda"  # none: as given
+    assert replica_device("cpu", 1, 4) == "cpu" and replica_device("cuda:3", 1, 4) == "cuda:3"  # explicit
+    assert gpus_per_actor("cuda") == gpus_per_actor("cuda:1") == 1 and gpus_per_actor("cpu") == 0
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_two_replicas_on_a_gpu_serve_one_engines_tokens(tmp_path):
+    """Replica 1 (a process) loads on the GPU as replica 0 does, and both replay CUDA graphs."""
+    from test_tensor_parallel import save_model
+    from tfserve import Engine, SamplingParams
+    from tfserve.config import EngineConfig
+    from tfserve.distributed.replicas import STATS_INTERVAL_S, ReplicaSpec, start_replicas
+
+    path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
+    config = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8)
+    load = {"device": "cuda", "dtype": "float32"}
+    replicated = start_replicas(ReplicaSpec(path, load, config, 2), lambda: Engine.from_pretrained(path, config, **load))
+    params = SamplingParams(**PARAMS)
+    prompts = [[10 + i] * 16 + [7] for i in range(4)]
+
+    async def main():
+        return await asyncio.gather(*(_stream(replicated, prompt, params) for prompt in prompts))
+
+    try:
+        results = asyncio.run(main())
+        time.sleep(STATS_INTERVAL_S * 2)
+        stats = replicated.replica_stats()
+        assert replicated.engine.device.startswith("cuda")
+    finally:
+        replicated.stop()
+    expected = Engine.from_pretrained(path, config, **load).generate_batch(prompts, params)
+    for outputs, want in zip(results, expected.values()):
+        assert [t for o in outputs for t in o.delta_tokens] == want.generated_tokens
+    assert all(s["num_routed"] > 0 for s in stats)  # both replicas served

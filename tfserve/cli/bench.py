@@ -13,7 +13,7 @@ import typer
 
 from tfserve.cli import bench_audio
 from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
-                                 TensorParallelOpt, CompileOpt)
+                                 TensorParallelOpt, CompileOpt, CudaGraphOpt)
 from tfserve.cli.output import console, err_console, to_json, writable, write_text
 from tfserve.errors import TfserveError
 
@@ -56,6 +56,7 @@ def offline(
         "--num-speculative-tokens", min=1, max=16, help="Tokens proposed per step with --speculative.")] = 4,
     tensor_parallel_size: TensorParallelOpt = 1,
     compile_model: CompileOpt = False,
+    cuda_graph: CudaGraphOpt = None,
     output_json: OutputJsonOpt = None,
 ) -> None:
     """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
@@ -90,7 +91,8 @@ def offline(
                                                "speculative": speculative, "speculative_model": speculative_model,
                                                "num_speculative_tokens": num_speculative_tokens,
                                                "tensor_parallel_size": tensor_parallel_size,
-                                               "compile": compile_model})
+                                               "compile": compile_model,
+                                               "cuda_graph": cuda_graph})
             ours = Engine.from_pretrained(model, config, dtype=dtype.value, device=device,
                                           quantization=quantization.value, progress=progress)
             loaded = SimpleNamespace(model=ours.model, tokenizer=ours.tokenizer, name=ours.model_name)
@@ -137,7 +139,8 @@ def _engine_details(engine) -> dict:
 
     runner = engine.runner
     return {"device": engine.device, "dtype": str(engine.dtype).removeprefix("torch."),
-            "forward_backend": runner.forward.name, "cpu_kernels": isa() if runner.cpu_ops is not None else None}
+            "forward_backend": runner.forward.name, "cpu_kernels": isa() if runner.cpu_ops is not None else None,
+            "cuda_graph": runner.graphs is not None}
 
 
 @app.command("serve")

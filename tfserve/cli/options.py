@@ -110,6 +110,7 @@ __all__ = [
     "Quantization",
     "TensorParallelOpt",
     "CompileOpt",
+    "CudaGraphOpt",
     "QuantizationOpt",
     "TrustRemoteCodeOpt",
 ]
@@ -122,6 +123,15 @@ TensorParallelOpt = Annotated[
                       "models. It is for models one machine cannot hold: on one machine it costs a little speed "
                       "(docs/deploy.md).",
                  rich_help_panel="Distributed"),
+]
+
+CudaGraphOpt = Annotated[
+    bool | None,
+    typer.Option("--cuda-graph/--no-cuda-graph", show_default=False,
+                 help="Replay decode steps as CUDA graphs, one per bucket of batch sizes, captured on first use. "
+                      "Default: on where the model is on a CUDA device; --no-cuda-graph runs every step eagerly "
+                      "(docs/engine.md).",
+                 rich_help_panel="Engine"),
 ]
 
 CompileOpt = Annotated[

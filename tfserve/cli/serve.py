@@ -18,7 +18,8 @@ from tfserve.cli import serve_compat as compat
 from tfserve.cli.completion import chat_models
 from tfserve.cli.loading import engine_config_from_flags, load_engine
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
-                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt)
+                                 Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt,
+                                 CudaGraphOpt)
 from tfserve.cli.serve_compat import Reasoning
 from tfserve.distributed.workers import torchrun_rank
 from tfserve.errors import TfserveError
@@ -122,6 +123,7 @@ def serve(
     num_speculative_tokens: Annotated[int, typer.Option(
         min=1, max=16, help="Tokens proposed per step with --speculative.", rich_help_panel=ENGINE)] = 4,
     compile_model: CompileOpt = False,
+    cuda_graph: CudaGraphOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1,
     distributed_init_method: Annotated[str | None, typer.Option(
         help="The ranks' rendezvous, tcp://HOST:PORT (default: a free local port).", rich_help_panel=DISTRIBUTED,
@@ -296,7 +298,7 @@ def serve(
 
     force_model = _pinned_model(model_arg, force_model)
     for line in compat.notes({
-        "continuous_batching": continuous_batching, "cb_use_cuda_graph": cb_use_cuda_graph,
+        "continuous_batching": continuous_batching,
         "decision_config": decision_config, "input_validation": input_validation, "non_blocking": non_blocking,
         "bnb_4bit_quant_type": bnb_4bit_quant_type, "use_bnb_nested_quant": use_bnb_nested_quant,
         "model_timeout": model_timeout, "force_model": force_model}):
@@ -316,7 +318,8 @@ def serve(
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
         "speculative": speculative, "speculative_model": speculative_model, "num_speculative_tokens": num_speculative_tokens,
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
-        "distributed_timeout_s": distributed_timeout, "nnodes": nnodes, "compile": compile_model}
+        "distributed_timeout_s": distributed_timeout, "nnodes": nnodes, "compile": compile_model,
+        "cuda_graph": _cuda_graph(cuda_graph, cb_use_cuda_graph)}
     engine_config = engine_config_from_flags(engine_kwargs)
     autoscale = _autoscale_policy(min_replicas, max_replicas, target_requests_per_replica, data_parallel_size)
     if autoscale is not None:
@@ -525,6 +528,14 @@ def _same(ctx: typer.Context, param: str, ours, theirs):
         name = "--" + param.replace("_", "-")
         raise TfserveError(f"{name} {ours} and --cb-{name[2:]} {theirs} disagree: give one")
     return theirs
+
+
+def _cuda_graph(ours: bool | None, theirs: bool | None) -> bool | None:
+    """--cuda-graph, or transformers' --cb-use-cuda-graph: either one, or both when they agree."""
+    if ours is not None and theirs is not None and ours != theirs:
+        raise TfserveError(f"--{'' if ours else 'no-'}cuda-graph and --{'' if theirs else 'no-'}cb-use-cuda-graph "
+                           "disagree: give one")
+    return theirs if ours is None else ours
 
 
 def _dtype(dtype: Dtype, torch_dtype: str | None) -> str:

@@ -74,7 +74,7 @@ ContinuousBatchingOpt = Annotated[bool | None, typer.Option(
     help="Accepted: tfserve always batches continuously over a paged KV cache (--cb-* flags map to its options).")]
 CbUseCudaGraphOpt = Annotated[bool | None, typer.Option(
     "--cb-use-cuda-graph/--no-cb-use-cuda-graph", show_default=False, rich_help_panel=COMPAT,
-    help="Accepted with a note: tfserve does not capture CUDA graphs.")]
+    help="--cuda-graph as transformers spells it.")]
 DecisionConfigOpt = Annotated[str | None, typer.Option(
     metavar="PATH", show_default=False, rich_help_panel=COMPAT,
     help="Accepted with a note: tfserve has no /v1/systemone endpoint to configure.")]
@@ -140,8 +140,6 @@ def notes(values: dict[str, Any]) -> list[str]:
     if values["continuous_batching"] is not None:
         lines.append("continuous batching is always on in tfserve"
                      + ("; --no-continuous-batching has no effect" if not values["continuous_batching"] else ""))
-    if values["cb_use_cuda_graph"]:
-        lines.append("--cb-use-cuda-graph has no effect: tfserve does not capture CUDA graphs")
     if values["decision_config"]:
         lines.append("--decision-config has no effect: tfserve has no /v1/systemone endpoint")
     if values["input_validation"]:

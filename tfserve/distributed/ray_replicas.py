@@ -15,7 +15,8 @@ from typing import Any
 
 import ray
 
-from tfserve.distributed.replicas import Replica, ReplicaSpec, replica_stats, replica_threads, start_replica_engine
+from tfserve.distributed.replicas import (Replica, ReplicaSpec, gpus_per_actor, replica_stats, replica_threads,
+                                          start_replica_engine)
 
 logger = logging.getLogger("tfserve.distributed")
 
@@ -35,7 +36,7 @@ class ReplicaActor:
     """The Ray actor: an engine stepped by its BatchingManager; outputs wait in a queue for `poll`."""
 
     def __init__(self, spec: ReplicaSpec, index: int) -> None:
-        self.manager = start_replica_engine(spec)
+        self.manager = start_replica_engine(spec, index)
         self.engine = self.manager.engine
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -71,6 +72,7 @@ class RayReplica(Replica):
         super().__init__()
         self.index = index
         actor_class = ray.remote(ReplicaActor).options(num_cpus=replica_threads(spec.num_replicas),
+                                                       num_gpus=gpus_per_actor(spec.load_kwargs.get("device", "auto")),
                                                        max_concurrency=4, name=f"tfserve-replica{index}")
         self.actor: Any = actor_class.remote(spec, index)
         self._stopped = threading.Event()

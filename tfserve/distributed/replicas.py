@@ -161,19 +161,31 @@ def replica_main(spec: ReplicaSpec, conn, index: int) -> None:
         sys.exit(1)
 
 
-def start_replica_engine(spec: ReplicaSpec):
-    """A replica's engine on its share of the cores, stepped by a started BatchingManager (returned)."""
+def start_replica_engine(spec: ReplicaSpec, index: int):
+    """Replica `index`'s engine on its share of the cores and its GPU (`replica_device`), stepped by a started
+    BatchingManager (returned)."""
     import torch
 
     from tfserve.engine.engine import Engine
     from tfserve.engine.manager import BatchingManager
 
     torch.set_num_threads(replica_threads(spec.num_replicas))
-    return BatchingManager(Engine.from_pretrained(spec.model, spec.config, **spec.load_kwargs)).start()
+    load_kwargs = dict(spec.load_kwargs)
+    load_kwargs["device"] = replica_device(load_kwargs.get("device", "auto"), index, torch.cuda.device_count())
+    return BatchingManager(Engine.from_pretrained(spec.model, spec.config, **load_kwargs)).start()
+
+
+def replica_device(device: str, index: int, num_gpus: int) -> str:
+    """Where replica `index` loads its model: on a machine with `num_gpus` GPUs, GPU `index` mod their number
+    where the device is left to tfserve (auto, cuda), so N replicas on N GPUs get one each (a Ray actor sees the
+    one GPU it was given as its only one); an explicit cuda:N or cpu as given."""
+    if device not in ("auto", "cuda") or num_gpus == 0:
+        return device
+    return f"cuda:{index % num_gpus}"
 
 
 def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
-    manager = start_replica_engine(spec)
+    manager = start_replica_engine(spec, index)
     engine = manager.engine
     send_lock = threading.Lock()
 
@@ -209,6 +221,18 @@ def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
         stopped.set()
         manager.stop()
         engine.close()  # its ranks, where its model is split
+
+
+def gpus_per_actor(device: str) -> int:
+    """GPUs a replica asks Ray for: one where its model goes to CUDA (cuda, cuda:N, or auto on a front-end
+    that has a GPU), so that Ray places each replica on a GPU of its own; none for CPU replicas."""
+    if device.startswith("cuda"):
+        return 1
+    if device == "auto":
+        import torch
+
+        return int(torch.cuda.is_available())
+    return 0
 
 
 def replica_threads(num_replicas: int) -> int:

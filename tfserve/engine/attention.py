@@ -321,7 +321,7 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int
     mask = group.mask(sliding_window, block_size, q.dtype, group_size)  # [num_seqs, 1, group_size * max_q, num_keys]
     o = _attend(q, k, v, mask, scaling, softcap)
     # [num_seqs, num_kv_heads, group_size, max_q, head_dim] -> [num_seqs * max_q, num_heads, head_dim]
-    o = o.view(num_seqs, num_heads, max_q, head_dim).transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
+    o = o.reshape(num_seqs, num_heads, max_q, head_dim).transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return o.index_select(0, group.unpad_index)
 
 

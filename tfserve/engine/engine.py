@@ -68,7 +68,7 @@ class Engine:
                                    config.long_prefill_token_threshold, propose)
         self.num_draft_tokens = 0  # speculative decoding: proposals checked, and accepted
         self.num_accepted_tokens = 0
-        self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         # what a request that leaves a sampling field out gets (as vLLM's --generation-config auto)

@@ -8,6 +8,7 @@ business (engine/backends), picked once here from the EngineConfig.
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,13 +17,15 @@ import torch
 from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
 from tfserve.engine import attention, kernels
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
-from tfserve.engine.backends import select_backend
+from tfserve.engine.backends import cuda_graphs, select_backend
 from tfserve.engine.backends.compiled import CompiledForward
 from tfserve.engine.prompt_logprobs import positions_to_score, score
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
 from tfserve.engine.scheduler import SchedulerOutput
 from tfserve.engine.structured import mask_proposals
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -42,15 +45,21 @@ class ModelRunner:
                          or text_config.hidden_size // text_config.num_attention_heads)
         self.block_size = block_size = config.block_size
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_memory)
-        shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # the attention the model was loaded with picks ours: flash-attn for flash_attention_2, else paged SDPA
+        loaded_with = getattr(model.config, "_attn_implementation", None)
+        self.flash_attention = loaded_with == attention.FLASH_ATTN_IMPLEMENTATION
+        graphs = config.cuda_graph is not False
+        if graphs and (why_not := cuda_graphs.why_not(self.device, self.flash_attention, tp)) is not None:
+            if config.cuda_graph:
+                logger.warning("cuda_graph has no effect: %s", why_not)
+            graphs = False
+        # with graphs, one block more than the pool hands out: the spare rows of a padded batch write there
+        shape = (self.num_blocks + graphs, block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
-        # the attention the model was loaded with picks ours: flash-attn for flash_attention_2, else paged SDPA
-        loaded_with = getattr(model.config, "_attn_implementation", None)
-        self.flash_attention = loaded_with == attention.FLASH_ATTN_IMPLEMENTATION
         attention.register()
         sub_configs = getattr(model.config, "sub_configs", {}) or {}
         if "vision_config" in sub_configs and "text_config" in sub_configs:  # the vision tower keeps its own
@@ -61,6 +70,10 @@ class ModelRunner:
         self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, self.cpu_ops)
         self.forward = select_backend(model, config, self.cpu_ops, tp)
+        self.max_model_len = max_model_len(config, text_config)
+        self.graphs = cuda_graphs.DecodeGraphs(
+            self.forward, self.kv_caches, block_size, self.num_blocks, config.max_num_seqs, self.max_model_len,
+            self.device) if graphs else None
         self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
         self.draft: Any = None  # engine.draft.DraftModel: fills the proposals' places before each step (set by Engine)
 
@@ -144,6 +157,32 @@ class ModelRunner:
             if end == request.num_tokens:
                 sample_index.append(len(input_ids) - 1)
                 samplers.append(request)
+        logits = None
+        if (self.graphs is not None and plan.num_decodes == len(plan.requests) and not verify and not scored
+                and self.vision is None):  # a decode step as a captured graph (None: no bucket takes it)
+            logits = self.graphs.run(input_ids, positions, slots, [r.block_ids for r in plan.requests])
+        if logits is None:
+            logits = self._eager(plan, input_ids, positions, slots, sample_index + verify_index + score_index,
+                                 image_rows, image_features, segments)
+        num_samples, num_checks = len(samplers), len(verify_index)
+        verified = []
+        if verify:
+            checks = logits[num_samples:num_samples + num_checks]
+            if any(request.matcher is not None for request, _, _ in verify):
+                checks = checks.float().contiguous()  # the grammars' masks are written in place
+                mask_proposals(checks, verify, self.sampler.cpu_ops)
+            choices = checks.max(dim=-1).indices.tolist()  # greedy, as the sampler's own
+            verified = [(request, choices[first:first + rows]) for request, first, rows in verify]
+        prompt_entries = score(logits[num_samples + num_checks:], scored) if scored else []
+        samples = self.sampler(logits[:num_samples], samplers) if samplers else None
+        # kept only now that nothing can fail: a step retried one request at a time scores them again
+        for (request, _), entries in zip(scored, prompt_entries):
+            request.prompt_logprobs.extend(entries)
+        return samplers, samples, verified
+
+    def _eager(self, plan: SchedulerOutput, input_ids: list[int], positions: list[int], slots: list[int],
+               logits_index: list[int], image_rows: list[int], image_features: list, segments: list) -> torch.Tensor:
+        """The step's forward as it comes, its attention groups made for its own shapes."""
         device = self.device
         groups = []
         # decodes, and each checked proposal as a decode of its own (the same attention as one at a time)
@@ -161,23 +200,7 @@ class ModelRunner:
             extra["inputs_embeds"] = lambda ids: self.vision.embed(ids, image_rows, image_features)
         if self.vision is not None and self.vision.uses_mrope:  # 3-D rotary positions, every step
             extra["mrope_positions"] = lambda: self.vision.mrope_positions(segments).to(device)
-        logits = self._forward(input_ids, positions, slots, groups, len(decode_rows),
-                               sample_index + verify_index + score_index, **extra)
-        num_samples, num_checks = len(samplers), len(verify_index)
-        verified = []
-        if verify:
-            checks = logits[num_samples:num_samples + num_checks]
-            if any(request.matcher is not None for request, _, _ in verify):
-                checks = checks.float().contiguous()  # the grammars' masks are written in place
-                mask_proposals(checks, verify, self.sampler.cpu_ops)
-            choices = checks.max(dim=-1).indices.tolist()  # greedy, as the sampler's own
-            verified = [(request, choices[first:first + rows]) for request, first, rows in verify]
-        prompt_entries = score(logits[num_samples + num_checks:], scored) if scored else []
-        samples = self.sampler(logits[:num_samples], samplers) if samplers else None
-        # kept only now that nothing can fail: a step retried one request at a time scores them again
-        for (request, _), entries in zip(scored, prompt_entries):
-            request.prompt_logprobs.extend(entries)
-        return samplers, samples, verified
+        return self._forward(input_ids, positions, slots, groups, len(decode_rows), logits_index, **extra)
 
     def _forward(self, input_ids: list[int], positions: list[int], slots: list[int], groups: list[AttentionGroup],
                  num_decode_tokens: int, logits_index: list[int], inputs_embeds=None,
@@ -254,6 +277,11 @@ class ModelRunner:
             image_runs = [r.mm.runs_in(start, start + n) if r.mm is not None else [] for r, start, n in chunks]
         return AttentionGroup.prefills([(start, n) for _, start, n in chunks], [r.block_ids for r, _, _ in chunks],
                                        token_start, self.device, image_runs if image_runs and any(image_runs) else None)
+
+
+def max_model_len(config: EngineConfig, text_config) -> int:
+    """The longest sequence (prompt and output) the engine takes: the config's, else the model's context."""
+    return config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
 
 
 def available_memory() -> int:

@@ -6,8 +6,8 @@ decides which runs; every backend is a small class with the same call,
     hf.py        the model's own forward (any architecture, dtype, quantization)
     compiled.py  the same through torch.compile (`compile`), one graph for every step
     lean.py      a lean forward for Llama-family float32 models, with fused CPU kernels and packed weights
-
-A CUDA-graph backend and a tensor-parallel one go here too, chosen the same way from `EngineConfig`.
+    cuda_graphs.py  decode steps of whichever backend runs, replayed as CUDA graphs by bucket of batch size
+                 (the runner decides, from `EngineConfig.cuda_graph` and the device)
 """
 
 from __future__ import annotations

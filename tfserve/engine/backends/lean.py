@@ -121,6 +121,13 @@ class LeanForward:
             formats.update(projection.labels)
         self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
 
+    def reserve_positions(self, num_positions: int) -> None:
+        """Fill the rotary tables for every position below `num_positions` now (CUDA graphs capture them)."""
+        embed = self.model.model.embed_tokens
+        like = torch.empty(1, self.head_dim, dtype=embed.weight.dtype, device=embed.weight.device)
+        for rope in self.ropes.values():
+            rope.reserve(num_positions, like)
+
     @staticmethod
     def why_not(model: torch.nn.Module) -> str | None:
         """Why the lean forward cannot run `model`, or None when it can."""
@@ -257,12 +264,17 @@ class _RopeTable:
         if not self.static:
             cos, sin = self.rotary(x[None], positions[None], **self.kind)
             return cos[0], sin[0]
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if self.cos is None or needed > self.cos.shape[0]:
-            size = max(needed, 2 * (self.cos.shape[0] if self.cos is not None else 1024))
+        # a CUDA graph being captured cannot read positions on the host: its tables were reserved before
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.reserve(int(positions.max()) + 1 if positions.numel() else 0, x)
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+    def reserve(self, num_positions: int, x: torch.Tensor) -> None:
+        """Fill the tables for positions 0..num_positions - 1 at least (`x`: their dtype and device)."""
+        if self.static and (self.cos is None or num_positions > self.cos.shape[0]):
+            size = max(num_positions, 2 * (self.cos.shape[0] if self.cos is not None else 1024))
             cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None], **self.kind)
             self.cos, self.sin = cos[0], sin[0]
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
 class _Attention:
