@@ -193,3 +193,23 @@ def test_a_repeated_call_ends_the_response(server):
     events = stream(server, "/v1/responses", {**raw(body), "stream": True})
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == ["function_call"]
     assert events[-1]["type"] == "response.completed"
+
+
+def test_input_tokens_count_what_the_response_would_read(server, tokenizer, engine):
+    """POST /v1/responses/input_tokens (the SDK's `responses.input_tokens.count`): the first turn's prompt of the
+    same body, instructions, tools and previous response included, without running the model."""
+    client = server.client()
+    body = {"model": MODEL_NAME, "input": "Weather in Paris?", "instructions": "Be brief.", "tools": [TOOL]}
+    count = client.responses.input_tokens.count(**body)
+    assert count.object == "response.input_tokens"
+    steps = engine.num_steps
+    created = client.responses.create(**body, max_output_tokens=2, temperature=0)
+    assert count.input_tokens == created.usage.input_tokens
+    follow = client.responses.input_tokens.count(model=MODEL_NAME, input="and Rome?", previous_response_id=created.id)
+    history = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": created.output_text},
+               {"role": "user", "content": "and Rome?"}]
+    expected = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert follow.input_tokens == len(expected)
+    assert engine.num_steps - steps == 2  # the two of the response created: counting runs nothing
+    status, _, error = server.request("POST", "/v1/responses/input_tokens", {"model": MODEL_NAME, "input": 3})
+    assert status == 400 and error["error"]["param"] == "input"

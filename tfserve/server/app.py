@@ -49,6 +49,7 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_post("/v1/responses/input_tokens", responses.count_input_tokens)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)

@@ -9,7 +9,7 @@ next turn, until it answers, calls a client's function, waits for an approval, o
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -26,16 +26,27 @@ from tfserve.server.state import STATE
 from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
 
 
-async def create_response(request: web.Request) -> web.StreamResponse:
+@dataclass
+class Conversation:
+    """What a Responses body asks the model: the messages of its first turn (instructions, the stored history,
+    the new input), the images they bring, the tools (the client's functions and the MCP servers' offer) and what
+    every turn shares (`turns`). Every field is checked on the way (a 400 naming it)."""
+
+    model: str
+    previous: StoredResponse | None
+    history: list[dict]  # the conversation to store: the previous response's messages, then this input's
+    messages: list[dict]  # the first turn's: the instructions, then the history
+    image_refs: list
+    offer: mcp_tools.McpOffer
+    turns: Turns
+    max_tool_calls: int
+
+
+async def conversation(request: web.Request, body: dict) -> Conversation:
     state = request.app[STATE]
-    body = await read_json(request)
     check_fields(body, RESPONSES_FIELDS)
-    if field(body, "background", bool, False):
-        raise bad_request("background responses are not supported here: send the request without background "
-                          "(or stream it)", "background")
     if field(body, "truncation", str, "disabled") not in ("auto", "disabled"):
         raise bad_request("truncation must be auto or disabled", "truncation")
-    stream, store = field(body, "stream", bool, False), field(body, "store", bool, True)
     model = await use_model(request, body, state)
     if body.get("conversation") is not None:
         raise bad_request("conversation is not supported: use previous_response_id", "conversation")
@@ -57,6 +68,20 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     turns = Turns(state, body, functions, offer, constraint=constraint and (constraint[0], "text.format"),
                   max_tokens_fields=("max_output_tokens",), prompt_field="input")
     turns.kwargs.pop("n", None)
+    return Conversation(model, previous, history, messages, image_refs, offer, turns, max_tool_calls)
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    if field(body, "background", bool, False):
+        raise bad_request("background responses are not supported here: send the request without background "
+                          "(or stream it)", "background")
+    stream, store = field(body, "stream", bool, False), field(body, "store", bool, True)
+    talk = await conversation(request, body)
+    model, previous, history, messages, image_refs, offer, turns, max_tool_calls = (
+        talk.model, talk.previous, talk.history, talk.messages, talk.image_refs, talk.offer, talk.turns,
+        talk.max_tool_calls)
     num_top = requested_logprobs(body)
     if num_top is not None:
         turns.kwargs["logprobs"] = num_top
@@ -83,6 +108,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         await output.close(response)
         return await output.sse.close()
     return web.json_response(response)
+
+
+async def count_input_tokens(request: web.Request) -> web.Response:
+    """POST /v1/responses/input_tokens: the tokens the first turn's prompt of this body would take (its
+    instructions, input, previous response and tools, through the model's chat template), without running it."""
+    body = await read_json(request)
+    talk = await conversation(request, body)
+    talk.turns.images = await gather_images(request.app[STATE], talk.image_refs)
+    tools = talk.turns.tools(first=True, tools_left=len(talk.offer.tools))
+    prompt_ids, _ = await talk.turns.render(talk.messages, tools)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
 
 async def get_response(request: web.Request) -> web.Response:

@@ -53,11 +53,16 @@ class Turns:
         """Every field's 400 before anything runs: the first turn's constraint, compiled."""
         await self._kwargs(first=True, tools_left=len(self.offer.tools))
 
-    async def _kwargs(self, first: bool, tools_left: int) -> dict:
+    def tools(self, first: bool, tools_left: int) -> list[dict]:
+        """The tools a turn offers the model (Responses-shaped): none under tool_choice "none"."""
         tool_choice = self.tool_choice if first else "auto"
         # MCP tools count against max_tool_calls (OpenAI's rule for its built-in tools); a client's functions do not
         tools = self.functions + (self.offer.function_tools() if tools_left > 0 else [])
-        self.offered = tools if tool_choice != "none" else []
+        return tools if tool_choice != "none" else []
+
+    async def _kwargs(self, first: bool, tools_left: int) -> dict:
+        tool_choice = self.tool_choice if first else "auto"
+        self.offered = self.tools(first, tools_left)
         kwargs = dict(self.kwargs)
         constraint = self.constraint
         if isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp":
@@ -81,13 +86,8 @@ class Turns:
         kwargs = await self._kwargs(first, tools_left)
         if kwargs.get("max_tokens") is not None:
             kwargs["max_tokens"] = max(1, kwargs["max_tokens"] - used_tokens)
-        tools = chat_tools(self.offered) or None
         while True:
-            if self.images:
-                prompt_ids, mm = await render_multimodal(self.state, messages, self.images, tools,
-                                                         self.template_kwargs)
-            else:
-                prompt_ids, mm = await render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
+            prompt_ids, mm = await self.render(messages, self.offered)
             try:
                 return prompt_ids, make_params(kwargs, len(prompt_ids), self.state.engine, self.names), mm
             except ApiError as exc:
@@ -95,6 +95,15 @@ class Turns:
                 if exc.code != "context_length_exceeded" or shorter is None:
                     raise
                 messages = shorter
+
+
+    async def render(self, messages: list[dict], offered: list[dict]) -> tuple[list[int], Any]:
+        """`messages` with the `offered` tools through the chat template: the prompt's ids, and what the engine
+        made of the conversation's images (None without images)."""
+        tools = chat_tools(offered) or None
+        if self.images:
+            return await render_multimodal(self.state, messages, self.images, tools, self.template_kwargs)
+        return await render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
 
 
 def truncated(messages: list[dict]) -> list[dict] | None:
