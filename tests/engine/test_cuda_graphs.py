@@ -87,6 +87,19 @@ def test_decode_steps_replay_graphs_and_give_the_eager_tokens(cpu_graphs, make_e
     assert graphs.num_replays >= 25  # the longest request decodes alone for its last steps
 
 
+def test_metrics_count_the_graphs_captured_and_replayed(cpu_graphs, make_engine):
+    from types import SimpleNamespace
+
+    from tfserve.server.metrics import ServerMetrics
+
+    engine = make_engine(cpu_kernels=False)
+    _generate(engine)
+    registry = ServerMetrics(SimpleNamespace(engine=engine, num_waiting=0, speech=None)).registry
+    graphs = engine.runner.graphs
+    assert registry.get_sample_value("tfserve_cuda_graphs_captured") == len(graphs.graphs) >= 4
+    assert registry.get_sample_value("tfserve_cuda_graph_replays") == graphs.num_replays >= 25
+
+
 def test_a_failed_capture_turns_graphs_off_and_steps_run_eagerly(cpu_graphs, make_engine, monkeypatch, caplog):
     class Failing(ReplayByRunning):
         def __init__(self, step, pool) -> None:

@@ -192,7 +192,8 @@ def test_health_and_metrics(server):
                  "tfserve_e2e_request_latency_seconds_count", "tfserve_num_requests_running",
                  "tfserve_num_requests_waiting", "tfserve_kv_cache_blocks_used", "tfserve_kv_cache_blocks_total",
                  "tfserve_prefix_cache_hit_rate", "tfserve_spec_decode_draft_tokens",
-                 "tfserve_spec_decode_accepted_tokens", "tfserve_spec_decode_acceptance_rate"]:
+                 "tfserve_spec_decode_accepted_tokens", "tfserve_spec_decode_acceptance_rate",
+                 "tfserve_cuda_graphs_captured 0.0", "tfserve_cuda_graph_replays 0.0"]:  # on CPU: none
         assert name in text, name
     value = next(line for line in text.splitlines() if line.startswith("tfserve_generation_tokens_total"))
     assert float(value.split()[-1]) >= 3

@@ -99,7 +99,7 @@ def test_banner(async_engine, monkeypatch):
                  "API key required"]:
         assert part in text, part
     assert "paged" in text and "Weights" not in text
-    assert "Speculative" not in text
+    assert "Speculative" not in text and "CUDA graphs" not in text  # graphs: on a CUDA device only
 
 
 def test_banner_names_the_draft_model(tokenizer, monkeypatch):

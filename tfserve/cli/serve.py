@@ -442,6 +442,9 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
     table.add_row("Context", f"{engine.max_model_len} tokens")
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        table.add_row("Decode", f"CUDA graphs, captured per batch bucket up to {graphs.max_batch} sequences")
     config, draft = engine.config, engine.runner.draft
     if config.speculative == "ngram":
         table.add_row("Speculative", f"n-gram lookup, up to {config.num_speculative_tokens} tokens a step")

@@ -47,6 +47,11 @@ class ServerMetrics:
         _gauge(registry, "tfserve_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed",
                lambda: engine().spec_acceptance_rate if engine() else 0.0)
 
+        _gauge(registry, "tfserve_cuda_graphs_captured", "Decode steps: CUDA graphs captured (one per bucket used)",
+               lambda: _graphs(engine(), "num_captured"))
+        _gauge(registry, "tfserve_cuda_graph_replays", "Decode steps run as a CUDA graph replay",
+               lambda: _graphs(engine(), "num_replays"))
+
         speech = lambda: state.speech  # noqa: E731 - made after the metrics
         _gauge(registry, "tfserve_audio_windows_running", "Speech: 30-second windows being decoded",
                lambda: speech().num_running)
@@ -72,6 +77,12 @@ class ServerMetrics:
                 self.ttft.observe(metrics.ttft_s)
             if metrics.e2e_s is not None:
                 self.e2e.observe(metrics.e2e_s)
+
+
+def _graphs(engine, what: str) -> int:
+    """A count of the engine's CUDA graphs (engine/backends/cuda_graphs.py): 0 without them."""
+    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
+    return getattr(graphs, what) if graphs is not None else 0
 
 
 def _gauge(registry: CollectorRegistry, name: str, documentation: str, read) -> None:

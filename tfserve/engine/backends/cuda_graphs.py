@@ -102,6 +102,10 @@ class DecodeGraphs:
         if reserve is not None:  # tables a graph reads must exist before it is captured, for every position
             reserve(max_model_len)
 
+    @property
+    def num_captured(self) -> int:
+        return len(self.graphs)
+
     def bucket(self, num_seqs: int, num_blocks: int) -> tuple[int, int] | None:
         """The (batch, blocks) graph a step of `num_seqs` sequences of at most `num_blocks` blocks replays."""
         if num_seqs > self.max_batch or num_blocks > self.max_blocks:
