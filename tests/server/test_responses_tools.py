@@ -213,3 +213,24 @@ def test_input_tokens_count_what_the_response_would_read(server, tokenizer, engi
     assert engine.num_steps - steps == 2  # the two of the response created: counting runs nothing
     status, _, error = server.request("POST", "/v1/responses/input_tokens", {"model": MODEL_NAME, "input": 3})
     assert status == 400 and error["error"]["param"] == "input"
+
+
+def test_item_references_name_stored_items(server):
+    """`{"type": "item_reference", "id": ...}` stands for an input or output item of a stored response: the
+    prompt is the one the items themselves give; an id no stored response has is a 400 naming it."""
+    client = server.client()
+    first = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=3, temperature=0)
+    asked = client.responses.input_items.list(first.id).data[0]
+    (said,) = first.output
+    explicit = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "again"}]
+    referenced = [{"type": "item_reference", "id": asked.id}, {"type": "item_reference", "id": said.id},
+                  {"role": "user", "content": "again"}]
+    expected = client.responses.input_tokens.count(model=MODEL_NAME, input=explicit).input_tokens
+    assert client.responses.input_tokens.count(model=MODEL_NAME, input=referenced).input_tokens == expected
+    second = client.responses.create(model=MODEL_NAME, input=referenced, max_output_tokens=2, temperature=0)
+    assert second.usage.input_tokens == expected
+    assert [item.type for item in client.responses.input_items.list(second.id, order="asc").data] == ["message"] * 3
+    status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": [
+        {"role": "user", "content": "x"}, {"type": "item_reference", "id": "msg_nowhere"}]})
+    assert status == 400 and error["error"]["param"] == "input[1].id" and "msg_nowhere" in error["error"]["message"]

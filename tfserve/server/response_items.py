@@ -69,7 +69,7 @@ def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = ()) -> tup
             continue
         elif kind not in MCP_CONTROL_ITEMS:
             raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call, "
-                              "function_call_output, reasoning or mcp items", f"{where}.type")
+                              "function_call_output, reasoning, mcp or item_reference items", f"{where}.type")
     return messages, images
 
 
@@ -192,6 +192,14 @@ class ResponseStore:
                            code="previous_response_not_found")
         return stored
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An input or output item of a stored response by its id (the newest response first), or None."""
+        for stored in reversed(self._responses.values()):
+            for item in [*stored.input_items, *((stored.response or {}).get("output") or ())]:
+                if item.get("id") == item_id:
+                    return item
+        return None
+
     def find(self, response_id: str) -> StoredResponse:
         """The stored response `response_id` for its own routes (retrieve, delete, input items); 404 if none."""
         stored = self._responses.get(response_id)
@@ -206,6 +214,25 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._responses)
+
+
+def resolve_references(body: dict[str, Any], store: ResponseStore) -> dict[str, Any]:
+    """`body` with each `item_reference` of its `input` replaced by the stored item it names (an input or output
+    item of a stored response, as OpenAI resolves them); an id no stored response has is a 400."""
+    items = body.get("input")
+    if not isinstance(items, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference"
+                                              for i in items):
+        return body
+    resolved = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            item_id = field(item, "id", str, required=True, param=f"input[{i}].id")
+            found = store.item(item_id)
+            if found is None:  # OpenAI's words
+                raise bad_request(f"Item with id '{item_id}' not found.", f"input[{i}].id")
+            item = found
+        resolved.append(item)
+    return {**body, "input": resolved}
 
 
 def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:

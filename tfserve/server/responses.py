@@ -20,7 +20,7 @@ from tfserve.server.media import gather_images
 from tfserve.server.protocol import RESPONSES_FIELDS, check_fields, field, read_json, use_model
 from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_items import (StoredResponse, as_response_format, input_items, parse_input, parse_tools,
-                                           text_format)
+                                           resolve_references, text_format)
 from tfserve.server.response_output import ResponseOutput
 from tfserve.server.state import STATE
 from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
@@ -32,6 +32,7 @@ class Conversation:
     the new input), the images they bring, the tools (the client's functions and the MCP servers' offer) and what
     every turn shares (`turns`). Every field is checked on the way (a 400 naming it)."""
 
+    body: dict  # as sent, with its item references resolved
     model: str
     previous: StoredResponse | None
     history: list[dict]  # the conversation to store: the previous response's messages, then this input's
@@ -45,6 +46,7 @@ class Conversation:
 async def conversation(request: web.Request, body: dict) -> Conversation:
     state = request.app[STATE]
     check_fields(body, RESPONSES_FIELDS)
+    body = resolve_references(body, state.responses)
     if field(body, "truncation", str, "disabled") not in ("auto", "disabled"):
         raise bad_request("truncation must be auto or disabled", "truncation")
     model = await use_model(request, body, state)
@@ -68,7 +70,7 @@ async def conversation(request: web.Request, body: dict) -> Conversation:
     turns = Turns(state, body, functions, offer, constraint=constraint and (constraint[0], "text.format"),
                   max_tokens_fields=("max_output_tokens",), prompt_field="input")
     turns.kwargs.pop("n", None)
-    return Conversation(model, previous, history, messages, image_refs, offer, turns, max_tool_calls)
+    return Conversation(body, model, previous, history, messages, image_refs, offer, turns, max_tool_calls)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -79,6 +81,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                           "(or stream it)", "background")
     stream, store = field(body, "stream", bool, False), field(body, "store", bool, True)
     talk = await conversation(request, body)
+    body = talk.body
     model, previous, history, messages, image_refs, offer, turns, max_tool_calls = (
         talk.model, talk.previous, talk.history, talk.messages, talk.image_refs, talk.offer, talk.turns,
         talk.max_tool_calls)
