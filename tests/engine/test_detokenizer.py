@@ -298,3 +298,16 @@ def test_no_tokens_and_empty_stop_strings():
     detok = IncrementalDetokenizer(tokenizer, [], stop=["", "x"])
     assert detok.step([]) == ("", None)
     assert detok.flush() == "" and detok.text == ""
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "llama_style"])  # (metaspace's vocabulary lacks "→")
+def test_the_tokens_of_the_text_before_a_stop_string(kind):
+    """`num_tokens_of_text`: the fewest generated tokens whose decode gives the text emitted, a character split
+    across tokens counted whole (the engine keeps that many tokens' logprobs)."""
+    tokenizer = _tokenizer(kind)
+    token_ids = tokenizer.encode("mixed: café → naïve, 東京 done", add_special_tokens=False)
+    detok, _, matched = _stream(tokenizer, token_ids, stop=["→"])
+    assert matched == "→" and detok.text.rstrip() == "mixed: café"
+    k = detok.num_tokens_of_text()
+    assert tokenizer.decode(token_ids[:k]).startswith(detok.text)
+    assert not tokenizer.decode(token_ids[: k - 1]).startswith(detok.text)

@@ -117,6 +117,15 @@ def test_stop_string_across_tokens_is_cut_from_text(make_engine, tokenizer, refe
 
     out = engine.generate_batch([TEXTS[0]], greedy(stop=[stop], include_stop_str_in_output=True))
     assert next(iter(out.values())).text == full.text[: cut + len(stop)]
+
+    # logprobs: the tokens of the text returned, not those of the stop string (as OpenAI's)
+    (out,) = engine.generate_batch([TEXTS[0]], greedy(stop=[stop], logprobs=0)).values()
+    ids = [entry["token_id"] for entry in out.logprobs]
+    assert ids == full.generated_tokens[: len(ids)] and len(ids) <= k
+    assert tokenizer.decode(ids).startswith(out.text) and len(tokenizer.decode(ids[:-1])) < len(out.text)
+    (out,) = engine.generate_batch([TEXTS[0]], greedy(stop=[stop], logprobs=0,
+                                                       include_stop_str_in_output=True)).values()
+    assert len(out.logprobs) == k + 1
     assert_no_leak(engine)
 
 

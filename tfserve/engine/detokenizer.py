@@ -63,6 +63,19 @@ class IncrementalDetokenizer:
             self._emitted_chunks = ["".join(self._emitted_chunks)]
         return self._emitted_chunks[0] if self._emitted_chunks else ""
 
+    def num_tokens_of_text(self) -> int:
+        """How many of the generated tokens give the text emitted: the fewest whose decode covers it (after a stop
+        string cut the text, the tokens of the stop string and past it give none of it)."""
+        text = self.text
+        lo, hi = 0, len(self.token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._decode(self.token_ids[:mid]).startswith(text):  # (half a character is not the character)
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     @property
     def matched_stop(self) -> str | None:
         """The stop string that ended the text, or None."""

@@ -403,6 +403,10 @@ class Engine:
                     delta += text
                     if stop_str is not None:
                         status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                        if (request.logprobs and not detok.include_stop_str_in_output
+                                and len(request.logprobs) == len(detok.token_ids)):
+                            # the text ends before the stop string: so do its tokens' logprobs (as OpenAI's)
+                            del request.logprobs[detok.num_tokens_of_text():]
                     elif status is not None:
                         delta += detok.flush()
                 if status is not None:
