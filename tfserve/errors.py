@@ -6,6 +6,12 @@ class TfserveError(Exception):
     """An error whose message is fit to show a user as it is."""
 
 
+class UsageError(TfserveError):
+    """A command line's option values that cannot go together or mean nothing: exit code 2, as Click's own."""
+
+    exit_code = 2
+
+
 class ModelNotFoundError(TfserveError):
     """A model name or path that the store, the disk and the local HF cache do not have."""
 

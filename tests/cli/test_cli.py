@@ -301,3 +301,19 @@ def test_install_completion_installs_the_shipped_script(tmp_path, monkeypatch):
     installed = (tmp_path / ".bash_completions" / "tfserve.sh").read_text()
     assert installed.strip() == (ROOT / "completions" / "tfserve.bash").read_text().strip()
     assert "tfserve.sh" in (tmp_path / ".bashrc").read_text()
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "offline", "--engine", "nope"],  # a value tfserve refuses: exit 2, as Click's own usage errors
+    ["serve", "--block-size", "32", "--cb-block-size", "64"],
+    ["serve", "--max-num-seqs", "0"],  # Click's
+])
+def test_bad_option_values_exit_2_in_one_line(args):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error") and "Traceback" not in result.output
+
+
+def test_a_model_that_is_not_there_is_not_a_usage_error():
+    assert invoke("models", "info", "nope").exit_code == 1

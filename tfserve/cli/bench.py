@@ -15,7 +15,7 @@ from tfserve.cli import bench_audio
 from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
                                  TensorParallelOpt, CompileOpt, CudaGraphOpt)
 from tfserve.cli.output import console, err_console, to_json, writable, write_text
-from tfserve.errors import TfserveError
+from tfserve.errors import TfserveError, UsageError
 
 app = typer.Typer(
     help="Measure throughput and latency: offline (engine in-process) or online (any OpenAI-compatible URL).",
@@ -77,7 +77,7 @@ def offline(
     from tfserve.models.loading import load_model
 
     if engine not in ("tfserve", "transformers", "transformers-static"):
-        raise TfserveError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
+        raise UsageError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
     writable(output_json, "--output-json")
     from tfserve.models import store
 
@@ -195,7 +195,7 @@ def serve(
     from tfserve.bench.settings import run_settings
 
     if endpoint not in ("chat", "completions"):
-        raise TfserveError(f"--endpoint must be chat or completions, not {endpoint!r}")
+        raise UsageError(f"--endpoint must be chat or completions, not {endpoint!r}")
     writable(output_json, "--output-json")
     writable(plot, "--plot")
     base_url = _base_url(url)
@@ -258,14 +258,14 @@ def _image_data_url(path: Path, endpoint: str) -> str:
     import mimetypes
 
     if endpoint != "chat":
-        raise TfserveError("--image needs --endpoint chat (images travel as chat content parts)")
+        raise UsageError("--image needs --endpoint chat (images travel as chat content parts)")
     mime = mimetypes.guess_type(path.name)[0]
     if mime not in ("image/png", "image/jpeg", "image/webp", "image/gif"):
-        raise TfserveError(f"--image {path}: not a PNG, JPEG, WebP or GIF file (by its name)")
+        raise UsageError(f"--image {path}: not a PNG, JPEG, WebP or GIF file (by its name)")
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise TfserveError(f"--image {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"--image {path}: {exc.strerror or exc}") from None
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
@@ -291,7 +291,7 @@ def compare(
             if "runs" in data:
                 series.append((Path(path).stem, data["values"], data["runs"]))
         if not series:
-            raise TfserveError("--plot needs sweep results (tfserve bench serve --sweep ...)")
+            raise UsageError("--plot needs sweep results (tfserve bench serve --sweep ...)")
         plot_sweep(series, plot, json.loads(Path(files[0]).read_text()).get("sweep", "concurrency"))
 
 
@@ -317,9 +317,9 @@ def _parse_json(text: str | None, flag: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise TfserveError(f"{flag} is not valid JSON: {exc.msg}") from None
+        raise UsageError(f"{flag} is not valid JSON: {exc.msg}") from None
     if not isinstance(value, dict):
-        raise TfserveError(f"{flag} must be a JSON object")
+        raise UsageError(f"{flag} must be a JSON object")
     return value
 
 
@@ -328,11 +328,11 @@ def _parse_sweep(text: str) -> tuple[str, list]:
     kinds = {"concurrency": int, "request_rate": float, "max_tokens": int}
     key = key.strip().replace("-", "_")
     if key not in kinds or not values:
-        raise TfserveError("--sweep takes KEY=V1,V2,... with KEY one of concurrency, request_rate, max_tokens")
+        raise UsageError("--sweep takes KEY=V1,V2,... with KEY one of concurrency, request_rate, max_tokens")
     try:
         return key, [kinds[key](v) for v in values.split(",")]
     except ValueError:
-        raise TfserveError(f"--sweep values must be numbers: {values}") from None
+        raise UsageError(f"--sweep values must be numbers: {values}") from None
 
 
 def _local_tokenizer(model: str):

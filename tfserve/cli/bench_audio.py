@@ -12,7 +12,7 @@ import typer
 
 from tfserve.cli.completion import speech_models
 from tfserve.cli.output import console, err_console, to_json, writable, write_text
-from tfserve.errors import TfserveError
+from tfserve.errors import TfserveError, UsageError
 
 
 class AudioBackend(str, Enum):
@@ -154,7 +154,7 @@ def _concurrencies(text: str) -> list[int]:
     try:
         levels = [int(value) for value in text.split(",")]
     except ValueError:
-        raise TfserveError(f"--concurrency takes numbers separated by commas, not {text!r}") from None
+        raise UsageError(f"--concurrency takes numbers separated by commas, not {text!r}") from None
     if not levels or min(levels) < 1:
-        raise TfserveError("--concurrency values must be at least 1")
+        raise UsageError("--concurrency values must be at least 1")
     return levels

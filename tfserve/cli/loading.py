@@ -8,16 +8,16 @@ def engine_config_from_flags(engine_kwargs: dict):
     """The one EngineConfig the flags describe (a draft model named alone implies speculative draft); a bad
     value is one line naming the flag."""
     from tfserve.config import EngineConfig
-    from tfserve.errors import TfserveError
+    from tfserve.errors import UsageError
 
     if engine_kwargs.get("speculative_model") and not engine_kwargs.get("speculative"):
         engine_kwargs = {**engine_kwargs, "speculative": "draft"}
     try:
         config = EngineConfig(**engine_kwargs)
     except ValueError as exc:
-        raise TfserveError(f"--{str(exc).replace('_', '-')}") from None
+        raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     if config.speculative == "draft" and config.speculative_model is None:
-        raise TfserveError("--speculative draft needs --speculative-model: the draft model")
+        raise UsageError("--speculative draft needs --speculative-model: the draft model")
     return config
 
 

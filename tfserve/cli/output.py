@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from tfserve.errors import TfserveError
+from tfserve.errors import TfserveError, UsageError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -31,9 +31,9 @@ def writable(path: Path | None, flag: str) -> None:
     if path is None:
         return
     if path.is_dir():
-        raise TfserveError(f"{flag} {path} is a folder: give a file name")
+        raise UsageError(f"{flag} {path} is a folder: give a file name")
     if not path.parent.is_dir():
-        raise TfserveError(f"{flag} {path}: there is no folder {path.parent}")
+        raise UsageError(f"{flag} {path}: there is no folder {path.parent}")
 
 
 def write_text(path: Path, text: str) -> None:

@@ -21,9 +21,9 @@ from tfserve.cli.serve_compat import ServeCommand
 from tfserve.errors import TfserveError
 
 class _Group(TyperGroup):
-    """The root group: a `TfserveError` raised anywhere below it becomes one red line and exit code 1; a usage
-    error (a bad option value, a missing argument, an unknown option or command) one red line with Click's
-    message and its help hint, and exit code 2.
+    """The root group: a `TfserveError` raised anywhere below it becomes one red line and exit code 1 (2 for a
+    `UsageError`: option values tfserve itself refuses); a usage error of Click's (a bad option value, a missing
+    argument, an unknown option or command) one red line with Click's message and its help hint, and exit code 2.
 
     (Typer vendors its own click, so a `click.ClickException` raised here would escape as a traceback;
     printing and raising `typer.Exit` works with either.)"""
@@ -41,7 +41,7 @@ class _Group(TyperGroup):
             from tfserve.cli.output import error
 
             error(str(exc))
-            raise typer.Exit(1) from None
+            raise typer.Exit(getattr(exc, "exit_code", 1)) from None
         except typer.TyperException as exc:  # Click's errors: every subcommand's parsing runs in here
             _usage_error(exc)
 

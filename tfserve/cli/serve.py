@@ -22,7 +22,7 @@ from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt
                                  CudaGraphOpt)
 from tfserve.cli.serve_compat import Reasoning
 from tfserve.distributed.workers import torchrun_rank
-from tfserve.errors import TfserveError
+from tfserve.errors import TfserveError, UsageError
 
 ENGINE = "Engine"
 DISTRIBUTED = "Distributed"
@@ -325,14 +325,14 @@ def serve(
     if autoscale is not None:
         data_parallel_size = max(data_parallel_size, autoscale.min_replicas)
     if ray is not None and data_parallel_size == 1 and autoscale is None:
-        raise TfserveError("--ray places engine replicas: give --data-parallel-size 2 or more")
+        raise UsageError("--ray places engine replicas: give --data-parallel-size 2 or more")
     if ((data_parallel_size > 1 or autoscale is not None) and tensor_parallel_size > 1
             and (nnodes > 1 or distributed_init_method or torchrun_rank() is not None)):
-        raise TfserveError("replicas (--data-parallel-size, --max-replicas) split with --tensor-parallel-size run "
+        raise UsageError("replicas (--data-parallel-size, --max-replicas) split with --tensor-parallel-size run "
                            "each replica's ranks on its own machine: leave out --nnodes, --distributed-init-method "
                            "and torchrun")
     if node_rank >= nnodes:
-        raise TfserveError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
+        raise UsageError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
     _configure_logging(log_level.value)
     if tensor_parallel_size > 1 and (node_rank > 0 or (torchrun_rank() or 0) > 0):  # ranks only, no server
         from tfserve.distributed.workers import run_node
@@ -400,16 +400,16 @@ def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target
     if min_replicas is None and max_replicas is None:
         return None
     if max_replicas is None:
-        raise TfserveError("--min-replicas scales with the load up to --max-replicas: give --max-replicas too")
+        raise UsageError("--min-replicas scales with the load up to --max-replicas: give --max-replicas too")
     from tfserve.distributed.autoscale import AutoscalePolicy
 
     if data_parallel_size > max_replicas:
-        raise TfserveError(f"--data-parallel-size ({data_parallel_size}) must not be above --max-replicas "
+        raise UsageError(f"--data-parallel-size ({data_parallel_size}) must not be above --max-replicas "
                            f"({max_replicas})")
     try:
         return AutoscalePolicy(min_replicas or 1, max_replicas, target)
     except ValueError as exc:  # said in the flags' words
-        raise TfserveError(str(exc).replace("min_replicas", "--min-replicas").replace("max_replicas", "--max-replicas")
+        raise UsageError(str(exc).replace("min_replicas", "--min-replicas").replace("max_replicas", "--max-replicas")
                            ) from None
 
 
@@ -486,7 +486,7 @@ def _media_options(domains: list[str] | None, local_path: str | None, limit: str
         message = str(exc)
         for name, flag in _MEDIA_FLAGS.items():
             message = message.replace(name, flag)
-        raise TfserveError(message) from None
+        raise UsageError(message) from None
 
 
 _MEDIA_FLAGS = {"allowed_local_path": "--allowed-local-media-path", "max_images": "--limit-mm-per-prompt",
@@ -519,7 +519,7 @@ def _note(message: str) -> None:
 def _pinned_model(model_arg: str | None, force_model: str | None) -> str | None:
     """The positional MODEL is transformers serve's pinned model: the same as --force-model."""
     if model_arg is not None and force_model is not None and model_arg != force_model:
-        raise TfserveError(f"MODEL {model_arg!r} and --force-model {force_model!r} disagree: give one")
+        raise UsageError(f"MODEL {model_arg!r} and --force-model {force_model!r} disagree: give one")
     return model_arg or force_model
 
 
@@ -529,14 +529,14 @@ def _same(ctx: typer.Context, param: str, ours, theirs):
         return ours
     if ctx.get_parameter_source(param).name != "DEFAULT":
         name = "--" + param.replace("_", "-")
-        raise TfserveError(f"{name} {ours} and --cb-{name[2:]} {theirs} disagree: give one")
+        raise UsageError(f"{name} {ours} and --cb-{name[2:]} {theirs} disagree: give one")
     return theirs
 
 
 def _cuda_graph(ours: bool | None, theirs: bool | None) -> bool | None:
     """--cuda-graph, or transformers' --cb-use-cuda-graph: either one, or both when they agree."""
     if ours is not None and theirs is not None and ours != theirs:
-        raise TfserveError(f"--{'' if ours else 'no-'}cuda-graph and --{'' if theirs else 'no-'}cb-use-cuda-graph "
+        raise UsageError(f"--{'' if ours else 'no-'}cuda-graph and --{'' if theirs else 'no-'}cb-use-cuda-graph "
                            "disagree: give one")
     return theirs if ours is None else ours
 
@@ -555,7 +555,7 @@ def _dtype(dtype: Dtype, torch_dtype: str | None) -> str:
 def _kv_cache_memory(text: str | None, fraction: float | None) -> float | int | None:
     """--kv-cache-memory (bytes, or a fraction of free memory) or --cb-max-memory-percent (a fraction)."""
     if text is not None and fraction is not None:
-        raise TfserveError("--kv-cache-memory and --cb-max-memory-percent both size the KV cache: give one")
+        raise UsageError("--kv-cache-memory and --cb-max-memory-percent both size the KV cache: give one")
     if text is None:
         return fraction
     value = parse_size(text, "--kv-cache-memory")
@@ -584,7 +584,7 @@ def _check_attention(attn_implementation: str | None, device: str, dtype: str) -
         raise TfserveError("--attn-implementation flash_attention_2 needs a CUDA GPU (this server would run on "
                            "cpu); leave it unset for tfserve's paged attention, which runs everywhere")
     if dtype == Dtype.float32.value:
-        raise TfserveError("--attn-implementation flash_attention_2 runs in float16 or bfloat16: pass "
+        raise UsageError("--attn-implementation flash_attention_2 runs in float16 or bfloat16: pass "
                            "--dtype bfloat16 (or leave --dtype auto)")
 
 

@@ -124,13 +124,13 @@ def chat_template_kwargs(text: str | None, reasoning: Reasoning) -> dict[str, An
 
 def legacy_quantization(quantization: str, load_in_4bit: bool, load_in_8bit: bool) -> str:
     """transformers 4.x's --load-in-4bit / --load-in-8bit -> --quantization; one line when they disagree."""
-    from tfserve.errors import TfserveError
+    from tfserve.errors import UsageError
 
     wanted = {name for name, on in (("bnb-4bit", load_in_4bit), ("bnb-8bit", load_in_8bit)) if on}
     if quantization != "none":
         wanted.add(quantization)
     if len(wanted) > 1:
-        raise TfserveError(f"conflicting quantizations ({', '.join(sorted(wanted))}): give one --quantization")
+        raise UsageError(f"conflicting quantizations ({', '.join(sorted(wanted))}): give one --quantization")
     return wanted.pop() if wanted else "none"
 
 

@@ -11,7 +11,7 @@ import typer
 
 from tfserve.cli.completion import speech_models
 from tfserve.cli.output import writable, write_text
-from tfserve.errors import TfserveError
+from tfserve.errors import TfserveError, UsageError
 
 
 class AudioFormat(str, Enum):
@@ -84,7 +84,7 @@ def transcribe(
     try:
         code = whisper.check_request(language, task)
     except SpeechRequestError as exc:
-        raise TfserveError(f"--{exc.param}: {exc}" if exc.param == "model" else str(exc)) from None
+        raise UsageError(f"--{exc.param}: {exc}" if exc.param == "model" else str(exc)) from None
     options = TranscriptionOptions(task=task, language=code, prompt=prompt, temperature=temperature,
                                    word_timestamps=words)
     transcriber = Transcriber(whisper, max_audio_windows).start()
