@@ -253,7 +253,8 @@ def test_two_replicas_on_a_gpu_serve_one_engines_tokens(tmp_path):
     path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
     config = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8)
     load = {"device": "cuda", "dtype": "float32"}
-    replicated = start_replicas(ReplicaSpec(path, load, config, 2), lambda: Engine.from_pretrained(path, config, **load))
+    replicated = start_replicas(ReplicaSpec(path, load, config, 2),
+                                lambda: Engine.from_pretrained(path, config, **load))
     params = SamplingParams(**PARAMS)
     prompts = [[10 + i] * 16 + [7] for i in range(4)]
 

@@ -188,8 +188,8 @@ class ModelRunner:
         # decodes, and each checked proposal as a decode of its own (the same attention as one at a time)
         num_verifies = sum(1 for r in plan.requests[plan.num_decodes:] if r.spec_token_ids)
         first_prefill = plan.num_decodes + num_verifies
-        decode_rows = [(r, r.num_computed_tokens + i) for r, n in zip(plan.requests[:first_prefill], plan.num_new_tokens)
-                       for i in range(n)]
+        decode_rows = [(r, r.num_computed_tokens + i)
+                       for r, n in zip(plan.requests[:first_prefill], plan.num_new_tokens) for i in range(n)]
         if decode_rows:
             groups.append(self._decode_group(decode_rows))
         if first_prefill < len(plan.requests):
