@@ -126,6 +126,19 @@ def test_stop_string_across_tokens_is_cut_from_text(make_engine, tokenizer, refe
     (out,) = engine.generate_batch([TEXTS[0]], greedy(stop=[stop], logprobs=0,
                                                        include_stop_str_in_output=True)).values()
     assert len(out.logprobs) == k + 1
+
+    # streamed: each token's logprob goes out with its text, so the stop string's never do
+    request_id = engine.add_request(TEXTS[0], greedy(stop=[stop], logprobs=0))[0]
+    chunks = []
+    while engine.has_unfinished:
+        chunks += [o for o in engine.step() if o.request_id == request_id]
+    streamed = [entry for o in chunks for entry in o.delta_logprobs or ()]
+    assert streamed == chunks[-1].logprobs and len(streamed) == len(ids)
+    text = ""
+    for o in chunks:  # the tokens sent so far never run past the text sent so far (but for half a character)
+        text += o.delta_text
+        sent = [entry["token_id"] for c in chunks[: chunks.index(o) + 1] for entry in c.delta_logprobs or ()]
+        assert text.startswith(tokenizer.decode(sent).rstrip("\ufffd"))
     assert_no_leak(engine)
 
 

@@ -63,6 +63,11 @@ class IncrementalDetokenizer:
             self._emitted_chunks = ["".join(self._emitted_chunks)]
         return self._emitted_chunks[0] if self._emitted_chunks else ""
 
+    @property
+    def holds_text(self) -> bool:
+        """Some tokens' text is not emitted yet: a possible stop string's start, or half a character."""
+        return bool(self._held_text) or self.read_offset < len(self.token_ids)
+
     def num_tokens_of_text(self) -> int:
         """How many of the generated tokens give the text emitted: the fewest whose decode covers it (after a stop
         string cut the text, the tokens of the stop string and past it give none of it)."""

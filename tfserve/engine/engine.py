@@ -416,8 +416,20 @@ class Engine:
                 self.scheduler.finish(request, status)
                 request.finish_time = now
             outputs.append(self._output(request, taken, delta, final=status is not None,
-                                        delta_logprobs=[logprob] if logprob is not None else None))
+                                        delta_logprobs=self._logprobs_to_send(request, status is not None)))
         return outputs
+
+    @staticmethod
+    def _logprobs_to_send(request: Request, final: bool) -> list | None:
+        """The logprobs a stream sends with this output: those of the tokens whose text is out (all of them once
+        the request ends), so a chunk's logprobs go with its text and a stop string's tokens never show."""
+        if request.logprobs is None:
+            return None
+        detok = request.detokenizer
+        if not final and detok is not None and detok.holds_text:
+            return None
+        sent, request.num_logprobs_sent = request.num_logprobs_sent, len(request.logprobs)
+        return request.logprobs[sent:] or None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params

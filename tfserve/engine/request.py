@@ -50,7 +50,7 @@ class Request:
         "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "num_preemptions",
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
         "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids", "matcher",
-        "prompt_logprobs", "mm", "num_draft_computed",
+        "prompt_logprobs", "mm", "num_draft_computed", "num_logprobs_sent",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -76,6 +76,9 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        # logprobs streamed so far: a token's goes out with its text (held back while its text is: a stop string
+        # may yet cut it)
+        self.num_logprobs_sent = 0
         # vLLM's prompt logprobs, one entry per prompt token gathered so far; the first token's is None (nothing
         # comes before it to predict it)
         self.prompt_logprobs: list[dict[str, Any] | None] | None = None
