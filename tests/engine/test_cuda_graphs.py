@@ -87,6 +87,34 @@ def test_decode_steps_replay_graphs_and_give_the_eager_tokens(cpu_graphs, make_e
     assert graphs.num_replays >= 25  # the longest request decodes alone for its last steps
 
 
+@pytest.mark.parametrize("backend", ["hf", "lean"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "smollm3", "phi3", "gemma3"])
+def test_every_architecture_replays_the_eager_tokens(cpu_graphs, arch, backend):
+    """Sliding windows (in the padded keys' mask), layers without rotary, fused projections, per-head norms."""
+    from test_lean_forward import _model
+
+    from tfserve import Engine
+
+    model = _model(arch).eval()
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (3, 19, 9, 30, 5)]
+
+    def run(**kwargs):
+        engine = Engine(model, None, block_size=4, num_blocks=128, max_num_seqs=8, cpu_kernels=False,
+                        forward_backend=backend, **kwargs)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+               for p, n in zip(prompts, (4, 11, 16, 7, 13))]
+        done = {}
+        while engine.has_unfinished:
+            done.update((o.request_id, o.generated_tokens) for o in engine.step() if o.finished)
+        return [done[i] for i in ids], engine
+
+    expected, _ = run(cuda_graph=False)
+    tokens, engine = run()
+    assert tokens == expected
+    assert engine.runner.forward.name == backend and engine.runner.graphs.num_replays >= 8
+
+
 def test_metrics_count_the_graphs_captured_and_replayed(cpu_graphs, make_engine):
     from types import SimpleNamespace
 
