@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_protocol import RequestHandler
 
-from tfserve.server import admin, audio, chat, completions, health, models, responses
+from tfserve.server import admin, audio, chat, completions, conversations, health, models, responses
 from tfserve.server.errors import ApiError
 from tfserve.server.generation import USAGE
 from tfserve.server.residency import LEASE
@@ -50,6 +50,7 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/responses", responses.create_response)
     app.router.add_post("/v1/responses/input_tokens", responses.count_input_tokens)
+    conversations.add_routes(app)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)

@@ -5,6 +5,7 @@ bounded store behind `previous_response_id`."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -216,6 +217,42 @@ class ResponseStore:
         return len(self._responses)
 
 
+@dataclass
+class StoredConversation:
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[dict[str, Any]] = dataclass_field(default_factory=list)  # Responses items with ids, oldest first
+
+    def object(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
+
+
+class ConversationStore:
+    """The last `max_conversations` conversations, in memory: the oldest dropped first."""
+
+    def __init__(self, max_conversations: int = 1000) -> None:
+        self.max_conversations = max_conversations
+        self._conversations: OrderedDict[str, StoredConversation] = OrderedDict()
+
+    def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> StoredConversation:
+        stored = StoredConversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata, items)
+        self._conversations[stored.id] = stored
+        while len(self._conversations) > self.max_conversations:
+            self._conversations.popitem(last=False)
+        return stored
+
+    def find(self, conversation_id: str, param: str | None = None) -> StoredConversation:
+        stored = self._conversations.get(conversation_id)
+        if stored is None:  # OpenAI's words
+            raise ApiError(404, f"Conversation with id '{conversation_id}' not found.", param=param, code="not_found")
+        return stored
+
+    def delete(self, conversation_id: str) -> None:
+        self.find(conversation_id)
+        del self._conversations[conversation_id]
+
+
 def resolve_references(body: dict[str, Any], store: ResponseStore) -> dict[str, Any]:
     """`body` with each `item_reference` of its `input` replaced by the stored item it names (an input or output
     item of a stored response, as OpenAI resolves them); an id no stored response has is a 400."""
@@ -233,6 +270,30 @@ def resolve_references(body: dict[str, Any], store: ResponseStore) -> dict[str, 
             item = found
         resolved.append(item)
     return {**body, "input": resolved}
+
+
+def page(items: list[dict[str, Any]], query) -> dict[str, Any]:
+    """A page of `items` (oldest first) as OpenAI lists them: `limit` (1-100, default 20), `order` (desc, the
+    default, or asc) and `after` (the id the page starts after), from a request's `query`."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be asc or desc", "order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be an integer in [1, 100]", "limit")
+    items = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after names no item here ({after!r})", "after")
+        items = items[ids.index(after) + 1:]
+    chosen = items[:limit]
+    return {"object": "list", "data": chosen, "first_id": chosen[0]["id"] if chosen else None,
+            "last_id": chosen[-1]["id"] if chosen else None, "has_more": len(items) > limit}
 
 
 def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:

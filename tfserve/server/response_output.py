@@ -316,6 +316,7 @@ class ResponseOutput:
             "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": body.get("max_tool_calls"),
             "model": self.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
+            "conversation": body.get("conversation"),
             "reasoning": {"effort": None, "summary": None}, "store": body.get("store", True),
             "temperature": self.params.temperature, "text": {"format": text_format(body)},
             "tool_choice": body.get("tool_choice", "auto"), "tools": echo_tools(body.get("tools") or []),

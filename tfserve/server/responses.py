@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
-from tfserve.server import mcp_tools
+from tfserve.server import conversations, mcp_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.logprobs import top_count
 from tfserve.server.media import gather_images
 from tfserve.server.protocol import RESPONSES_FIELDS, check_fields, field, read_json, use_model
 from tfserve.server.response_format import requested_grammar
-from tfserve.server.response_items import (StoredResponse, as_response_format, input_items, parse_input, parse_tools,
-                                           resolve_references, text_format)
+from tfserve.server.response_items import (StoredResponse, as_response_format, input_items, page, parse_input,
+                                           parse_tools, resolve_references, text_format)
 from tfserve.server.response_output import ResponseOutput
 from tfserve.server.state import STATE
 from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
@@ -41,6 +41,7 @@ class Conversation:
     offer: mcp_tools.McpOffer
     turns: Turns
     max_tool_calls: int
+    thread: conversations.StoredConversation | None  # the conversation it goes on (`conversation`), or None
 
 
 async def conversation(request: web.Request, body: dict) -> Conversation:
@@ -50,19 +51,23 @@ async def conversation(request: web.Request, body: dict) -> Conversation:
     if field(body, "truncation", str, "disabled") not in ("auto", "disabled"):
         raise bad_request("truncation must be auto or disabled", "truncation")
     model = await use_model(request, body, state)
-    if body.get("conversation") is not None:
-        raise bad_request("conversation is not supported: use previous_response_id", "conversation")
     if body.get("prompt") is not None:  # a template stored on OpenAI's side: nothing here to apply
         raise bad_request("prompt (a stored prompt template) is not supported: send the instructions and input "
                           "themselves", "prompt")
     instructions = field(body, "instructions", str)
+    thread = conversations.requested(body, state.conversations)
     previous_id = field(body, "previous_response_id", str)
     previous = state.responses.get(previous_id) if previous_id else None
-    new_messages, new_images = parse_input(body, previous.messages if previous else [])
-    history = (previous.messages if previous else []) + new_messages
+    if thread is not None:  # its items come first, as if sent again before the input
+        body = {**body, "conversation": {"id": thread.id}}
+        earlier, earlier_images = parse_input({"input": thread.items}) if thread.items else ([], [])
+    else:
+        earlier, earlier_images = (previous.messages, previous.images) if previous else ([], [])
+    new_messages, new_images = parse_input(body, earlier)
+    history = earlier + new_messages
     # instructions are not carried over to the next response (as OpenAI): they lead this turn only, unstored
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
-    image_refs = (previous.images if previous else []) + new_images
+    image_refs = earlier_images + new_images
     functions, specs = mcp_tools.split_tools(parse_tools(body))
     max_tool_calls = max_tool_calls_of(body)
     offer = await mcp_tools.resolve(state, specs, {tool["name"] for tool in functions})
@@ -70,7 +75,8 @@ async def conversation(request: web.Request, body: dict) -> Conversation:
     turns = Turns(state, body, functions, offer, constraint=constraint and (constraint[0], "text.format"),
                   max_tokens_fields=("max_output_tokens",), prompt_field="input")
     turns.kwargs.pop("n", None)
-    return Conversation(body, model, previous, history, messages, image_refs, offer, turns, max_tool_calls)
+    return Conversation(body, model, previous, history, messages, image_refs, offer, turns, max_tool_calls,
+                        thread)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -101,6 +107,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if output.failed:  # the error event went out
         return await output.sse.close()
     response = output.response(usage)  # the finished Response object: returned (or the last event) and stored
+    if talk.thread is not None:  # the conversation goes on with this turn's input and output
+        talk.thread.items += input_items(body) + response["output"]
     if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(
@@ -140,26 +148,8 @@ async def list_input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}/input_items: the input of a stored response, as a page (OpenAI's `limit`, `order`,
     `after`)."""
     items = request.app[STATE].responses.find(request.match_info["response_id"]).input_items
-    query = request.query
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("order must be asc or desc", "order")
-    try:
-        limit = int(query.get("limit", 20))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise bad_request("limit must be an integer in [1, 100]", "limit")
-    items = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise bad_request(f"after names no item of this response ({after!r})", "after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return web.json_response(page(items, request.query))
+
 
 
 def requested_logprobs(body: dict) -> int | None:

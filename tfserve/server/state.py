@@ -17,7 +17,7 @@ from tfserve.server.mcp_tools import McpOptions
 from tfserve.server.media import MediaOptions
 from tfserve.server.metrics import ServerMetrics
 from tfserve.server.residency import Loader, ModelResidency
-from tfserve.server.response_items import ResponseStore
+from tfserve.server.response_items import ConversationStore, ResponseStore
 from tfserve.server.speech import SpeechModels, SpeechOptions
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class ServerState:
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
+        self.conversations = ConversationStore()  # /v1/conversations, for a response's `conversation`
         self.mcp_options = mcp or McpOptions()
         self._mcp_servers: Any = None  # tfserve.mcp.client.McpServers, made on first use (the SDK loads then)
         self.media_options = media or MediaOptions()  # image URLs, files and limits

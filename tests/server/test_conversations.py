@@ -1,0 +1,73 @@
+"""/v1/conversations through the openai SDK, and responses that go on a conversation (`conversation`)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tiny import MODEL_NAME
+
+
+def _prompt_tokens(tokenizer, messages) -> int:
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_responses_go_on_a_conversation(server, tokenizer):
+    client = server.client()
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}],
+                                               metadata={"topic": "greeting"})
+    assert conversation.object == "conversation" and conversation.metadata == {"topic": "greeting"}
+    first = client.responses.create(model=MODEL_NAME, conversation=conversation.id, input="what did I say?",
+                                    max_output_tokens=3, temperature=0)
+    assert first.conversation.id == conversation.id
+    history = [{"role": "user", "content": "hi"}, {"role": "user", "content": "what did I say?"}]
+    assert first.usage.input_tokens == _prompt_tokens(tokenizer, history)
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert items[2].id == first.output[0].id
+
+    second = client.responses.create(model=MODEL_NAME, conversation={"id": conversation.id}, input="again",
+                                     max_output_tokens=2, temperature=0)
+    history += [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "again"}]
+    assert second.usage.input_tokens == _prompt_tokens(tokenizer, history)
+    counted = client.responses.input_tokens.count(model=MODEL_NAME, conversation=conversation.id, input="more")
+    history += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "more"}]
+    assert counted.input_tokens == _prompt_tokens(tokenizer, history)
+
+
+def test_conversation_objects_and_items_are_kept_and_dropped(server):
+    client = server.client()
+    conversation = client.conversations.create()
+    assert client.conversations.retrieve(conversation.id).id == conversation.id
+    added = client.conversations.items.create(conversation.id, items=[
+        {"type": "message", "role": "user", "content": "one"}, {"type": "message", "role": "user", "content": "two"}])
+    assert [i.content[0].text for i in added.data] == ["one", "two"]
+    one, two = (i.id for i in added.data)
+    assert client.conversations.items.retrieve(two, conversation_id=conversation.id).content[0].text == "two"
+    page = client.conversations.items.list(conversation.id, limit=1)
+    assert [i.id for i in page.data] == [two] and page.has_more  # newest first, as OpenAI lists them
+    client.conversations.items.delete(one, conversation_id=conversation.id)
+    assert [i.id for i in client.conversations.items.list(conversation.id).data] == [two]
+    assert client.conversations.update(conversation.id, metadata={"k": "v"}).metadata == {"k": "v"}
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"conversation": "conv_nowhere"}, 404, "conversation"),
+    ({"conversation": 5}, 400, "conversation"),
+    ({"conversation": {"id": "conv_x"}, "previous_response_id": "resp_x"}, 400, "conversation"),
+])
+def test_a_bad_conversation_is_an_error_naming_it(server, body, status, param):
+    code, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi", **body})
+    assert code == status and error["error"]["param"] == param
+
+
+def test_bad_conversation_requests_are_400s(server):
+    assert server.request("POST", "/v1/conversations", {"items": [{"type": "message"}]})[0] == 400
+    assert server.request("POST", "/v1/conversations", {"metadata": {"k": 5}})[0] == 400
+    status, _, conversation = server.request("POST", "/v1/conversations", {})
+    assert status == 200
+    assert server.request("POST", f"/v1/conversations/{conversation['id']}/items", {})[0] == 400
+    assert server.request("GET", f"/v1/conversations/{conversation['id']}/items/nope")[0] == 404

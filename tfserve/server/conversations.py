@@ -1,0 +1,134 @@
+"""/v1/conversations: OpenAI's Conversations API over an in-memory store, and the `conversation` a response
+takes. A conversation is a list of Responses items (messages, calls, their outputs); a response made with
+`conversation` reads them before its own input, and its input and output items are added to it when it ends.
+
+    POST   /v1/conversations                          {items?, metadata?} -> the conversation
+    GET    /v1/conversations/{id}                     the conversation
+    POST   /v1/conversations/{id}                     {metadata} -> the conversation, updated
+    DELETE /v1/conversations/{id}                     {"id", "object": "conversation.deleted", "deleted": true}
+    GET    /v1/conversations/{id}/items               a page of its items (limit, order, after)
+    POST   /v1/conversations/{id}/items               {items} -> the items added, as a list
+    GET    /v1/conversations/{id}/items/{item_id}     one item
+    DELETE /v1/conversations/{id}/items/{item_id}     the conversation, without the item
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.protocol import field as body_field
+from tfserve.server.protocol import read_json
+from tfserve.server.response_items import (ConversationStore, StoredConversation, input_items, page,
+                                           parse_input)
+from tfserve.server.state import STATE
+
+MAX_METADATA = 16  # OpenAI's limit: keys of at most 64 characters, values of at most 512
+
+
+def requested(body: dict[str, Any], store: ConversationStore) -> StoredConversation | None:
+    """The conversation a Responses body names (`conversation`: an id, or `{"id": ...}`), or None."""
+    value = body.get("conversation")
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = body_field(value, "id", str, required=True, param="conversation.id")
+    elif not isinstance(value, str):
+        raise bad_request("conversation must be a conversation id or an object with its id", "conversation")
+    if body.get("previous_response_id") is not None:
+        raise bad_request("conversation and previous_response_id cannot be used together: a conversation "
+                          "holds its own history", "conversation")
+    return store.find(value, param="conversation")
+
+
+def checked_items(body: dict[str, Any], required: bool) -> list[dict[str, Any]]:
+    """`items` of a body (Responses input items), checked as a response's input is, with ids given to those
+    that have none."""
+    items = body_field(body, "items", list, [] if not required else None, required=required)
+    if items:
+        parse_input({"input": items})  # a 400 naming the item, as for a response's input
+    return input_items({"input": items}) if items else []
+
+
+def _metadata(body: dict[str, Any]) -> dict[str, str]:
+    metadata = body_field(body, "metadata", dict, {}) or {}
+    if len(metadata) > MAX_METADATA:
+        raise bad_request(f"metadata takes at most {MAX_METADATA} keys", "metadata")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise bad_request("metadata maps keys of at most 64 characters to strings of at most 512",
+                              f"metadata.{key}")
+    return metadata
+
+
+def _store(request: web.Request) -> ConversationStore:
+    return request.app[STATE].conversations
+
+
+async def create(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    stored = _store(request).create(checked_items(body, required=False), _metadata(body))
+    return web.json_response(stored.object())
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return web.json_response(_store(request).find(request.match_info["conversation_id"]).object())
+
+
+async def update(request: web.Request) -> web.Response:
+    stored = _store(request).find(request.match_info["conversation_id"])
+    body = await read_json(request)
+    if "metadata" not in body:
+        raise bad_request("metadata is required", "metadata")
+    stored.metadata = _metadata(body)
+    return web.json_response(stored.object())
+
+
+async def delete(request: web.Request) -> web.Response:
+    conversation_id = request.match_info["conversation_id"]
+    _store(request).delete(conversation_id)
+    return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+
+async def list_items(request: web.Request) -> web.Response:
+    stored = _store(request).find(request.match_info["conversation_id"])
+    return web.json_response(page(stored.items, request.query))
+
+
+async def add_items(request: web.Request) -> web.Response:
+    stored = _store(request).find(request.match_info["conversation_id"])
+    items = checked_items(await read_json(request), required=True)
+    stored.items += items
+    return web.json_response({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                              "last_id": items[-1]["id"] if items else None, "has_more": False})
+
+
+def _item(stored: StoredConversation, item_id: str) -> int:
+    for index, item in enumerate(stored.items):
+        if item.get("id") == item_id:
+            return index
+    raise ApiError(404, f"Item with id '{item_id}' not found.", code="not_found")
+
+
+async def retrieve_item(request: web.Request) -> web.Response:
+    stored = _store(request).find(request.match_info["conversation_id"])
+    return web.json_response(stored.items[_item(stored, request.match_info["item_id"])])
+
+
+async def delete_item(request: web.Request) -> web.Response:
+    stored = _store(request).find(request.match_info["conversation_id"])
+    del stored.items[_item(stored, request.match_info["item_id"])]
+    return web.json_response(stored.object())
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/conversations", create)
+    app.router.add_get("/v1/conversations/{conversation_id}", retrieve)
+    app.router.add_post("/v1/conversations/{conversation_id}", update)
+    app.router.add_delete("/v1/conversations/{conversation_id}", delete)
+    app.router.add_get("/v1/conversations/{conversation_id}/items", list_items)
+    app.router.add_post("/v1/conversations/{conversation_id}/items", add_items)
+    app.router.add_get("/v1/conversations/{conversation_id}/items/{item_id}", retrieve_item)
+    app.router.add_delete("/v1/conversations/{conversation_id}/items/{item_id}", delete_item)
