@@ -65,7 +65,8 @@ def test_a_bad_conversation_is_an_error_naming_it(server, body, status, param):
 
 
 def test_bad_conversation_requests_are_400s(server):
-    assert server.request("POST", "/v1/conversations", {"items": [{"type": "message"}]})[0] == 400
+    status, _, error = server.request("POST", "/v1/conversations", {"items": [{"type": "message"}]})
+    assert status == 400 and error["error"]["param"] == "items[0].role" and "items[0]" in error["error"]["message"]
     assert server.request("POST", "/v1/conversations", {"metadata": {"k": 5}})[0] == 400
     status, _, conversation = server.request("POST", "/v1/conversations", {})
     assert status == 200

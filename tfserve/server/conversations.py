@@ -48,7 +48,13 @@ def checked_items(body: dict[str, Any], required: bool) -> list[dict[str, Any]]:
     that have none."""
     items = body_field(body, "items", list, [] if not required else None, required=required)
     if items:
-        parse_input({"input": items})  # a 400 naming the item, as for a response's input
+        try:
+            parse_input({"input": items})  # a 400 naming the item, as for a response's input
+        except ApiError as exc:
+            if exc.param and exc.param.startswith("input["):  # named as this body names it
+                exc.param = "items" + exc.param[len("input"):]
+                exc.message = exc.message.replace("input[", "items[", 1)
+            raise
     return input_items({"input": items}) if items else []
 
 
