@@ -72,3 +72,13 @@ def test_bad_conversation_requests_are_400s(server):
     assert status == 200
     assert server.request("POST", f"/v1/conversations/{conversation['id']}/items", {})[0] == 400
     assert server.request("GET", f"/v1/conversations/{conversation['id']}/items/nope")[0] == 404
+
+
+def test_an_item_reference_may_name_a_conversation_item(server, tokenizer):
+    client = server.client()
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "remember"}])
+    (item,) = client.conversations.items.list(conversation.id).data
+    counted = client.responses.input_tokens.count(model=MODEL_NAME, input=[
+        {"type": "item_reference", "id": item.id}, {"role": "user", "content": "ok"}])
+    assert counted.input_tokens == _prompt_tokens(tokenizer, [{"role": "user", "content": "remember"},
+                                                              {"role": "user", "content": "ok"}])

@@ -242,6 +242,14 @@ class ConversationStore:
             self._conversations.popitem(last=False)
         return stored
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An item of a conversation by its id (the newest conversation first), or None."""
+        for stored in reversed(self._conversations.values()):
+            for item in stored.items:
+                if item.get("id") == item_id:
+                    return item
+        return None
+
     def find(self, conversation_id: str, param: str | None = None) -> StoredConversation:
         stored = self._conversations.get(conversation_id)
         if stored is None:  # OpenAI's words
@@ -253,9 +261,10 @@ class ConversationStore:
         del self._conversations[conversation_id]
 
 
-def resolve_references(body: dict[str, Any], store: ResponseStore) -> dict[str, Any]:
+def resolve_references(body: dict[str, Any], *stores: ResponseStore | ConversationStore) -> dict[str, Any]:
     """`body` with each `item_reference` of its `input` replaced by the stored item it names (an input or output
-    item of a stored response, as OpenAI resolves them); an id no stored response has is a 400."""
+    item of a stored response, or an item of a conversation, as OpenAI resolves them); an id none of the `stores`
+    has is a 400."""
     items = body.get("input")
     if not isinstance(items, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference"
                                               for i in items):
@@ -264,7 +273,7 @@ def resolve_references(body: dict[str, Any], store: ResponseStore) -> dict[str, 
     for i, item in enumerate(items):
         if isinstance(item, dict) and item.get("type") == "item_reference":
             item_id = field(item, "id", str, required=True, param=f"input[{i}].id")
-            found = store.item(item_id)
+            found = next((item for store in stores if (item := store.item(item_id)) is not None), None)
             if found is None:  # OpenAI's words
                 raise bad_request(f"Item with id '{item_id}' not found.", f"input[{i}].id")
             item = found

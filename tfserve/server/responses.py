@@ -47,7 +47,7 @@ class Conversation:
 async def conversation(request: web.Request, body: dict) -> Conversation:
     state = request.app[STATE]
     check_fields(body, RESPONSES_FIELDS)
-    body = resolve_references(body, state.responses)
+    body = resolve_references(body, state.responses, state.conversations)
     if field(body, "truncation", str, "disabled") not in ("auto", "disabled"):
         raise bad_request("truncation must be auto or disabled", "truncation")
     model = await use_model(request, body, state)
