@@ -25,6 +25,7 @@ def test_responses_go_on_a_conversation(server, tokenizer):
     items = client.conversations.items.list(conversation.id, order="asc").data
     assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant")]
     assert items[2].id == first.output[0].id
+    assert items[1].id == client.responses.input_items.list(first.id).data[0].id  # one input, one id
 
     second = client.responses.create(model=MODEL_NAME, conversation={"id": conversation.id}, input="again",
                                      max_output_tokens=2, temperature=0)

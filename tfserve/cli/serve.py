@@ -329,8 +329,8 @@ def serve(
     if ((data_parallel_size > 1 or autoscale is not None) and tensor_parallel_size > 1
             and (nnodes > 1 or distributed_init_method or torchrun_rank() is not None)):
         raise UsageError("replicas (--data-parallel-size, --max-replicas) split with --tensor-parallel-size run "
-                           "each replica's ranks on its own machine: leave out --nnodes, --distributed-init-method "
-                           "and torchrun")
+                         "each replica's ranks on its own machine: leave out --nnodes, --distributed-init-method "
+                         "and torchrun")
     if node_rank >= nnodes:
         raise UsageError(f"--node-rank must be below --nnodes {nnodes} (got {node_rank})")
     _configure_logging(log_level.value)
@@ -405,7 +405,7 @@ def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target
 
     if data_parallel_size > max_replicas:
         raise UsageError(f"--data-parallel-size ({data_parallel_size}) must not be above --max-replicas "
-                           f"({max_replicas})")
+                         f"({max_replicas})")
     try:
         return AutoscalePolicy(min_replicas or 1, max_replicas, target)
     except ValueError as exc:  # said in the flags' words
@@ -537,7 +537,7 @@ def _cuda_graph(ours: bool | None, theirs: bool | None) -> bool | None:
     """--cuda-graph, or transformers' --cb-use-cuda-graph: either one, or both when they agree."""
     if ours is not None and theirs is not None and ours != theirs:
         raise UsageError(f"--{'' if ours else 'no-'}cuda-graph and --{'' if theirs else 'no-'}cb-use-cuda-graph "
-                           "disagree: give one")
+                         "disagree: give one")
     return theirs if ours is None else ours
 
 
@@ -585,7 +585,7 @@ def _check_attention(attn_implementation: str | None, device: str, dtype: str) -
                            "cpu); leave it unset for tfserve's paged attention, which runs everywhere")
     if dtype == Dtype.float32.value:
         raise UsageError("--attn-implementation flash_attention_2 runs in float16 or bfloat16: pass "
-                           "--dtype bfloat16 (or leave --dtype auto)")
+                         "--dtype bfloat16 (or leave --dtype auto)")
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -21,7 +21,7 @@ from aiohttp import web
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.protocol import field as body_field
 from tfserve.server.protocol import read_json
-from tfserve.server.response_items import (ConversationStore, StoredConversation, input_items, page,
+from tfserve.server.response_items import (ConversationStore, StoredConversation, input_items, listing, page,
                                            parse_input)
 from tfserve.server.state import STATE
 
@@ -48,13 +48,7 @@ def checked_items(body: dict[str, Any], required: bool) -> list[dict[str, Any]]:
     that have none."""
     items = body_field(body, "items", list, [] if not required else None, required=required)
     if items:
-        try:
-            parse_input({"input": items})  # a 400 naming the item, as for a response's input
-        except ApiError as exc:
-            if exc.param and exc.param.startswith("input["):  # named as this body names it
-                exc.param = "items" + exc.param[len("input"):]
-                exc.message = exc.message.replace("input[", "items[", 1)
-            raise
+        parse_input(body, name="items")  # a 400 naming the item, as for a response's input
     return input_items({"input": items}) if items else []
 
 
@@ -107,8 +101,7 @@ async def add_items(request: web.Request) -> web.Response:
     stored = _store(request).find(request.match_info["conversation_id"])
     items = checked_items(await read_json(request), required=True)
     stored.items += items
-    return web.json_response({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-                              "last_id": items[-1]["id"] if items else None, "has_more": False})
+    return web.json_response(listing(items))
 
 
 def _item(stored: StoredConversation, item_id: str) -> int:

@@ -21,22 +21,22 @@ from tfserve.server.protocol import field, text_of
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = ()) -> tuple[list[dict[str, Any]],
-                                                                                 list[ImageRef]]:
-    """`input` (a string or a list of items) -> chat messages, and the refs of their `input_image` parts in
-    order. A `function_call` item becomes an assistant message's tool call (consecutive calls share one
-    message); a `function_call_output`, a tool message, which must answer a call made before it here or in
-    the `earlier` messages (those of previous_response_id)."""
-    items = field(body, "input", (str, list), required=True)
+def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = (), name: str = "input"
+                ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """`input` (a string or a list of items; the field `name`, where a body names its items otherwise) -> chat
+    messages, and the refs of their `input_image` parts in order. A `function_call` item becomes an assistant
+    message's tool call (consecutive calls share one message); a `function_call_output`, a tool message, which
+    must answer a call made before it here or in the `earlier` messages (those of previous_response_id)."""
+    items = field(body, name, (str, list), required=True)
     if isinstance(items, str):
         return [{"role": "user", "content": items}], []
     if not items:
-        raise bad_request("input must not be empty", "input")
+        raise bad_request(f"{name} must not be empty", name)
     messages: list[dict[str, Any]] = []
     images: list[ImageRef] = []
     calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", where)
         kind = item.get("type", "message")
@@ -172,49 +172,67 @@ class StoredResponse:
     input_items: list[dict[str, Any]] = dataclass_field(default_factory=list)  # this turn's input, with ids
 
 
-class ResponseStore:
-    """The last `max_responses` stored responses (`store` true, OpenAI's default), in memory, for
-    `previous_response_id`: oldest dropped first."""
+class _BoundedStore:
+    """The last `max_size` records by id, in memory: the oldest dropped first. `_items_of(record)` names the
+    Responses items a record holds, which `item` looks up by id."""
 
-    def __init__(self, max_responses: int = 1000) -> None:
-        self.max_responses = max_responses
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+    def __init__(self, max_size: int = 1000) -> None:
+        self.max_size = max_size
+        self._records: OrderedDict[str, Any] = OrderedDict()
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._responses[response_id] = stored
-        while len(self._responses) > self.max_responses:
-            self._responses.popitem(last=False)
+    def _put(self, key: str, record: Any) -> None:
+        self._records[key] = record
+        while len(self._records) > self.max_size:
+            self._records.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse:
-        stored = self._responses.get(response_id)
-        if stored is None:
-            raise ApiError(400, f"Previous response with id {response_id!r} not found (this server keeps the last "
-                                f"{self.max_responses} stored responses, in memory)", param="previous_response_id",
-                           code="previous_response_not_found")
-        return stored
+    def _items_of(self, record: Any) -> list[dict[str, Any]]:
+        raise NotImplementedError
 
     def item(self, item_id: str) -> dict[str, Any] | None:
-        """An input or output item of a stored response by its id (the newest response first), or None."""
-        for stored in reversed(self._responses.values()):
-            for item in [*stored.input_items, *((stored.response or {}).get("output") or ())]:
+        """An item of a record by its id (the newest record first), or None."""
+        for record in reversed(self._records.values()):
+            for item in self._items_of(record):
                 if item.get("id") == item_id:
                     return item
         return None
 
-    def find(self, response_id: str) -> StoredResponse:
-        """The stored response `response_id` for its own routes (retrieve, delete, input items); 404 if none."""
-        stored = self._responses.get(response_id)
-        if stored is None:
-            raise ApiError(404, f"No response found with id {response_id!r} (this server keeps the last "
-                                f"{self.max_responses} stored responses, in memory)", code="not_found")
-        return stored
+    def find(self, key: str) -> Any:
+        raise NotImplementedError
 
-    def delete(self, response_id: str) -> None:
-        self.find(response_id)
-        del self._responses[response_id]
+    def delete(self, key: str) -> None:
+        self.find(key)
+        del self._records[key]
 
     def __len__(self) -> int:
-        return len(self._responses)
+        return len(self._records)
+
+
+class ResponseStore(_BoundedStore):
+    """The last `max_responses` stored responses (`store` true, OpenAI's default), in memory, for
+    `previous_response_id`: oldest dropped first."""
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._put(response_id, stored)
+
+    def get(self, response_id: str) -> StoredResponse:
+        stored = self._records.get(response_id)
+        if stored is None:
+            raise ApiError(400, f"Previous response with id {response_id!r} not found (this server keeps the last "
+                                f"{self.max_size} stored responses, in memory)", param="previous_response_id",
+                           code="previous_response_not_found")
+        return stored
+
+    def _items_of(self, stored: StoredResponse) -> list[dict[str, Any]]:
+        """Its input and output items."""
+        return [*stored.input_items, *((stored.response or {}).get("output") or ())]
+
+    def find(self, response_id: str) -> StoredResponse:
+        """The stored response `response_id` for its own routes (retrieve, delete, input items); 404 if none."""
+        stored = self._records.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"No response found with id {response_id!r} (this server keeps the last "
+                                f"{self.max_size} stored responses, in memory)", code="not_found")
+        return stored
 
 
 @dataclass
@@ -228,37 +246,22 @@ class StoredConversation:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
 
 
-class ConversationStore:
-    """The last `max_conversations` conversations, in memory: the oldest dropped first."""
-
-    def __init__(self, max_conversations: int = 1000) -> None:
-        self.max_conversations = max_conversations
-        self._conversations: OrderedDict[str, StoredConversation] = OrderedDict()
+class ConversationStore(_BoundedStore):
+    """The last 1000 conversations (/v1/conversations), in memory: the oldest dropped first."""
 
     def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> StoredConversation:
         stored = StoredConversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata, items)
-        self._conversations[stored.id] = stored
-        while len(self._conversations) > self.max_conversations:
-            self._conversations.popitem(last=False)
+        self._put(stored.id, stored)
         return stored
 
-    def item(self, item_id: str) -> dict[str, Any] | None:
-        """An item of a conversation by its id (the newest conversation first), or None."""
-        for stored in reversed(self._conversations.values()):
-            for item in stored.items:
-                if item.get("id") == item_id:
-                    return item
-        return None
+    def _items_of(self, stored: StoredConversation) -> list[dict[str, Any]]:
+        return stored.items
 
     def find(self, conversation_id: str, param: str | None = None) -> StoredConversation:
-        stored = self._conversations.get(conversation_id)
+        stored = self._records.get(conversation_id)
         if stored is None:  # OpenAI's words
             raise ApiError(404, f"Conversation with id '{conversation_id}' not found.", param=param, code="not_found")
         return stored
-
-    def delete(self, conversation_id: str) -> None:
-        self.find(conversation_id)
-        del self._conversations[conversation_id]
 
 
 def resolve_references(body: dict[str, Any], *stores: ResponseStore | ConversationStore) -> dict[str, Any]:
@@ -300,9 +303,13 @@ def page(items: list[dict[str, Any]], query) -> dict[str, Any]:
         if after not in ids:
             raise bad_request(f"after names no item here ({after!r})", "after")
         items = items[ids.index(after) + 1:]
-    chosen = items[:limit]
-    return {"object": "list", "data": chosen, "first_id": chosen[0]["id"] if chosen else None,
-            "last_id": chosen[-1]["id"] if chosen else None, "has_more": len(items) > limit}
+    return listing(items[:limit], has_more=len(items) > limit)
+
+
+def listing(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
+    """`items` as OpenAI's list objects carry them: with the first and last ids."""
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
 
 
 def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:

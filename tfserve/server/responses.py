@@ -107,14 +107,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if output.failed:  # the error event went out
         return await output.sse.close()
     response = output.response(usage)  # the finished Response object: returned (or the last event) and stored
+    new_items = input_items(body)  # with ids, the same wherever this input is listed
     if talk.thread is not None:  # the conversation goes on with this turn's input and output
-        talk.thread.items += input_items(body) + response["output"]
+        talk.thread.items += new_items + response["output"]
     if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(
             history + output.messages, model, output.pending_approvals,
             listed | {item["server_label"] for item in offer.listings},
-            [replace(ref, where="previous_response_id") for ref in image_refs], response, input_items(body)))
+            [replace(ref, where="previous_response_id") for ref in image_refs], response, new_items))
     if output.sse is not None:
         await output.close(response)
         return await output.sse.close()
@@ -149,7 +150,6 @@ async def list_input_items(request: web.Request) -> web.Response:
     `after`)."""
     items = request.app[STATE].responses.find(request.match_info["response_id"]).input_items
     return web.json_response(page(items, request.query))
-
 
 
 def requested_logprobs(body: dict) -> int | None:

@@ -96,7 +96,6 @@ class Turns:
                     raise
                 messages = shorter
 
-
     async def render(self, messages: list[dict], offered: list[dict]) -> tuple[list[int], Any]:
         """`messages` with the `offered` tools through the chat template: the prompt's ids, and what the engine
         made of the conversation's images (None without images)."""
