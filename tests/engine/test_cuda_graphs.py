@@ -15,6 +15,7 @@ import torch
 from tfserve import SamplingParams
 from tfserve.engine.backends import cuda_graphs
 from tfserve.engine.backends.cuda_graphs import DecodeGraphs, batch_buckets
+from tiny import run_engine
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,15 +47,10 @@ def cpu_graphs(monkeypatch):
 
 def _generate(engine, max_tokens=(3, 9, 17, 5, 12, 30, 1, 8), **params):
     """Greedy generations of PROMPTS, each to its own length: the batch shrinks step by step across buckets."""
-    ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, **params))[0]
-           for p, n in zip(PROMPTS, max_tokens)]
-    outputs = {}
-    while engine.has_unfinished:
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = output
-    assert [outputs[i].finish_reason for i in ids] == ["length"] * len(ids), [outputs[i].error for i in ids]
-    return [outputs[i] for i in ids]
+    outputs = run_engine(engine, [(p, SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, **params))
+                                  for p, n in zip(PROMPTS, max_tokens)])
+    assert [o.finish_reason for o in outputs] == ["length"] * len(outputs), [o.error for o in outputs]
+    return outputs
 
 
 def test_buckets_cover_every_batch_up_to_the_largest():
@@ -102,12 +98,9 @@ def test_every_architecture_replays_the_eager_tokens(cpu_graphs, arch, backend):
     def run(**kwargs):
         engine = Engine(model, None, block_size=4, num_blocks=128, max_num_seqs=8, cpu_kernels=False,
                         forward_backend=backend, **kwargs)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
-               for p, n in zip(prompts, (4, 11, 16, 7, 13))]
-        done = {}
-        while engine.has_unfinished:
-            done.update((o.request_id, o.generated_tokens) for o in engine.step() if o.finished)
-        return [done[i] for i in ids], engine
+        outputs = run_engine(engine, [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                                      for p, n in zip(prompts, (4, 11, 16, 7, 13))])
+        return [o.generated_tokens for o in outputs], engine
 
     expected, _ = run(cuda_graph=False)
     tokens, engine = run()
