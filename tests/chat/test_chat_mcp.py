@@ -273,20 +273,32 @@ def test_the_loop_stops_after_max_rounds_with_every_call_answered(fake, console,
 def test_ctrl_c_during_a_tool_call_cancels_it_and_answers_every_call(fake, console, toolbox):
     server = fake([("slow", {"seconds": 30}), ADD], "never asked")
     session = chat(server, console, toolbox, auto_approve=True)
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while the slow call runs
-    timer.start()
+
+    async def num_calls_running():
+        return sum(t.get_coro().__qualname__ == "McpServers.call_tool" for t in asyncio.all_tasks())
+
+    done = threading.Event()
+
+    def ctrl_c_once_the_slow_call_runs():  # not on a timer: a slow start would send it to the prompt instead
+        while not done.is_set():
+            if asyncio.run_coroutine_threadsafe(num_calls_running(), toolbox._loop).result(5):
+                time.sleep(0.2)  # the call is on its way to the server
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    sender = threading.Thread(target=ctrl_c_once_the_slow_call_runs, daemon=True)
+    sender.start()
     try:
         out = run_keys(session, "go\r/exit\r")
     finally:
-        timer.cancel()
+        done.set()
+        sender.join(10)
     assert "[cancelled]" in out and len(server.requests) == 1
     assistant, slow, add = session.conversation.turns[1:]
     assert [c["id"] for c in assistant["tool_calls"]] == [slow["tool_call_id"], add["tool_call_id"]]
     assert (slow["content"], add["content"]) == (CANCELLED, NOT_RUN)
     assert toolbox.call(toolbox.tools["add"], {"a": 1, "b": 2}).output == "3"  # the toolbox still works
-
-    async def num_calls_running():
-        return sum(t.get_coro().__qualname__ == "McpServers.call_tool" for t in asyncio.all_tasks())
 
     deadline = time.monotonic() + 5
     while toolbox._run(num_calls_running()) and time.monotonic() < deadline:
