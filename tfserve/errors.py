@@ -5,6 +5,8 @@ OpenAI error body."""
 class TfserveError(Exception):
     """An error whose message is fit to show a user as it is."""
 
+    exit_code = 1  # the command line's, where it ends a command
+
 
 class UsageError(TfserveError):
     """A command line's option values that cannot go together or mean nothing: exit code 2, as Click's own."""

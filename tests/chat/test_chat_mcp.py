@@ -281,7 +281,7 @@ def test_ctrl_c_during_a_tool_call_cancels_it_and_answers_every_call(fake, conso
 
     def ctrl_c_once_the_slow_call_runs():  # not on a timer: a slow start would send it to the prompt instead
         while not done.is_set():
-            if asyncio.run_coroutine_threadsafe(num_calls_running(), toolbox._loop).result(5):
+            if toolbox._run(num_calls_running(), 5):
                 time.sleep(0.2)  # the call is on its way to the server
                 os.kill(os.getpid(), signal.SIGINT)
                 return

@@ -41,7 +41,7 @@ class _Group(TyperGroup):
             from tfserve.cli.output import error
 
             error(str(exc))
-            raise typer.Exit(getattr(exc, "exit_code", 1)) from None
+            raise typer.Exit(exc.exit_code) from None
         except typer.TyperException as exc:  # Click's errors: every subcommand's parsing runs in here
             _usage_error(exc)
 

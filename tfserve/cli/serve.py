@@ -410,7 +410,7 @@ def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target
         return AutoscalePolicy(min_replicas or 1, max_replicas, target)
     except ValueError as exc:  # said in the flags' words
         raise UsageError(str(exc).replace("min_replicas", "--min-replicas").replace("max_replicas", "--max-replicas")
-                           ) from None
+                         ) from None
 
 
 def _init_method(given: str | None) -> str | None:

@@ -48,7 +48,6 @@ static inline void linear_tile(const float* x, int64_t k, const W* panel, const 
     const Vec b = bias ? Vec::load(bias + j * Vec::N) : Vec::zero();
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
-  constexpr int64_t kAheadRows = 1024 / (P * sizeof(W));  // about 1 KiB ahead in the panel
   for (int64_t i = 0; i < k; ++i) {
     Vec w[NP * V];
     for (int p = 0; p < NP; ++p) {
@@ -57,6 +56,7 @@ static inline void linear_tile(const float* x, int64_t k, const W* panel, const 
       // which the hardware prefetcher follows better alone: prefetching there made a float32 decode step of
       // one sequence 10-15% slower (SmolLM2, AVX2 EPYC).
       if constexpr (NP == 1) {
+        constexpr int64_t kAheadRows = 1024 / (P * sizeof(W));  // about 1 KiB ahead in the panel
         const char* ahead = reinterpret_cast<const char*>(row + kAheadRows * P);
         for (int64_t b = 0; b < static_cast<int64_t>(P * sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
       }
