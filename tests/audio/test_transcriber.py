@@ -40,6 +40,52 @@ def test_slot_decoder_logits_equal_hfs_forward(whisper):
     assert torch.allclose(*alignments, atol=1e-4)  # the second window's cross-attention, either way
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_slot_decoder_equals_hfs_forward_and_speech_is_transcribed(whisper, whisper_dir):
+    """The same slots on a GPU (caches, inputs and encoder there; logits back on the CPU), then the float16 model
+    `--device cuda` loads, batched like on the CPU."""
+    import copy
+
+    from tfserve.audio.job import TranscriptionOptions
+    from tfserve.audio.transcriber import Transcriber
+    from tfserve.audio.whisper_forward import WhisperSlots
+    from tfserve.audio.whisper_model import WhisperModel
+
+    model = copy.deepcopy(whisper.model).to("cuda")
+    features = torch.stack([whisper.features(speech(name))[:, :3000] for name in ("fox", "birch")])
+    prompts, nexts = [[50257, 50363, 383, 2068], [50257, 50363]], [[7586], [383]]
+    with torch.inference_mode():
+        refs = [model(input_features=features[b:b + 1].cuda(), decoder_input_ids=torch.tensor(
+            [prompt + nexts[b]], device="cuda")).logits[0].cpu() for b, prompt in enumerate(prompts)]
+    slots = WhisperSlots(model, 4)
+    assert slots.self_k.device.type == "cuda" and not slots.kernels
+    slots.encode([0, 1], features)
+    logits, _ = slots.decode(prompts, [0, 0])
+    step, _ = slots.decode(nexts, [len(p) for p in prompts])
+    assert logits.device.type == "cpu"
+    for b, prompt in enumerate(prompts):
+        assert torch.allclose(logits[b], refs[b][len(prompt) - 1], atol=2e-3)
+        assert torch.allclose(step[b], refs[b][len(prompt)], atol=2e-3)
+
+    gpu = WhisperModel.load(whisper_dir, "whisper-tiny.en", device="cuda")
+    assert gpu.device.type == "cuda" and gpu.model.dtype == torch.float16
+    transcriber = Transcriber(gpu, max_num_windows=4).start()
+    try:
+        names = ENGLISH[:4]
+        results = [None] * len(names)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, transcriber.transcribe(
+            speech(names[i]), TranscriptionOptions(word_timestamps=True)))) for i in range(len(names))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for name, result in zip(names, results):
+            assert wer(SENTENCES[name]["text"], result.text) <= 0.34, (name, result.text)
+            assert all(s.words for s in result.segments)
+    finally:
+        transcriber.stop()
+
+
 def test_real_speech_is_transcribed_and_concurrent_jobs_share_steps_for_the_same_text(transcriber):
     names = ENGLISH[:8]  # eight requests at once
     steps_before = transcriber.stats.num_steps

@@ -317,3 +317,14 @@ def test_bad_option_values_exit_2_in_one_line(args):
 
 def test_a_model_that_is_not_there_is_not_a_usage_error():
     assert invoke("models", "info", "nope").exit_code == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", [["transcribe"], ["bench", "transcribe"]])
+def test_speech_on_a_device_this_machine_lacks_is_one_line(tmp_path, command):
+    audio = tmp_path / "talk.wav"
+    audio.write_bytes(b"RIFF")
+    result = invoke(*command, str(audio), "--device", "cuda")
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--device cuda: CUDA is not available" in lines[0], result.output

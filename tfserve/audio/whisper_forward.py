@@ -33,17 +33,19 @@ class WhisperSlots:
         self.max_len = config.max_target_positions  # decoder positions: prompt + sampled tokens, 448
         self.num_frames = config.max_source_positions  # encoder positions of one window, 1500
         num_layers = len(self.decoder.layers)
-        dtype = model.dtype
+        dtype, self.device = model.dtype, model.device
         # [layer, slot, head, position, head_dim]: every (slot, head) of a layer is one block of the engine's paged
         # layout [num_blocks, block_size, 1, head_dim], so its decode attention kernel reads a head's keys in a row
-        self.self_k = torch.zeros(num_layers, num_slots, self.num_heads, self.max_len, self.head_dim, dtype=dtype)
+        self.self_k = torch.zeros(num_layers, num_slots, self.num_heads, self.max_len, self.head_dim, dtype=dtype,
+                                  device=self.device)
         self.self_v = torch.zeros_like(self.self_k)
-        self.cross_k = torch.zeros(num_layers, num_slots, self.num_heads, self.num_frames, self.head_dim, dtype=dtype)
+        self.cross_k = torch.zeros(num_layers, num_slots, self.num_heads, self.num_frames, self.head_dim, dtype=dtype,
+                                   device=self.device)
         self.cross_v = torch.zeros_like(self.cross_k)
         # every decoder linear, by the module it multiplies for: the kernels' packed copy, or F.linear without them
         linears = [model.proj_out] + [module for layer in self.decoder.layers for module in layer.modules()
                                       if isinstance(module, torch.nn.Linear)]
-        weights = "float32" if ops is not None and model.dtype == torch.float32 else "torch"
+        weights = "float32" if ops is not None and dtype == torch.float32 and self.device.type == "cpu" else "torch"
         self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
         self.kernels = weights != "torch"
         # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
@@ -53,6 +55,10 @@ class WhisperSlots:
         """`module(x)` through its engine copy, x: [..., in_features]."""
         out = self._linears[id(module)](x.reshape(-1, x.shape[-1]).contiguous())
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _tensor(self, data) -> torch.Tensor:
+        """`data` (a list) as a tensor on the model's device."""
+        return torch.tensor(data).to(self.device, non_blocking=True)
 
     @staticmethod
     def cache_bytes(config, num_slots: int, element_size: int = 4) -> int:
@@ -66,11 +72,11 @@ class WhisperSlots:
         keys and values in its slot. On a CPU the windows go through one at a time: the encoder is compute-bound
         there, and a batch only adds activations that outgrow the caches (8 windows at once took 10-15% longer
         than one after another)."""
-        group = 1 if self.model.device.type == "cpu" else len(slots)
+        group = 1 if self.device.type == "cpu" else len(slots)
         for first in range(0, len(slots), group):
-            batch = features[first:first + group].to(self.model.dtype)
+            batch = features[first:first + group].to(self.device, self.model.dtype)
             hidden = self.model.model.encoder(batch).last_hidden_state  # [group, 1500, d_model]
-            index = torch.tensor(slots[first:first + group])
+            index = self._tensor(slots[first:first + group])
             for i, layer in enumerate(self.decoder.layers):
                 attn = layer.encoder_attn
                 self.cross_k[i, index] = self._heads(attn.k_proj(hidden), len(index))
@@ -86,15 +92,14 @@ class WhisperSlots:
                extra_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decoder step for slots 0..len(tokens)-1: slot b appends `tokens[b]` (one or more) at positions
         `starts[b]`... Returns the float32 logits after each slot's last new token [B, vocab], and, with
-        `extra_positions`, the logits at that index of each slot's new tokens (-1: none) [B, vocab]."""
+        `extra_positions`, the logits at that index of each slot's new tokens (-1: none) [B, vocab]. The logits are
+        on the CPU, whatever the model's device."""
         batch, num_new = len(tokens), max(len(t) for t in tokens)
-        ids = torch.zeros(batch, num_new, dtype=torch.long)
-        for b, row in enumerate(tokens):
-            ids[b, :len(row)] = torch.tensor(row)
-        lengths = torch.tensor([len(t) for t in tokens])
+        ids = self._tensor([row + [0] * (num_new - len(row)) for row in tokens])  # [B, T]
+        lengths = self._tensor([len(t) for t in tokens])
         # padding tokens past a row's own write future positions, overwritten before anything attends to them
-        positions = (torch.tensor(starts)[:, None] + torch.arange(num_new)).clamp_(max=self.max_len - 1)  # [B, T]
-        slots = torch.arange(batch)[:, None]
+        positions = self._tensor([[min(start + t, self.max_len - 1) for t in range(num_new)] for start in starts])
+        slots = torch.arange(batch, device=self.device)[:, None]
 
         decoder = self.decoder
         hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[positions]  # [B, T, d_model]
@@ -110,12 +115,12 @@ class WhisperSlots:
             hidden = self._cross_and_mlp(i, layer, hidden, 0)
         hidden = decoder.layer_norm(hidden)
 
-        rows = torch.arange(batch)
-        logits = self._linear(self.model.proj_out, hidden[rows, lengths - 1]).float()
+        rows = slots[:, 0]
+        logits = self._linear(self.model.proj_out, hidden[rows, lengths - 1]).float().cpu()
         extra = None
         if extra_positions is not None:
-            at = torch.tensor(extra_positions)
-            extra = self._linear(self.model.proj_out, hidden[rows, at.clamp(min=0)]).float()
+            at = self._tensor(extra_positions)
+            extra = self._linear(self.model.proj_out, hidden[rows, at.clamp(min=0)]).float().cpu()
         return logits, extra
 
     @torch.inference_mode()
@@ -124,7 +129,7 @@ class WhisperSlots:
         `tokens` read in one pass over slot `slot`'s window: [len(heads), len(tokens), num_frames]. The slot's
         self-attention cache is left as it is."""
         decoder, num_tokens = self.decoder, len(tokens)
-        hidden = decoder.embed_tokens(torch.tensor([tokens])) + decoder.embed_positions.weight[:num_tokens]
+        hidden = decoder.embed_tokens(self._tensor([tokens])) + decoder.embed_positions.weight[:num_tokens]
         scores = {}
         for i, layer in enumerate(decoder.layers):
             attn = layer.self_attn
@@ -139,7 +144,7 @@ class WhisperSlots:
                 qk = (q[0, wanted] @ self.cross_k[i, slot, wanted].transpose(-1, -2)) * attn.scaling  # [h, T, frames]
                 scores.update({(i, h): qk[n] for n, h in enumerate(wanted)})
             hidden = self._cross_and_mlp(i, layer, hidden, slot)
-        return torch.stack([scores[pair] for pair in heads]).float()
+        return torch.stack([scores[pair] for pair in heads]).float().cpu()
 
     def _cross_and_mlp(self, i: int, layer, hidden: torch.Tensor, first_slot: int) -> torch.Tensor:
         """The cross-attention and feed-forward halves of decoder layer `i`; row b reads slot first_slot + b."""
@@ -158,7 +163,7 @@ class WhisperSlots:
         batch, _, num_new, _ = q.shape
         _, num_heads, num_positions, head_dim = k_cache.shape
         if key_lens is None:
-            key_lens = torch.full((batch, num_new), num_positions, dtype=torch.long)
+            key_lens = torch.full((batch, num_new), num_positions, dtype=torch.long, device=q.device)
         if self._attention_ops is not None:
             # every (row, head, token) a sequence of one head, whose one block is its slot's keys of that head
             blocks = torch.arange(first_slot * num_heads, (first_slot + batch) * num_heads).repeat_interleave(num_new)
@@ -171,7 +176,7 @@ class WhisperSlots:
         keys, values = (cache[first_slot:first_slot + batch, :, :num_keys] for cache in (k_cache, v_cache))
         mask = None
         if bool((key_lens < num_keys).any()):
-            mask = (torch.arange(num_keys)[None, None, :] < key_lens[:, :, None])[:, None]  # [B, 1, T, K]
+            mask = (torch.arange(num_keys, device=q.device)[None, None, :] < key_lens[:, :, None])[:, None]  # [B,1,T,K]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
     def _heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:

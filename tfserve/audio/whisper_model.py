@@ -81,29 +81,40 @@ class WhisperModel:
             (layer, head) for layer in range(config.decoder_layers // 2, config.decoder_layers)
             for head in range(config.decoder_attention_heads)]
 
-    @classmethod
-    def load(cls, path: str | Path, name: str | None = None) -> WhisperModel:
-        """Load a transformers Whisper directory (float32, CPU), on a thread that ends (`tfserve.engine.threads`)."""
-        return run_in_fresh_thread(cls._load, path, name)
+    @property
+    def device(self) -> Any:
+        return self.model.device
 
     @classmethod
-    def _load(cls, path: str | Path, name: str | None = None) -> WhisperModel:
+    def load(cls, path: str | Path, name: str | None = None, device: str = "cpu") -> WhisperModel:
+        """Load a transformers Whisper directory on `device` ("auto", "cpu", "cuda[:N]"), on a thread that ends
+        (`tfserve.engine.threads`)."""
+        return run_in_fresh_thread(cls._load, path, name, device)
+
+    @classmethod
+    def _load(cls, path: str | Path, name: str | None = None, device: str = "cpu") -> WhisperModel:
         from transformers import AutoConfig, WhisperForConditionalGeneration, WhisperProcessor
 
+        from tfserve.models.loading import resolve_device
+
+        device = resolve_device(device)
         config = AutoConfig.from_pretrained(path)
         if config.model_type != "whisper":
             raise NotSpeechModelError(f"{name or path} is a {config.model_type} model, not a Whisper speech model")
-        model = WhisperForConditionalGeneration.from_pretrained(path, dtype="float32").eval()
+        # float32 on a CPU (its fast kernels are float32 ones; the decoder's linears read 16-bit packed copies);
+        # float16 on a GPU, as openai-whisper and faster-whisper run it there
+        dtype = "float32" if device == "cpu" else "float16"
+        model = WhisperForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
         return cls(model, WhisperProcessor.from_pretrained(path), name or Path(path).name)
 
     @classmethod
-    def from_spec(cls, spec: str, progress=None, allow_paths: bool = True) -> WhisperModel:
+    def from_spec(cls, spec: str, progress=None, allow_paths: bool = True, device: str = "cpu") -> WhisperModel:
         """Load what `spec` names (a store name, an HF model directory or a cached hub id; no directory unless
-        `allow_paths`); a speech model of tfserve's catalog is pulled first when the store lacks it."""
-        return run_in_fresh_thread(cls._from_spec, spec, progress, allow_paths)
+        `allow_paths`) on `device`; a speech model of tfserve's catalog is pulled first when the store lacks it."""
+        return run_in_fresh_thread(cls._from_spec, spec, progress, allow_paths, device)
 
     @classmethod
-    def _from_spec(cls, spec: str, progress=None, allow_paths: bool = True) -> WhisperModel:
+    def _from_spec(cls, spec: str, progress=None, allow_paths: bool = True, device: str = "cpu") -> WhisperModel:
         from tfserve.engine import kernels
         from tfserve.models import catalog, store
         from tfserve.models.convert import hf_progress_bars
@@ -119,8 +130,8 @@ class WhisperModel:
         if resolved.kind == "gguf":
             raise NotSpeechModelError(f"{spec} is a GGUF file; speech models are transformers Whisper directories")
         with hf_progress_bars(enabled=False):  # the caller shows its own progress, or none (a server)
-            whisper = cls._load(resolved.path, resolved.name)
-        if progress is not None and os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0":
+            whisper = cls._load(resolved.path, resolved.name, device)
+        if progress is not None and whisper.device.type == "cpu" and os.environ.get("TFSERVE_CPU_KERNELS", "1") != "0":
             kernels.build_with_progress(progress)
         return whisper
 

@@ -102,12 +102,13 @@ async def run_online(base_url: str, model: str, inputs: list[np.ndarray], concur
     return list(records), time.perf_counter() - start
 
 
-def transformers_pipeline(path: str) -> Callable[[np.ndarray], str]:
-    """transformers' own `pipeline("automatic-speech-recognition")` over the same model, long audio in 30 s
-    chunks: the baseline."""
+def transformers_pipeline(whisper) -> Callable[[np.ndarray], str]:
+    """transformers' own `pipeline("automatic-speech-recognition")` over the same loaded model (a
+    `WhisperModel`: same weights, device and dtype as tfserve's), long audio in 30 s chunks: the baseline."""
     from transformers import pipeline
 
-    asr = pipeline("automatic-speech-recognition", model=path, device="cpu", chunk_length_s=30)
+    asr = pipeline("automatic-speech-recognition", model=whisper.model, tokenizer=whisper.processor.tokenizer,
+                   feature_extractor=whisper.processor.feature_extractor, device=whisper.device, chunk_length_s=30)
     lock = threading.Lock()  # the pipeline is not made for concurrent calls: they take turns
 
     def transcribe(audio: np.ndarray) -> str:

@@ -37,6 +37,8 @@ def transcribe(
     clip_seconds: Annotated[float | None, typer.Option(
         "--clip-seconds", min=0.5, show_default=False,
         help="Cut (or loop) the audio into clips of this length; default: the files as they are.")] = None,
+    device: Annotated[str, typer.Option(
+        "--device", help="In-process: auto, cpu, cuda or cuda:N.")] = "auto",
     api_key: Annotated[str, typer.Option("--api-key", envvar="TFSERVE_API_KEY", help="Bearer token.")] = "EMPTY",
     output_json: Annotated[Path | None, typer.Option("--output-json", "-o", help="Write the results as JSON here.")
                            ] = None,
@@ -58,6 +60,10 @@ def transcribe(
 
     levels = _concurrencies(concurrency)
     writable(output_json, "--output-json")
+    if url is None:
+        from tfserve.models.loading import resolve_device
+
+        device = resolve_device(device)  # a device this machine lacks fails now, in one line
     audio = []
     for path in files:
         try:
@@ -68,7 +74,7 @@ def transcribe(
     if url is not None:
         label, run = f"{url} {model}", _online(url, model, api_key)
     else:
-        label, run = f"{backend.value} {model}", _offline(model, backend)
+        label, run = f"{backend.value} {model}", _offline(model, backend, device)
     runs = []
     for level in levels:
         result = {"backend": "online" if url else backend.value, "model": model, "concurrency": level,
@@ -83,7 +89,7 @@ def transcribe(
         raise TfserveError("every transcription failed (see above)")
 
 
-def _offline(model: str, backend: AudioBackend):
+def _offline(model: str, backend: AudioBackend, device: str):
     from tfserve.audio.transcriber import Transcriber
     from tfserve.audio.whisper_model import WhisperModel
     from tfserve.bench.audio import run_offline, summarize, transformers_pipeline
@@ -91,11 +97,9 @@ def _offline(model: str, backend: AudioBackend):
 
     with step_progress() as progress:
         progress(f"Loading {model}")
-        whisper = WhisperModel.from_spec(model, progress=progress)
+        whisper = WhisperModel.from_spec(model, progress=progress, device=device)
     if backend == AudioBackend.transformers:
-        from tfserve.models.loading import resolve_model
-
-        transcribe_one = transformers_pipeline(str(resolve_model(model).path))
+        transcribe_one = transformers_pipeline(whisper)
     else:
         transcriber = Transcriber(whisper, max_num_windows=8).start()  # a daemon thread: ends with the command
 

@@ -355,7 +355,7 @@ def serve(
                         media=_media_options(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt,
                                              max_image_size, max_image_pixels, media_fetch_timeout),
                         speech=SpeechOptions(default_model=speech_model, max_audio_s=max_audio_seconds,
-                                             max_num_windows=max_audio_windows))
+                                             max_num_windows=max_audio_windows, device=device))
     state.telemetry = from_options(state, otel)
     origins = [*(cors_allow_origins or ()), *(["*"] if enable_cors else [])]
     app = create_app(state, api_key=api_key or None, cors_allow_origins=origins,

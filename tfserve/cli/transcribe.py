@@ -48,6 +48,7 @@ def transcribe(
         "--output", "-o", show_default=False, help="Write to this file instead of standard output.")] = None,
     max_audio_windows: Annotated[int, typer.Option(
         min=1, help="30-second windows decoded together.")] = 8,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
 ) -> None:
     """Transcribe (or translate) an audio file with Whisper.
 
@@ -68,7 +69,9 @@ def transcribe(
     from tfserve.audio.transcriber import Transcriber
     from tfserve.audio.whisper_model import SpeechRequestError, WhisperModel
     from tfserve.cli.progress import step_progress
+    from tfserve.models.loading import resolve_device
 
+    device = resolve_device(device)  # a device this machine lacks fails now, in one line
     try:
         data = file.read_bytes()
     except OSError as exc:
@@ -79,7 +82,7 @@ def transcribe(
         raise TfserveError(f"{file}: {exc}") from None
     with step_progress() as progress:
         progress(f"Loading {model}")
-        whisper = WhisperModel.from_spec(model, progress=progress)
+        whisper = WhisperModel.from_spec(model, progress=progress, device=device)
     task = "translate" if translate else "transcribe"
     try:
         code = whisper.check_request(language, task)

@@ -104,11 +104,10 @@ class ModelRunner:
     def _num_blocks_for(self, kv_cache_memory: float | int | None) -> int:
         if kv_cache_memory is None or kv_cache_memory <= 1:
             fraction = kv_cache_memory
+            available = available_memory(self.device)
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                num_bytes = int(free * (fraction or DEFAULT_CUDA_KV_CACHE_FRACTION))
+                num_bytes = int(available * (fraction or DEFAULT_CUDA_KV_CACHE_FRACTION))
             else:
-                available = available_memory()
                 num_bytes = int(available * fraction) if fraction else min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4)
         else:
             num_bytes = int(kv_cache_memory)
@@ -284,8 +283,10 @@ def max_model_len(config: EngineConfig, text_config) -> int:
     return config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
 
 
-def available_memory() -> int:
-    """Bytes of memory available to new allocations on this host."""
+def available_memory(device: torch.device | None = None) -> int:
+    """Bytes of memory available to new allocations on `device`: a GPU's free memory, else this host's."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         import psutil
 

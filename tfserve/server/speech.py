@@ -32,6 +32,7 @@ class SpeechOptions:
     max_audio_s: float = 3600.0  # longer files are refused
     max_num_windows: int = 8  # 30-second windows decoded together per model
     max_loaded: int = 2  # speech models kept loaded
+    device: str = "cpu"  # where they run: the chat model's --device ("auto" resolves the same way)
 
 
 class SpeechModels:
@@ -71,7 +72,8 @@ class SpeechModels:
         from tfserve.engine.runner import available_memory
 
         try:  # the operator's --speech-model may be a path; a client's name may not
-            whisper = await in_daemon_thread(WhisperModel.from_spec, spec, None, spec == self.options.default_model)
+            whisper = await in_daemon_thread(WhisperModel.from_spec, spec, None, spec == self.options.default_model,
+                                             self.options.device)
         except NotSpeechModelError:
             raise _not_speech(spec) from None
         except ModelNotFoundError as exc:
@@ -81,8 +83,9 @@ class SpeechModels:
             raise ApiError(500, f"loading speech model {spec!r} failed: {exc}", param="model",
                            code="model_load_failed") from None
         self._make_room()
-        needed = WhisperSlots.cache_bytes(whisper.model.config, self.options.max_num_windows) + (256 << 20)
-        available = available_memory()
+        needed = WhisperSlots.cache_bytes(whisper.model.config, self.options.max_num_windows,
+                                          whisper.model.dtype.itemsize) + (256 << 20)
+        available = available_memory(whisper.device)
         if available < needed:  # the chat model and the other speech models keep theirs
             raise ApiError(503, f"not enough memory to run speech model {spec!r} beside the loaded models: it needs "
                                 f"{needed >> 20} MiB, {available >> 20} MiB are free (fewer --max-audio-windows "
