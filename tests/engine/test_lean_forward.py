@@ -141,3 +141,44 @@ def test_rotary_table_gives_the_modules_own_bits_at_any_position(scaling):
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), positions
     if rope.static:
         assert rope.cos.shape[0] >= 3001
+
+
+@pytest.mark.parametrize("arch,weights", [("llama", "float32"), ("mistral", "float16"), ("qwen2", "int8"),
+                                          ("phi3", "float32"), ("qwen3", "float32")])
+def test_the_decoder_stack_computes_the_python_loops_bits(arch, weights):
+    """Decode steps run every layer in one kernel call (`DecoderStack`) where each layer is of the kind it runs
+    (Qwen3's per-head norms are not: the loop runs them); the logits are the loop's to the bit, whatever the weight
+    format, sliding windows and q/k/v biases included."""
+    if cpu_ops() is None:
+        pytest.skip("CPU kernels unavailable here")
+    if arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES))  # biases on q, k and v
+    else:
+        model = _model(arch)
+    model.eval()
+
+    def logits(use_stack: bool) -> list[torch.Tensor]:
+        engine = Engine(model, block_size=4, num_blocks=64, max_batch_tokens=24, forward_backend="lean",
+                        weights=weights, pack_weights=weights == "float32")
+        forward, calls = engine.runner.forward, []
+        assert (forward.stack is not None) == (arch != "qwen3")
+        if not use_stack:
+            forward.stack = None
+        elif forward.stack is not None:  # count the steps it runs
+            stack = forward.stack
+            forward.stack = type("Counted", (), {"forward": lambda self, *args: (calls.append(1), stack.forward(*args))[1]})()
+        captured, sampler = [], engine.runner.sampler
+        engine.runner.sampler = lambda x, requests: (captured.append(x.clone()), sampler(x, requests))[1]
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3, 19, 30, 8)]
+        engine.generate_batch(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert len(calls) > (5 if use_stack and arch != "qwen3" else -1)  # the decode steps
+        return captured
+
+    stacked, looped = logits(True), logits(False)
+    assert len(stacked) == len(looped) > 10
+    for a, b in zip(stacked, looped):
+        assert torch.equal(a, b)

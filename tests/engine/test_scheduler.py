@@ -32,7 +32,10 @@ def check_consistent(plan: SchedulerOutput) -> None:
     assert plan.num_batched_tokens == sum(plan.num_new_tokens)
     assert all(n >= 1 for n in plan.num_new_tokens)
     assert plan.num_new_tokens[: plan.num_decodes] == [1] * plan.num_decodes
-    assert all(n > 1 for n in plan.num_new_tokens[plan.num_decodes :])
+    # decodes are sampled tokens; after them, one token alone is a prompt's (its last, the rest cached or chunked)
+    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in plan.requests[: plan.num_decodes])
+    assert all(n > 1 or r.num_computed_tokens < r.num_prompt_tokens
+               for r, n in zip(plan.requests[plan.num_decodes :], plan.num_new_tokens[plan.num_decodes :]))
     assert len({id(r) for r in plan.requests}) == len(plan.requests)
     for request, n in zip(plan.requests, plan.num_new_tokens):
         assert request.status == RequestStatus.RUNNING

@@ -66,3 +66,17 @@ def test_from_pretrained_maps_dtype_and_quantization_onto_weight_formats(llama, 
         assert engine.model.dtype == torch.float32  # compute stays float32; only the engine's copy is smaller
         out = engine.generate_batch(["hello world"], SamplingParams(temperature=0, max_tokens=3))
         assert len(next(iter(out.values())).generated_tokens) == 3
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_prompts_last_token_alone_is_computed_as_a_prompt_token(llama, ops, chunk):
+    """A prompt whose every token but the last is in the prefix cache (or comes in chunks that leave the last
+    one alone) ends with the same logits as the same prompt computed whole: its last token is a prompt token,
+    multiplied in float32, not with a decode's int8 activations."""
+    prompt = torch.randint(0, llama.config.vocab_size, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    cold = _prompt_logits(Engine(llama, block_size=4, num_blocks=64, weights="int8", enable_prefix_caching=False),
+                          [prompt])
+    engine = Engine(llama, block_size=4, num_blocks=64, weights="int8", max_batch_tokens=chunk or 256)
+    first, cached = _prompt_logits(engine, [prompt, prompt])  # the second finds 8 of its 9 tokens cached
+    assert engine.block_pool.stats.num_hit_tokens == 8
+    assert torch.equal(first, cold[0]) and torch.equal(cached, cold[0])

@@ -21,6 +21,14 @@ from tfserve.engine.request import Request, RequestStatus
 from tfserve.engine.spec_decode import propose_ngram
 
 
+def _is_decode(request: Request, start: int, num_new: int) -> bool:
+    """Whether `num_new` tokens from position `start` are a decode: one sampled token. A prompt's last token
+    alone (the rest found in the prefix cache, or computed in earlier chunks) is a prefill like any prompt token,
+    so a request's results do not depend on the cache or on how its prompt was chunked (block-quantized weights
+    multiply prompt tokens in float32, sampled ones with int8 activations)."""
+    return num_new == 1 and start >= request.num_prompt_tokens
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan, handed to the runner."""
@@ -73,7 +81,8 @@ class Scheduler:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens,
                                   min(request.num_tokens - request.num_computed_tokens, budget))
-            request.spec_token_ids = self._proposals(request, budget) if num_new == 1 else []
+            decode = _is_decode(request, request.num_computed_tokens, num_new)
+            request.spec_token_ids = self._proposals(request, budget) if decode else []
             num_new += len(request.spec_token_ids)
             while not self.block_pool.allocate(request, num_new):
                 victim = self.running.pop()
@@ -82,7 +91,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                (decodes if num_new == 1 else verifies if request.spec_token_ids else prefills).append((request, num_new))
+                (decodes if decode else verifies if request.spec_token_ids else prefills).append((request, num_new))
                 budget -= num_new
                 i += 1
 
@@ -100,7 +109,7 @@ class Scheduler:
                 request.num_cached_tokens = len(cached) * self.block_pool.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            (decodes if num_new == 1 else prefills).append((request, num_new))
+            (decodes if _is_decode(request, start, num_new) else prefills).append((request, num_new))
             budget -= num_new
 
         scheduled = decodes + verifies + prefills

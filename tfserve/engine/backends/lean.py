@@ -116,10 +116,35 @@ class LeanForward:
         self.lm_head = linear(model.lm_head)
         self.final_norm = _norm_weight(model.model.norm)
         self.ropes = {kind: _RopeTable(model.model.rotary_emb, kind) for kind in set(self._layers[-1])}
+        self.stack = self._decoder_stack(sandwich or by_type)
         formats = Counter()
         for projection in (*(p for column in self._layers[1:5] for p in column), self.lm_head):
             formats.update(projection.labels)
         self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
+
+    def _decoder_stack(self, other_layout: bool):
+        """The kernels' `DecoderStack` over every layer, for decode steps, where each layer is what it runs: the
+        stacked q/k/v and gate/up projections in the kernels' formats, rotary everywhere, no per-head norms,
+        SiLU, pre-norms only, one model on one rank. None where any layer is not (the loop runs)."""
+        ops = self.ops
+        if ops is None or not hasattr(ops, "DecoderStack") or self.tp is not None or other_layout or self.act is not F.silu:
+            return None
+        attns, qkvs, o_projs, gate_ups, downs, norms1, norms2 = self._layers[:7]
+        if not all(a.rope and a.q_norm is None and q.packed and g.packed and len(o.linears) == len(d.linears) == 1
+                   and o.linears[0].format != "torch" and d.linears[0].format != "torch"
+                   for a, q, o, g, d in zip(attns, qkvs, o_projs, gate_ups, downs)):
+            return None
+
+        def held(projection: _Projection) -> tuple:
+            linear = projection.linears[0]
+            return linear.packed, linear.qtype, linear.out_features, linear.bias
+
+        stack = ops.DecoderStack(self.num_heads, self.num_kv_heads, self.eps)
+        for attn, qkv, o_proj, gate_up, down, norm1, norm2, window in zip(
+                attns, qkvs, o_projs, gate_ups, downs, norms1, norms2, self._layers[9]):
+            stack.add_layer(held(qkv), held(o_proj), held(gate_up), held(down), norm1.detach(), norm2.detach(),
+                            attn.scaling, window or -1)
+        return stack
 
     def reserve_positions(self, num_positions: int) -> None:
         """Fill the rotary tables for every position below `num_positions` now (CUDA graphs capture them)."""
@@ -176,8 +201,14 @@ class LeanForward:
         # [num_tokens, hidden]
         ropes = {kind: rope(x, positions) for kind, rope in self.ropes.items()}  # [num_tokens, head_dim] each
         residual = None  # the last block's output, added to x by the next norm
+        layers = zip(*self._layers, meta.kv_caches)
+        if decode is not None and self.stack is not None:  # every layer in one kernel call
+            (cos, sin), = ropes.values()
+            x, residual = self.stack.forward(x, meta.kv_caches, cos, sin, decode.block_tables, decode.key_lens,
+                                             meta.slot_mapping, num_decodes)
+            layers = ()
         for (attn, qkv_proj, o_proj, gate_up_proj, down_proj, norm1, norm2, post_attn_norm, post_mlp_norm, window,
-             kind, (k_cache, v_cache)) in zip(*self._layers, meta.kv_caches):
+             kind, (k_cache, v_cache)) in layers:
             cos, sin = ropes[kind]
             h = rms_norm(x, norm1, eps, residual)
             if fused and qkv_proj.sizes is not None and attn.q_norm is None and attn.rope:  # split, copy, rotary

@@ -525,6 +525,80 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Te
   });
 }
 
+// A Llama-family decoder's layers over one decode step, in one call: per layer the RMSNorm (adding the last
+// block's output), the stacked q/k/v projection split with the rotary embedding, the cache write and paged
+// decode attention, the output projection, the second RMSNorm, the stacked gate/up projection, SiLU-and-mul and
+// the down projection. The same kernels in the same order as the lean forward's Python loop (lean.py), so the
+// same bits, without its nine Python calls a layer (at one sequence, a step of SmolLM2-135M is 270 of them).
+struct StackLinear {
+  torch::Tensor packed;
+  int64_t qtype = 0;  // GGUF block type (quant_linear), 0: panels (linear)
+  int64_t out_features = 0;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x, int64_t float_from) const {
+    return qtype ? quant_linear(x, packed, qtype, out_features, bias, float_from) : linear(x, packed, out_features, bias);
+  }
+};
+
+struct StackLayer {
+  StackLinear qkv, o, gate_up, down;
+  torch::Tensor norm1, norm2;
+  double scaling;
+  int64_t window;  // sliding window, -1: none
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, double eps)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps) {}
+
+  // Each projection is (packed weight, GGUF type or 0, out_features, bias or None), as EngineLinear holds it.
+  void add_layer(py::tuple qkv, py::tuple o, py::tuple gate_up, py::tuple down, torch::Tensor norm1,
+                 torch::Tensor norm2, double scaling, int64_t window) {
+    layers_.push_back({linear_of(qkv), linear_of(o), linear_of(gate_up), linear_of(down), norm1, norm2, scaling,
+                       window});
+  }
+
+  // x: the step's embeddings [num_tokens, hidden], all decode tokens, added to in place. caches: each layer's
+  // (keys, values). Returns (x, residual): the last layer's input stream and output, for the final norm.
+  std::vector<torch::Tensor> forward(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& caches,
+                                     torch::Tensor cos, torch::Tensor sin, torch::Tensor block_tables,
+                                     torch::Tensor key_lens, torch::Tensor slot_mapping, int64_t float_from) const {
+    TORCH_CHECK(!layers_.empty() && caches.size() == layers_.size(), "one (keys, values) pair per layer");
+    const int64_t num_tokens = x.size(0);
+    c10::optional<torch::Tensor> residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      auto h = rms_norm(x, l.norm1, eps_, residual);
+      auto qkv = split_qkv_rotary(l.qkv(h, float_from), num_heads_, num_kv_heads_, cos, sin);
+      auto o = paged_decode_attention(qkv[0], caches[i][0], caches[i][1], block_tables, key_lens, l.scaling, l.window,
+                                      0.0, qkv[1], qkv[2], slot_mapping, c10::nullopt);
+      residual = l.o(o.view({num_tokens, -1}), float_from);
+      h = rms_norm(x, l.norm2, eps_, residual);
+      residual = l.down(silu_and_mul(l.gate_up(h, float_from)), float_from);
+    }
+    return {x, *residual};
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  static StackLinear linear_of(const py::tuple& t) {
+    TORCH_CHECK(t.size() == 4, "a projection is (packed, qtype, out_features, bias)");
+    StackLinear l;
+    l.packed = t[0].cast<torch::Tensor>();
+    l.qtype = t[1].cast<int64_t>();
+    l.out_features = t[2].cast<int64_t>();
+    if (!t[3].is_none()) l.bias = t[3].cast<torch::Tensor>();
+    return l;
+  }
+
+  int64_t num_heads_, num_kv_heads_;
+  double eps_;
+  std::vector<StackLayer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL: the server's event loop thread goes on while the engine thread computes.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -551,6 +625,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_all_gather", &shm_all_gather, "Every rank's rows side by side (shared memory)", nogil);
   m.def("write_kv_", &write_kv_, "Write new keys and values into their cache slots (CPU)", nogil);
   m.def("rotary_embedding_", &rotary_embedding_, "Rotary embedding in place, as transformers computes it (CPU)", nogil);
+  // module-local: a process may load two builds of these kernels (this CPU's and the generic x86-64 one)
+  py::class_<DecoderStack>(m, "DecoderStack", py::module_local())
+      .def(py::init<int64_t, int64_t, double>(), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"))
+      .def("add_layer", &DecoderStack::add_layer)
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, "A decode step through every layer (CPU)", nogil);
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "Forbidden tokens of constrained rows to -inf, in place (CPU)",
         nogil);
 }
