@@ -101,6 +101,24 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_content():
         assert content is None and [c.name for c in calls] == ["get_weather"], cut_at
         stream = ToolCallStream()  # alone, a call's opening is dropped; a "<" may be text
         assert merge(stream.feed(cut_at) + stream.finish(cut=True)) == ("<" if cut_at == "<" else None, []), cut_at
+    stream = ToolCallStream()  # more of the marker than a "<" is markup
+    assert merge(stream.feed("<tool_") + stream.finish(cut=True)) == (None, [])
     # a reply that stopped on its own in a malformed block: its text is given back
     stream = ToolCallStream()
     assert merge(stream.feed("<tool_call>{half") + stream.finish()) == ("<tool_call>{half", [])
+
+
+@pytest.mark.parametrize("cut_at,whole", [
+    ("<tool_call>\n", True),  # the next call's marker, held back
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', True),  # a repeat, held back
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "C', False),  # a new call, streaming: cut open
+    ("", True),  # right after the call's end
+    ("Done, and th", False),  # text after the call, cut
+])
+def test_calls_are_whole_when_max_tokens_cut_only_what_was_held_back(cut_at, whole):
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    stream = ToolCallStream()
+    events = stream.feed(first + cut_at) + stream.finish(cut=True)
+    assert [c.name for c in merge(events)[1]] == (["get_weather", "get_time"] if "get_time" in cut_at
+                                                  else ["get_weather"])
+    assert stream.calls_whole is whole

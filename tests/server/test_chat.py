@@ -188,6 +188,36 @@ def test_tool_calls_streamed_as_deltas(scripted_server):
     assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris"}
 
 
+CALL = ['<tool_call>\n', '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "\n</tool_call>\n"]
+
+
+@pytest.mark.parametrize("script,content,names,finish", [
+    (["<tool", "_call>\n", '{"name": "get_'], "", [], "length"),  # a call cut open: no markup in the content
+    (["<tool_"], "", [], "length"),
+    (CALL + ["<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"ci'], None, ["get_weather"], "tool_calls"),
+    (CALL + ["Then I", " will"], "Then I will", ["get_weather"], "length"),  # text after the call was cut
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_by_max_tokens_shows_no_markup_and_whole_calls_end_as_tool_calls(
+        start_server, script, content, names, finish, stream):
+    """max_tokens cutting a call open leaves its markup out of the content; cutting only a repeat the server held
+    back (every call shown is whole) ends the reply as "tool_calls", as it would have without the limit."""
+    live = start_server()
+    live.state.generate = scripted_generate(script, finish_reason="length")
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, max_tokens=3)
+    if not stream:
+        choice = live.client().chat.completions.create(**kwargs).choices[0]
+        message = choice.message
+        got = (message.content, [c.function.name for c in message.tool_calls or []], choice.finish_reason)
+    else:
+        chunks = [c for c in live.client().chat.completions.create(**kwargs, stream=True) if c.choices]
+        assert chunks[0].choices[0].delta.content is None  # content null where the reply may be calls
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.function.name]
+        got = (text.strip() if text or not names else None, calls, chunks[-1].choices[0].finish_reason)
+    assert got == (content, names, finish)
+
+
 def test_without_tools_the_text_is_left_alone(scripted_server):
     reply = scripted_server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES)
     assert reply.choices[0].message.content == "".join(SCRIPT) and reply.choices[0].finish_reason == "stop"

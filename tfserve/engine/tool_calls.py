@@ -153,6 +153,8 @@ class ToolCallStream:
         self._held: list | None = None  # its events, while it may still repeat an earlier call
         self.num_calls = 0
         self.repeated = False
+        self.calls_whole = False  # cut (max_tokens) where the reply shown ends with whole calls
+        self._text_after_call = False
 
     def feed(self, text: str) -> list:
         if self.repeated:
@@ -173,6 +175,8 @@ class ToolCallStream:
         events: list = []
         if self.repeated:
             return events
+        # a call whose name and arguments were already streaming (not held as a possible repeat) is cut open
+        open_call = self._in_region and self._object is not None and self._object.opened and self._held is None
         if self._held is not None:  # cut short while it was still repeating an earlier call: dropped
             self._held, self.num_calls = None, self.num_calls - 1
         if self._in_region:
@@ -184,12 +188,18 @@ class ToolCallStream:
                 self._whole_call(call, events)
             elif self._region_calls == 0 and (reader is None or not reader.streaming) and not marked:
                 self._emit_text(self._region_raw + self._buffer, events, force=True)
-        elif not (cut and self.num_calls):  # held as a marker's beginning: after calls, the next call's
+        elif not (cut and (self.num_calls or self._holds_marker())):  # a marker's beginning, cut: markup
             self._emit_text(self._buffer, events)
         if self._pending_space and not self.num_calls:
             events.append(self._pending_space)
+        self.calls_whole = cut and self.num_calls > 0 and not open_call and not self._text_after_call
         self._buffer, self._in_region, self._pending_space, self._object = "", False, "", None
         return events
+
+    def _holds_marker(self) -> bool:
+        """The held text begins the format's call marker (`<tool_`; a lone `<` may be text)."""
+        held = self._buffer.strip()
+        return len(held) > 1 and bool(self.fmt.start) and self.fmt.start.startswith(held)
 
     def _feed_outside(self, events: list) -> bool:
         fmt = self.fmt
@@ -279,6 +289,7 @@ class ToolCallStream:
         call.index = self.num_calls
         self.num_calls += 1
         self._pending_space = ""  # models write newlines around calls; those are not content
+        self._text_after_call = False
         self._current = [call.name, ""]
         if any(name == call.name for name, _ in self._done):
             self._held = [call]
@@ -315,7 +326,7 @@ class ToolCallStream:
         self._done.append((call.name, call.arguments))
         call.index = self.num_calls
         self.num_calls += 1
-        self._pending_space = ""
+        self._pending_space, self._text_after_call = "", False
         events.append(call)
 
     def _emit_text(self, text: str, events: list, force: bool = False) -> None:
@@ -323,7 +334,7 @@ class ToolCallStream:
         body = text if force else text.rstrip()
         self._pending_space = text[len(body):]
         if body:
-            self._seen_text = True
+            self._seen_text = self._text_after_call = True
             events.append(body)
 
 

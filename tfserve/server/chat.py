@@ -201,9 +201,10 @@ class _Reply(Reply):
             finish_reason = output.finish_reason
             if index in parsers:
                 content, calls = merge(events[index])
+                message["content"] = content or ""  # without a call cut short, whose markup is not content
                 if calls:
                     message.update(content=content, tool_calls=[call.to_openai() for call in calls])
-                    finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
+                    finish_reason = _calls_finish(finish_reason, parsers[index])
                     if self.legacy:
                         chat_functions.reply_message(message)
                         finish_reason = chat_functions.finish_reason(finish_reason)
@@ -257,10 +258,11 @@ class _Reply(Reply):
         started: set[int] = set()
         try:
             async for index, output in outputs:
-                if index not in started:
+                if index not in started:  # content null where the reply may be calls, as OpenAI's are
                     started.add(index)
-                    await sse.send(self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}], include_usage))
+                    opening = {"role": "assistant", "content": None if index in parsers else ""}
+                    await sse.send(self.chunk([{"index": index, "delta": opening, "logprobs": None,
+                                                 "finish_reason": None}], include_usage))
                 if index in splits:  # reasoning first, then the content goes on as the model's whole text would
                     reasoning, content = self._split(splits[index], output)
                     if reasoning:
@@ -271,8 +273,10 @@ class _Reply(Reply):
                     await sse.send(self.chunk([delta], include_usage))
                 if output.finished or index in self.stopped:
                     finish_reason = output.finish_reason if output.finished else None
-                    if finish_reason in ("stop", None) and parsers.get(index) and parsers[index].num_calls:
-                        finish_reason = chat_functions.finish_reason("tool_calls") if self.legacy else "tool_calls"
+                    if parsers.get(index) and parsers[index].num_calls:
+                        finish_reason = _calls_finish(finish_reason, parsers[index])
+                        if self.legacy:
+                            finish_reason = chat_functions.finish_reason(finish_reason)
                     await sse.send(self.chunk([{"index": index, "delta": {}, "logprobs": None,
                                                  "finish_reason": finish_reason}], include_usage))
             if include_usage:
@@ -310,3 +314,10 @@ class _Reply(Reply):
                 deltas.append({"index": index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None})
         return deltas
 
+
+def _calls_finish(finish_reason: str | None, parser: ToolCallStream) -> str | None:
+    """A reply with calls ends with "tool_calls", also where max_tokens cut only what the parser held back (a
+    repeat of a call, the next call's marker): every call it shows is whole."""
+    if finish_reason in ("stop", None) or (finish_reason == "length" and parser.calls_whole):
+        return "tool_calls"
+    return finish_reason

@@ -94,7 +94,7 @@ class ChatOutput(ResponseOutput):
                 for item in self.items if item["type"] == "function_call"]
 
     def _finish_reason(self) -> str:
-        if self.done.finish_reason == "length":
+        if self.cut:
             return "length"
         return "tool_calls" if self._function_calls() else "stop"
 

@@ -41,6 +41,7 @@ class ResponseOutput:
         self.num_reasoning_tokens = 0
         self.num_calls = 0  # MCP calls run (or refused past max_tool_calls) in this response
         self.done: Any = None  # the last turn's final engine output
+        self.cut = False  # max_output_tokens cut the last turn
         self.failed = False  # an error ended the stream (its event went out)
         self._call_ids: dict[str, str] = {}  # MCP item id -> the id the model's call gets in the chat messages
         # include message.output_text.logprobs: the top count and the token texts (logprobs.TokenTexts)
@@ -104,8 +105,10 @@ class ResponseOutput:
             self.num_reasoning_tokens += self.splitter.num_reasoning_tokens
         if len(self.items) == self.turn_start:
             await self._apply("")
+        # cut by max_output_tokens, unless all it cut was held back by the parser (every call shown is whole)
+        self.cut = final.finish_reason == "length" and not (self.parser is not None and self.parser.calls_whole)
         self.done = final
-        status = "incomplete" if final.finish_reason == "length" else "completed"
+        status = "incomplete" if self.cut else "completed"
         turn = self.items[self.turn_start:]
         for item in turn:
             if item["type"] in ("message", "function_call") and item["id"] not in self.closed:
@@ -306,7 +309,7 @@ class ResponseOutput:
         status, incomplete, output = "in_progress", None, []
         final = self.done
         if final is not None:
-            status = "incomplete" if final.finish_reason == "length" else "completed"
+            status = "incomplete" if self.cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
             output = self.items
         body = self.body

@@ -145,7 +145,7 @@ async def run_loop(state: Any, request: Any, output: Any, turns: Turns, messages
             for item in calls:
                 await output.run_call(item, lambda item: call(state, turns.offer, item,
                                                               over_budget=output.num_calls > max_tool_calls))
-            if (not calls or final.finish_reason == "length" or output.turn_items("function_call")
+            if (not calls or output.cut or output.turn_items("function_call")
                     or output.turn_items("mcp_approval_request")):
                 break
     except ApiError as exc:
