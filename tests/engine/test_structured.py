@@ -160,6 +160,9 @@ def test_cut_by_max_tokens_is_length_not_a_claimed_complete_document(make_engine
     (Grammar.regex("(("), "regex"),
     (Grammar.lark("start: undefined_rule"), "undefined_rule"),
     (Grammar.json_schema({"enum": [2**64]}), "cannot be compiled"),  # past what llguidance reads
+    # every instance nests forever: it compiles, and fails at its first mask (a limit met only then)
+    (Grammar.json_schema({"$defs": {"a": {"type": "object", "properties": {"n": {"$ref": "#/$defs/a"}},
+                                          "required": ["n"]}}, "$ref": "#/$defs/a"}), "Too many items"),
 ])
 def test_a_grammar_that_does_not_compile_is_a_value_error_at_add_request(make_engine, grammar, message):
     engine = make_engine()

@@ -83,3 +83,16 @@ def test_an_item_reference_may_name_a_conversation_item(server, tokenizer):
         {"type": "item_reference", "id": item.id}, {"role": "user", "content": "ok"}])
     assert counted.input_tokens == _prompt_tokens(tokenizer, [{"role": "user", "content": "remember"},
                                                               {"role": "user", "content": "ok"}])
+
+
+def test_a_turn_that_references_a_conversation_item_keeps_its_ids_unique(server):
+    client = server.client()
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    (item,) = client.conversations.items.list(conversation.id).data
+    client.responses.create(model=MODEL_NAME, conversation=conversation.id, max_output_tokens=3,
+                            input=[{"type": "item_reference", "id": item.id}])
+    ids = [i.id for i in client.conversations.items.list(conversation.id, order="asc").data]
+    assert ids[0] == item.id and len(ids) == len(set(ids)) == 2  # the item once, then the reply
+    client.conversations.items.delete(item.id, conversation_id=conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.delete(item.id, conversation_id=conversation.id)

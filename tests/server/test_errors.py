@@ -188,10 +188,17 @@ def test_body_over_the_limit_is_413(start_server):
     assert live.request("POST", CHAT, chat())[0] == 200
 
 
-def test_queue_beyond_max_queued_is_429(start_server):
+def test_queue_beyond_max_queued_is_429_and_a_request_that_never_fits_is_a_400(start_server):
     live = start_server(state_kwargs={"max_queued": 2})
-    status, _, data = live.request("POST", CHAT, chat(n=3))
+    status, _, data = live.request("POST", CHAT, chat(n=3))  # alone past the queue: retrying cannot help
+    assert status == 400 and data["error"]["param"] == "n" and "--max-queued 2" in data["error"]["message"]
+    status, _, data = live.request("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b", "c"],
+                                                               "max_tokens": 2})
+    assert status == 400 and data["error"]["param"] == "prompt"
+    live.state.num_waiting = 1  # one sequence waiting already: two more must wait their turn
+    status, _, data = live.request("POST", CHAT, chat(n=2))
     assert status == 429 and data["error"]["type"] == "rate_limit_error"
+    live.state.num_waiting = 0
     assert live.request("POST", CHAT, chat(n=2))[0] == 200
 
 
@@ -244,3 +251,13 @@ def test_an_engine_error_fails_its_request_and_its_stream(start_server):
     assert status == 200 and '"error"' in raw and "CUDA fell over" in raw and raw.endswith("data: [DONE]\n\n")
     with pytest.raises(openai.APIError):
         list(live.client().chat.completions.create(model=MODEL_NAME, messages=OK_MESSAGES, stream=True))
+
+
+def test_a_grammar_that_fails_while_generating_is_a_400(start_server):
+    """llguidance meeting a limit only while generating (the grammar compiled): the client's schema is at fault."""
+    from tfserve.engine.structured import GRAMMAR_FAILED
+
+    live = start_server()
+    live.state.generate = scripted_generate(["{"], finish_reason="error", error=f"{GRAMMAR_FAILED}: Too many items")
+    status, _, data = live.request("POST", CHAT, chat())
+    assert status == 400 and data["error"]["code"] == "invalid_grammar" and "Too many items" in data["error"]["message"]

@@ -175,11 +175,19 @@ ODD_CHARSET = (b'--x\r\nContent-Disposition: form-data; name="model"\r\nContent-
                b"\r\n\r\nwhisper-1\r\n--x--\r\n")
 
 
-@pytest.mark.parametrize("body", [NESTED_FORM, ODD_CHARSET], ids=["nested", "charset"])
-def test_an_odd_audio_form_is_a_400(server, body):
+ODD_ENCODING = (b'--x\r\nContent-Disposition: form-data; name="model"\r\nContent-Transfer-Encoding: bogus'
+                b"\r\n\r\nwhisper-1\r\n--x--\r\n")
+MISNAMED_FILE = b'--x\r\nContent-Disposition: form-data; name="files"\r\n\r\n\xcc\xff\x00\r\n--x--\r\n'
+
+
+@pytest.mark.parametrize("body,param,says", [
+    (NESTED_FORM, "file", "nested"), (ODD_CHARSET, "model", "bogus-xyz"), (ODD_ENCODING, "model", "bogus"),
+    (MISNAMED_FILE, "file", "`file` field is missing")], ids=["nested", "charset", "encoding", "misnamed"])
+def test_an_odd_audio_form_is_a_400_naming_the_field(server, body, param, says):
     status, headers, raw = raw_request(server, "POST", "/v1/audio/transcriptions", body,
                                        {"Content-Type": "multipart/form-data; boundary=x"})
-    assert status == 400 and json.loads(raw)["error"]["param"] == "file", raw
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param and says in error["message"], raw
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, RESPONSES])
@@ -468,3 +476,9 @@ def test_fuzzed_mcp_tools_and_items_get_a_200_or_a_4xx(start_server, async_engin
     assert statuses.count(200) > 5 and statuses.count(400) > 30  # the fuzz reaches both sides
     assert post(live, RESPONSES, BASE[RESPONSES])[0] == 200
     assert wait_until_idle(engine), "a fuzzed request leaked KV blocks"
+
+
+def test_a_response_input_the_chat_template_rejects_names_input(server):
+    """Only a reasoning item: no message for the template, whose error names the Responses field, not `messages`."""
+    error = assert_400(server, RESPONSES, {**BASE[RESPONSES], "input": [{"type": "reasoning", "summary": []}]}, "input")
+    assert "chat template" in error["message"]

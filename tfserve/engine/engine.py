@@ -18,7 +18,7 @@ from tfserve.engine.request import Request, RequestMetrics, RequestOutput, Reque
 from tfserve.engine.runner import ModelRunner
 from tfserve.engine.scheduler import Scheduler, SchedulerOutput
 from tfserve.engine.spec_decode import accepted
-from tfserve.engine.structured import StructuredOutputs, grammar_error_line
+from tfserve.engine.structured import GRAMMAR_FAILED, StructuredOutputs, grammar_error_line
 from tfserve.engine.threads import run_in_fresh_thread
 from tfserve.errors import ContextLengthError, DeviceError, EngineFailedError
 from tfserve.sampling_params import SamplingParams
@@ -393,7 +393,7 @@ class Engine:
                     # limit it met only now); the rest of the output could not be held to the grammar
                     error = grammar_error_line(request.matcher.get_error())  # (the whole of it quotes the grammar)
                     logger.error("request %s: grammar rejected token %d: %s", request.request_id, token_id, error)
-                    request.error = f"the output grammar failed: {error}"
+                    request.error = f"{GRAMMAR_FAILED}: {error}"
                     status = RequestStatus.FINISHED_ERROR
                     break
                 status = self._check_stop(request, token_id)

@@ -29,6 +29,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _CACHE_SIZE = 256
 
 
+GRAMMAR_FAILED = "the output grammar failed"  # a request's error when its grammar fails while it generates
+
+
 class GrammarError(ValueError):
     """A grammar that does not compile: the message says why (an invalid schema, an unsupported keyword)."""
 
@@ -56,6 +59,14 @@ class StructuredOutputs:
         from llguidance import LLMatcher
 
         error = LLMatcher.validate_grammar(compiled, self.ll_tokenizer)
+        if not error:  # some limits show only in the masks: a schema whose every instance nests forever fails
+            # right after its forced opening, so the probe takes the first forced token and computes the mask
+            matcher = LLMatcher(self.ll_tokenizer, compiled, log_level=0)
+            for token in matcher.compute_ff_tokens()[:1] if not matcher.is_error() else []:
+                matcher.consume_token(token)
+            if not matcher.is_error():
+                matcher.compute_bitmask()
+            error = matcher.get_error() if matcher.is_error() else None
         if error:
             raise GrammarError(grammar_error_line(error))
         with self._lock:

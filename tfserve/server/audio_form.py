@@ -17,6 +17,12 @@ GRANULARITIES = ("segment", "word")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
+# the text fields read (others are skipped); aiohttp raises RuntimeError for an unknown transfer encoding
+_FIELDS = ("model", "language", "prompt", "temperature", "response_format", "timestamp_granularities[]",
+           "timestamp_granularities", "stream")
+_UNREADABLE = (ValueError, UnicodeDecodeError, AssertionError, LookupError, RuntimeError)
+
+
 @dataclass(slots=True)
 class AudioForm:
     """An audio request's fields."""
@@ -45,15 +51,21 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
                 raise bad_request("the form's parts must be plain fields and files, not nested multipart bodies",
                                   "file")
             name = part.name or ""
-            if name == "file":
-                form.file, form.filename = await _read_file(part, request.client_max_size), part.filename
-                has_file = True
+            if name != "file" and name not in _FIELDS:  # not a field of OpenAI's form that tfserve reads: unread
+                await part.release()
                 continue
-            value = await part.text()
+            try:
+                if name == "file":
+                    form.file, form.filename = await _read_file(part, request.client_max_size), part.filename
+                    has_file = True
+                    continue
+                value = await part.text()
+            except _UNREADABLE as exc:  # an unknown charset or transfer encoding, bytes that are not text
+                raise bad_request(f"{name}: the form field could not be read: {exc}", name) from None
             _set(form, name, value, task)
     except ApiError:
         raise
-    except (ValueError, UnicodeDecodeError, AssertionError, LookupError) as exc:  # a bad body, an unknown charset
+    except _UNREADABLE as exc:  # a malformed body
         raise bad_request(f"the multipart body could not be read: {exc}", "file") from None
     if not has_file:
         raise bad_request("the `file` field is missing: send the audio file as a multipart file field", "file")

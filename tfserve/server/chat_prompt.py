@@ -112,11 +112,12 @@ INLINE_PROMPT_CHARS = 32_000
 
 async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
                       template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> list[int]:
+                      continue_final_message: bool = False, param: str = "messages") -> list[int]:
     """The prompt's token ids through the model's chat template (`tfserve.engine.chat_template`); a model
-    without one, or a template that rejects the messages, is the client's 400."""
+    without one, or a template that rejects the messages, is the client's 400 naming `param` (the body field
+    the messages came from)."""
     if not has_chat_template(tokenizer):
-        raise bad_request("the served model has no chat template; use /v1/completions", "messages")
+        raise bad_request("the served model has no chat template; use /v1/completions", param)
 
     def render() -> list[int]:
         try:
@@ -124,7 +125,7 @@ async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
                                               add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message)
         except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), param) from None
 
     if sum(len(str(message.get("content") or "")) for message in messages) < INLINE_PROMPT_CHARS:
         return render()
@@ -133,7 +134,7 @@ async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
 
 async def render_multimodal(state: Any, messages: list[dict], images: list, tools: list | None,
                             template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> tuple[list[int], Any]:
+                            continue_final_message: bool = False, param: str = "messages") -> tuple[list[int], Any]:
     """`render_chat` for a conversation with images (`messages` hold `{"type": "image"}` parts, `images` the
     MediaImages in the same order): the engine's `render_multimodal` makes the prompt ids and what its vision
     side needs (`mm`, for `admit`), in a thread of its own (a processor resizes and normalises pixels). A model
@@ -147,6 +148,6 @@ async def render_multimodal(state: Any, messages: list[dict], images: list, tool
             engine.render_multimodal, messages, images, tools=tools, template_kwargs=template_kwargs,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
     except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
+        raise bad_request(str(exc), param) from None
     except ValueError as exc:  # e.g. more images than the model takes: about the images, not a field
         raise bad_request(str(exc), images[0].where) from None

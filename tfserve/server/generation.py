@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from tfserve import __version__
+from tfserve.engine.structured import GRAMMAR_FAILED
 from tfserve.server.errors import ApiError, from_value_error
 from tfserve.server.protocol import too_many
 from tfserve.server.state import ServerState
@@ -70,6 +71,11 @@ def admit(state: ServerState, request: web.Request, prompts: list[list[int]], pa
                 requests.extend(state.engine.make_requests(prompt_ids, params, mm=mm))
         except ValueError as exc:
             raise from_value_error(exc, names.get("prompt", "messages"), names) from None
+    if state.max_queued and len(requests) > state.max_queued:  # never fits: retrying cannot help
+        prompt = names.get("prompt", "messages")
+        raise ApiError(400, f"this request makes {len(requests)} sequences (prompts times n), more than the server "
+                            f"queues at once (--max-queued {state.max_queued}); send fewer prompts or a smaller n",
+                       param="n" if params.n > 1 else prompt)
     if state.max_queued and state.num_waiting + len(requests) > state.max_queued:
         raise too_many(f"the server has {state.num_waiting} sequences waiting (--max-queued {state.max_queued}); "
                        "retry shortly")
@@ -148,6 +154,8 @@ async def _pump(state: ServerState, index: int, engine_request: Any, queue: asyn
 
 
 def _check_finished(output: Any) -> None:
+    if output.finish_reason == "error" and (output.error or "").startswith(GRAMMAR_FAILED):  # the request's grammar
+        raise ApiError(400, f"{output.error} while generating; simplify the schema or grammar", code="invalid_grammar")
     if output.finish_reason == "error":
         raise ApiError(500, f"generation failed: {output.error or 'unknown error'}", code="generation_error")
     if output.finish_reason == "abort":

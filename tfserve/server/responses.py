@@ -109,7 +109,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     response = output.response(usage)  # the finished Response object: returned (or the last event) and stored
     new_items = input_items(body)  # with ids, the same wherever this input is listed
     if talk.thread is not None:  # the conversation goes on with this turn's input and output
-        talk.thread.items += new_items + response["output"]
+        present = {item.get("id") for item in talk.thread.items}  # an item_reference to one of its own: once
+        talk.thread.items += [item for item in new_items + response["output"] if item.get("id") not in present]
     if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(

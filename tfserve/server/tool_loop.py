@@ -100,9 +100,10 @@ class Turns:
         """`messages` with the `offered` tools through the chat template: the prompt's ids, and what the engine
         made of the conversation's images (None without images)."""
         tools = chat_tools(offered) or None
+        param = self.names["prompt"]  # messages, or a response's input
         if self.images:
-            return await render_multimodal(self.state, messages, self.images, tools, self.template_kwargs)
-        return await render_chat(self.tokenizer, messages, tools, self.template_kwargs), None
+            return await render_multimodal(self.state, messages, self.images, tools, self.template_kwargs, param=param)
+        return await render_chat(self.tokenizer, messages, tools, self.template_kwargs, param=param), None
 
 
 def truncated(messages: list[dict]) -> list[dict] | None:
