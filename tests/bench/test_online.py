@@ -269,6 +269,17 @@ def test_unreachable_server_is_one_readable_line():
     assert "cannot reach" in result.output and "Traceback" not in result.output
 
 
+def test_transcribe_an_unreachable_server_is_one_readable_line():
+    from pathlib import Path
+
+    audio = Path(__file__).parents[1] / "audio" / "data" / "fox.opus"
+    port = _free_port()
+    result = CliRunner().invoke(app, ["bench", "transcribe", str(audio), "--url", f"127.0.0.1:{port}", "-n", "1"])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]  # not a table of failed runs
+    assert lines == [f"Error: cannot reach http://127.0.0.1:{port} — is the server running?"], result.output
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -111,10 +111,11 @@ def test_double_slash_sends_a_message_starting_with_slash(console):
 
 def test_set_and_settings(session):
     out = run_keys(session, "/set temperature 0.5\r/set seed 7\r/set seed none\r/set top_p 2\r/set bogus 1\r"
-                            "/set max_tokens many\r/set temperature\r/settings\r/exit\r")
+                            "/set max_tokens many\r/set temperature\r/set temperature 3\r/settings\r/exit\r")
     assert session.settings == Settings(temperature=0.5, max_tokens=8)
     assert "temperature = 0.5" in out and "seed = 7" in out and "seed = None" in out
     assert "Error: top_p must be in (0, 1]" in out
+    assert "Error: temperature must be in [0, 2]" in out  # what servers take: past it every message would fail
     assert "Error: unknown setting 'bogus'" in out
     assert "Error: max_tokens must be an integer (got 'many')" in out
     assert "Error: usage: /set KEY VALUE" in out
@@ -174,9 +175,13 @@ def test_save_and_load_round_trip(session, tmp_path):
 def test_load_errors_are_one_line(session, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    out = run_keys(session, f"/load {tmp_path / 'missing.json'}\r/load {bad}\r/save\r/load\r/exit\r")
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    out = run_keys(session, f"/load {tmp_path / 'missing.json'}\r/load {bad}\r/load {binary}\r/save\r/load\r"
+                            "/exit\r")
     assert "Error: cannot read" in out and "No such file" in out
     assert f"Error: {bad} is not JSON" in out
+    assert f"Error: {binary} is not UTF-8 text" in out
     assert "Error: usage: /save FILE" in out and "Error: usage: /load FILE" in out
 
 

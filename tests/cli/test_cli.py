@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -328,3 +329,83 @@ def test_speech_on_a_device_this_machine_lacks_is_one_line(tmp_path, command):
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "--device cuda: CUDA is not available" in lines[0], result.output
+
+
+@pytest.mark.parametrize("sweep, bad, fragment", [
+    ("concurrency=-3", "concurrency=-3", "greater than or equal to 1"),  # was a traceback (a semaphore of -3)
+    ("concurrency=1,0", "concurrency=0", "greater than or equal to 1"),  # was a run of unbounded concurrency
+    ("request_rate=0", "request_rate=0", "greater than or equal to 0.001"),
+    ("request_rate=nan", "request_rate=nan", "greater than or equal to 0.001"),
+    ("max_tokens=0", "max_tokens=0", "greater than or equal to 1"),  # was a run of 400s
+    ("concurrency=x", "concurrency=x", "valid integer"),
+])
+def test_sweep_values_are_checked_as_the_option_they_sweep(sweep, bad, fragment):
+    result = invoke("bench", "serve", "--url", "127.0.0.1:9", "--sweep", sweep)  # before any server is asked
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: --sweep {bad}: ") and fragment in lines[0], result.output
+
+
+def test_transcribe_checks_the_language_before_loading_the_model(tmp_path):
+    audio = tmp_path / "talk.wav"
+    audio.write_bytes(b"RIFF")  # not audio at all: the language is refused before the file is even read
+    result = invoke("transcribe", str(audio), "--language", "xx")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--language" in lines[0] and "'xx' is not a language Whisper knows" in lines[0]
+
+
+def _tfserve(*args: str, stdout, code: str = "from tfserve.cli import main; main()"):
+    """`tfserve ARGS` in a fresh interpreter (through `main`, the console script), stdout to `stdout`."""
+    return subprocess.run([sys.executable, "-c", code, *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args, env", [
+    (["--help"], {}), (["--version"], {}), (["models", "list", "--json"], {}),
+    # the quick completion path writes without a flush: only the interpreter's last flush finds the disk full
+    ([], {"_TFSERVE_COMPLETE": "complete_bash", "COMP_WORDS": "tfserve chat -m ", "COMP_CWORD": "3"}),
+])
+def test_a_stdout_that_cannot_be_written_is_one_line(args, env, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with open("/dev/full", "w") as full:
+        proc = _tfserve(*args, stdout=full)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "Error: cannot write the output: No space left on device", proc.stderr
+
+
+def test_a_closed_pipe_on_stdout_ends_quietly():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away, as `| head -c1` does
+    try:
+        proc = _tfserve("--help", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+
+
+def test_a_closed_stdout_prints_nowhere():
+    code = "import sys; sys.stdout = None; from tfserve.cli import main; main()"  # Python's stdout after `>&-`
+    proc = _tfserve("--version", stdout=subprocess.PIPE, code=code)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+INTERRUPTED_IMPORT = """
+import sys
+
+class CtrlC:  # pressed while the commands are imported (before Typer's own handler is in place)
+    def find_spec(self, name, path=None, target=None):
+        if name == "tfserve.cli.root":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+from tfserve.cli import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_commands_import_exits_130_quietly():
+    proc = _tfserve("models", "list", stdout=subprocess.PIPE, code=INTERRUPTED_IMPORT)
+    assert proc.returncode == 130 and proc.stderr == "" and proc.stdout == "", proc.stderr

@@ -34,11 +34,13 @@ def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen 
     raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s")
 
 
-def check_reachable(base_url: str) -> None:
-    """One readable line when nothing answers at `base_url` (any HTTP status counts as an answer)."""
+def check_reachable(base_url: str, launch_hint: bool = True) -> None:
+    """One readable line when nothing answers at `base_url` (any HTTP status counts as an answer); it suggests
+    --launch where the command has it."""
     root = server_root(base_url)
     if _status(root + "/health") is None:
-        raise TfserveError(f"cannot reach {root} — is the server running? (or pass --launch)")
+        hint = " (or pass --launch)" if launch_hint else ""
+        raise TfserveError(f"cannot reach {root} — is the server running?{hint}")
 
 
 def served_model(base_url: str, api_key: str = "EMPTY") -> str | None:

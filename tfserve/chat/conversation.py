@@ -13,6 +13,7 @@ FORMAT = "tfserve-chat/1"
 # a reply's cap when max_tokens is not set, or less where the context leaves less (a small model sampling
 # freely can otherwise run to the end of its context)
 DEFAULT_MAX_TOKENS = 1024
+MAX_TEMPERATURE = 2.0  # what OpenAI-compatible servers take (tfserve serve too), below what the engine can run
 
 
 @dataclass(slots=True)
@@ -29,6 +30,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         # raises ValueError naming the field (max_tokens None is a default, 0 is not)
+        if isinstance(self.temperature, (int, float)) and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}]")  # else every message would fail
         SamplingParams(**self.sampling_kwargs(max_tokens=1 if self.max_tokens is None else self.max_tokens))
 
     def sampling_kwargs(self, **overrides: Any) -> dict[str, Any]:
@@ -88,13 +91,15 @@ class Conversation:
 
     def save(self, path: Path, settings: Settings, model: str | None) -> None:
         data = {"format": FORMAT, "model": model, "settings": asdict(settings), "messages": self.messages()}
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: Path) -> tuple[Conversation, Settings | None]:
         """Read a file written by `save` (or a bare list of OpenAI messages); ValueError if it is neither."""
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}), so not a saved chat") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not JSON ({exc.msg}, line {exc.lineno})") from None
         messages = data.get("messages") if isinstance(data, dict) else data

@@ -6,6 +6,7 @@ commands are imported (`tfserve.cli.completion`); `app` is imported when first a
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -19,7 +20,24 @@ def __getattr__(name: str):
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. What no command can catch ends here in one line at most: a Ctrl-C while the
+    commands are imported (before Typer's own handler), and a stdout that cannot be written (a full disk), also
+    when only the last flush finds it."""
+    stdout = sys.stdout = _Stdout(sys.stdout or open(os.devnull, "w"))  # None: closed (`>&-`), printing nowhere
+    try:
+        try:
+            _run()
+        except KeyboardInterrupt:
+            sys.exit(130)  # quietly, as Typer ends a command on Ctrl-C
+        finally:
+            sys.stdout.flush()  # here, where a failure can be told in one line, not in Python's exit-time warning
+    except OSError:
+        if stdout.failure is None:  # not stdout's: a bug, shown as one
+            raise
+        _output_failed(stdout.failure)
+
+
+def _run() -> None:
     if "_TFSERVE_COMPLETE" in os.environ:
         from tfserve.cli.completion import answer_quickly
 
@@ -31,3 +49,38 @@ def main() -> None:
     from tfserve.cli.root import app
 
     app()
+
+
+class _Stdout:
+    """sys.stdout, remembering how a write or flush failed so `main` tells that from any other OSError."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.failure: OSError | None = None
+
+    def write(self, text: str) -> int:
+        return self._guarded(self.stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as exc:
+            self.failure = exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _output_failed(exc: OSError) -> None:
+    """Exit 1 with one line on stderr (none for a closed pipe, the reader's choice, as Typer does); stdout then
+    writes to /dev/null so the interpreter's last flush of what it still holds succeeds."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if exc.errno != errno.EPIPE:
+        from tfserve.cli.output import error
+
+        error(f"cannot write the output: {exc.strerror or exc}")
+    sys.exit(1)

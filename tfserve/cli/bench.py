@@ -201,7 +201,7 @@ def serve(
     base_url = _base_url(url)
     extra = _parse_json(extra_body, "--extra-body")
     image_url = _image_data_url(image, endpoint) if image is not None else None
-    sweep_key, sweep_values = _parse_sweep(sweep) if sweep else ("concurrency", [concurrency])
+    sweep_key, sweep_values = _parse_sweep(sweep, ctx) if sweep else ("concurrency", [concurrency])
     largest = max(num_prompts, *(max(4, prompts_per_concurrency * c) for c in sweep_values
                                  if prompts_per_concurrency and sweep_key == "concurrency"), 0)
     if dataset is not None:
@@ -323,16 +323,20 @@ def _parse_json(text: str | None, flag: str) -> dict:
     return value
 
 
-def _parse_sweep(text: str) -> tuple[str, list]:
+def _parse_sweep(text: str, ctx: typer.Context) -> tuple[str, list]:
+    """--sweep KEY=V1,V2,...: each value checked as the option KEY names would check it (its type, its range)."""
     key, _, values = text.partition("=")
-    kinds = {"concurrency": int, "request_rate": float, "max_tokens": int}
     key = key.strip().replace("-", "_")
-    if key not in kinds or not values:
+    if key not in ("concurrency", "request_rate", "max_tokens") or not values:
         raise UsageError("--sweep takes KEY=V1,V2,... with KEY one of concurrency, request_rate, max_tokens")
-    try:
-        return key, [kinds[key](v) for v in values.split(",")]
-    except ValueError:
-        raise UsageError(f"--sweep values must be numbers: {values}") from None
+    option = next(param for param in ctx.command.params if param.name == key)
+    parsed = []
+    for value in values.split(","):
+        try:
+            parsed.append(option.process_value(ctx, value.strip()))
+        except typer.BadParameter as exc:
+            raise UsageError(f"--sweep {key}={value.strip()}: {exc.message}") from None
+    return key, parsed
 
 
 def _local_tokenizer(model: str):

@@ -64,6 +64,11 @@ def transcribe(
         from tfserve.models.loading import resolve_device
 
         device = resolve_device(device)  # a device this machine lacks fails now, in one line
+    else:
+        from tfserve.bench.launch import check_reachable
+        from tfserve.cli.bench import _base_url
+
+        check_reachable(_base_url(url), launch_hint=False)  # one line now, not a table of failures
     audio = []
     for path in files:
         try:

@@ -67,10 +67,13 @@ def transcribe(
     from tfserve.audio.decode import AudioError, decode_audio
     from tfserve.audio.job import TranscriptionOptions
     from tfserve.audio.transcriber import Transcriber
-    from tfserve.audio.whisper_model import SpeechRequestError, WhisperModel
+    from tfserve.audio.whisper_model import SpeechRequestError, WhisperModel, language_code
     from tfserve.cli.progress import step_progress
     from tfserve.models.loading import resolve_device
 
+    if language is not None and language_code(language) is None:  # now, not after the model loads
+        raise typer.BadParameter(f"{language!r} is not a language Whisper knows; give an ISO 639-1 code such as "
+                                 "en or fr", param_hint="--language")
     device = resolve_device(device)  # a device this machine lacks fails now, in one line
     try:
         data = file.read_bytes()
