@@ -306,3 +306,11 @@ def test_cli_launch_refuses_when_something_already_answers(fake_server):
     base_url = fake_server()
     result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "-n", "1", "--launch", "sleep 30"])
     assert result.exit_code == 1 and "already answers" in result.output, result.output
+
+
+@pytest.mark.parametrize("url", ["8000", "localhost:8000", "http://localhost:8000/", "http://localhost:8000/v1",
+                                 "http://localhost:8000/v1/models", "localhost:8000/v1/chat/completions"])
+def test_url_is_read_as_chat_reads_it(url):
+    from tfserve.cli.bench import _base_url
+
+    assert _base_url(url) == "http://localhost:8000/v1"

@@ -305,10 +305,11 @@ def _show(result: dict, title: str, output_json: Path | None, settings: dict | N
 
 
 def _base_url(url: str) -> str:
-    url = url.rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    return url if url.endswith("/v1") else url + "/v1"
+    """The OpenAI base URL (`.../v1`) that `--url` names, read as `tfserve chat` reads its URL: a port, host:port,
+    a URL, a pasted endpoint (`.../v1/models`)."""
+    from tfserve.chat.client import normalize_url
+
+    return normalize_url(url) + "/v1"
 
 
 def _parse_json(text: str | None, flag: str) -> dict:
