@@ -581,8 +581,6 @@ class DecoderStack {
     return {x, *residual};
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   static StackLinear linear_of(const py::tuple& t) {
     TORCH_CHECK(t.size() == 4, "a projection is (packed, qtype, out_features, bias)");
@@ -629,7 +627,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local())
       .def(py::init<int64_t, int64_t, double>(), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"))
       .def("add_layer", &DecoderStack::add_layer)
-      .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, "A decode step through every layer (CPU)", nogil);
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "Forbidden tokens of constrained rows to -inf, in place (CPU)",
         nogil);
