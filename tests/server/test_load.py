@@ -60,8 +60,15 @@ def test_40_streams_15_leave_midway(server, engine, caplog):
         assert chunks[-1]["usage"]["completion_tokens"] == 40
         assert len({c["id"] for c in chunks}) == 1
     assert registry.get_sample_value("tfserve_requests_total", labels) - num_left_before == 15
-    # one access line for each, those whose client left too
-    statuses = [r.getMessage().split()[2] for r in caplog.records if r.name == "tfserve.access"]
+    # one access line for each, those whose client left too; a stream's line is written once its handler returns,
+    # which may be just after its client read [DONE]
+    def access_statuses() -> list[str]:
+        return [r.getMessage().split()[2] for r in caplog.records if r.name == "tfserve.access"]
+
+    deadline = time.monotonic() + 10
+    while len(access_statuses()) < 40 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    statuses = access_statuses()
     assert sorted(statuses) == ["200"] * 25 + ["499"] * 15, statuses
     assert wait_until_idle(engine), "KV blocks leaked"
     assert server.state.num_waiting == 0
