@@ -62,6 +62,17 @@ def test_streaming_in_any_chunking_equals_whole_parse(size):
     assert stream.num_calls == 2
 
 
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_text_after_calls_streams_as_the_whole_parse_gives_it(size):
+    """The streamed content, concatenated, is the non-streamed content: a reply that opens with a call has no
+    newline before the text that follows it; text before a call keeps its break from text after."""
+    for text, expected in ((f"{CALL}\nThe weather is sunny.", "The weather is sunny."),
+                           (f"Checking.\n{CALL}\nDone.", "Checking.\nDone.")):
+        stream = ToolCallStream()
+        events = [e for i in range(0, len(text), size) for e in stream.feed(text[i:i + size])] + stream.finish()
+        assert "".join(e for e in events if isinstance(e, str)) == expected == parse_tool_calls(text)[0]
+
+
 def test_streaming_holds_back_a_possible_start_tag():
     stream = ToolCallStream()
     assert stream.feed("hello <tool") == ["hello"]  # the space waits: a call would drop it

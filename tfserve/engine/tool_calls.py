@@ -331,6 +331,8 @@ class ToolCallStream:
 
     def _emit_text(self, text: str, events: list, force: bool = False) -> None:
         text = self._pending_space + text
+        if self.num_calls and not self._seen_text:  # a reply's text opens with no space, after calls too
+            text = text.lstrip()
         body = text if force else text.rstrip()
         self._pending_space = text[len(body):]
         if body:
