@@ -125,8 +125,9 @@ def test_responses_output_text_logprobs(server):
     streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert streamed == [lp.token for lp in logprobs]
     assert [lp.token for lp in next(e for e in events if e.type == "response.output_text.done").logprobs] == streamed
-    plain = client.responses.create(**{**body, "include": []})  # not asked for: none
+    plain = client.responses.create(**{**body, "include": [], "reasoning": {"effort": "low"}})  # not asked for: none
     assert plain.output[0].content[0].logprobs == []
+    assert plain.reasoning.effort == "low" and plain.reasoning.summary is None  # echoed, as OpenAI does
     status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi",
                                                                 "top_logprobs": 21})
     assert status == 400 and error["error"]["param"] == "top_logprobs"

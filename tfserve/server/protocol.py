@@ -64,10 +64,35 @@ RESPONSES_FIELDS = {**_COMMON_FIELDS, "stream": bool, "reasoning": dict, "trunca
                     "top_logprobs": int, "background": bool}
 
 
+# the values OpenAI takes for some of those fields (another is a 400 there, so here too)
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_CHOICES = {"service_tier": ("auto", "default", "flex", "scale", "priority"), "verbosity": ("low", "medium", "high"),
+            "reasoning_effort": _EFFORTS}
+_REASONING_CHOICES = {"effort": _EFFORTS, "summary": ("auto", "concise", "detailed"),
+                      "generate_summary": ("auto", "concise", "detailed")}
+INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+              "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
+              "web_search_call.action.sources", "web_search_call.results")
+
+
+def one_of(value: Any, choices: tuple[str, ...], param: str) -> Any:
+    """`value` when it is one of `choices` (or absent), else a 400 naming them."""
+    if value is not None and value not in choices:
+        raise bad_request(f"{param} must be one of {', '.join(choices)}, not {value!r}", param)
+    return value
+
+
 def check_fields(body: dict[str, Any], kinds: dict[str, type]) -> None:
-    """400 for any of `kinds`' fields present with another JSON type (metadata: an object of strings)."""
+    """400 for any of `kinds`' fields present with another JSON type or a value OpenAI does not take (metadata: an
+    object of strings)."""
     for name, kind in kinds.items():
-        field(body, name, kind)
+        value = field(body, name, kind)
+        if name in _CHOICES:
+            one_of(value, _CHOICES[name], name)
+    for key, value in (body.get("reasoning") or {}).items() if kinds.get("reasoning") is dict else ():
+        if key not in _REASONING_CHOICES:
+            raise bad_request(f"reasoning.{key} is not a field of reasoning", f"reasoning.{key}")
+        one_of(value, _REASONING_CHOICES[key], f"reasoning.{key}")
     for key, value in (body.get("metadata") or {}).items():
         if not isinstance(value, str):
             raise bad_request(f"metadata.{key} must be a string, not {_json_type(value)}", f"metadata.{key}")

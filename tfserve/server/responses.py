@@ -17,7 +17,7 @@ from tfserve.server import conversations, mcp_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.logprobs import top_count
 from tfserve.server.media import gather_images
-from tfserve.server.protocol import RESPONSES_FIELDS, check_fields, field, read_json, use_model
+from tfserve.server.protocol import INCLUDABLE, RESPONSES_FIELDS, check_fields, field, one_of, read_json, use_model
 from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_items import (StoredResponse, as_response_format, input_items, page, parse_input,
                                            parse_tools, resolve_references, text_format)
@@ -160,6 +160,7 @@ def requested_logprobs(body: dict) -> int | None:
     for i, name in enumerate(include):
         if not isinstance(name, str):
             raise bad_request(f"include[{i}] must be a string", f"include[{i}]")
+        one_of(name, INCLUDABLE, f"include[{i}]")
     top = top_count(body, "top_logprobs")
     return (top or 0) if "message.output_text.logprobs" in include else None
 
