@@ -5,6 +5,7 @@ the body limit. Fields OpenAI added that tfserve does not use (`chunking_strateg
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -17,9 +18,7 @@ GRANULARITIES = ("segment", "word")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
 
-# the text fields read (others are skipped); aiohttp raises RuntimeError for an unknown transfer encoding
-_FIELDS = ("model", "language", "prompt", "temperature", "response_format", "timestamp_granularities[]",
-           "timestamp_granularities", "stream")
+# aiohttp raises RuntimeError for an unknown transfer encoding
 _UNREADABLE = (ValueError, UnicodeDecodeError, AssertionError, LookupError, RuntimeError)
 
 
@@ -51,7 +50,7 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
                 raise bad_request("the form's parts must be plain fields and files, not nested multipart bodies",
                                   "file")
             name = part.name or ""
-            if name != "file" and name not in _FIELDS:  # not a field of OpenAI's form that tfserve reads: unread
+            if name != "file" and name not in _SETTERS:  # not a field of OpenAI's form that tfserve reads: unread
                 await part.release()
                 continue
             try:
@@ -62,7 +61,7 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
                 value = await part.text()
             except _UNREADABLE as exc:  # an unknown charset or transfer encoding, bytes that are not text
                 raise bad_request(f"{name}: the form field could not be read: {exc}", name) from None
-            _set(form, name, value, task)
+            _SETTERS[name](form, value, task)
     except ApiError:
         raise
     except _UNREADABLE as exc:  # a malformed body
@@ -89,33 +88,51 @@ async def _read_file(part, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _set(form: AudioForm, name: str, value: str, task: str) -> None:
-    if name == "model":
-        form.model = value.strip() or None
-    elif name == "language":
-        if task == "translate":
-            raise bad_request("language: translations are always into English; the spoken language is detected "
-                              "(leave `language` out)", "language")
-        form.language = value.strip() or None
-    elif name == "prompt":
-        form.prompt = value or None
-    elif name == "temperature":
-        form.temperature = _temperature(value)
-    elif name == "response_format":
-        if value not in RESPONSE_FORMATS:
-            raise bad_request(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {value!r}",
-                              "response_format")
-        form.response_format = value
-    elif name in ("timestamp_granularities[]", "timestamp_granularities"):
-        if value not in GRANULARITIES:
-            raise bad_request(f"timestamp_granularities[] must be among {', '.join(GRANULARITIES)}, got {value!r}",
-                              "timestamp_granularities[]")
-        form.granularities.append(value)
-    elif name == "stream":
-        lowered = value.strip().lower()
-        if lowered not in _TRUE + _FALSE:
-            raise bad_request(f"stream must be true or false, got {value!r}", "stream")
-        form.stream = lowered in _TRUE
+def _model(form: AudioForm, value: str, task: str) -> None:
+    form.model = value.strip() or None
+
+
+def _language(form: AudioForm, value: str, task: str) -> None:
+    if task == "translate":
+        raise bad_request("language: translations are always into English; the spoken language is detected "
+                          "(leave `language` out)", "language")
+    form.language = value.strip() or None
+
+
+def _prompt(form: AudioForm, value: str, task: str) -> None:
+    form.prompt = value or None
+
+
+def _set_temperature(form: AudioForm, value: str, task: str) -> None:
+    form.temperature = _temperature(value)
+
+
+def _response_format(form: AudioForm, value: str, task: str) -> None:
+    if value not in RESPONSE_FORMATS:
+        raise bad_request(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {value!r}",
+                          "response_format")
+    form.response_format = value
+
+
+def _granularity(form: AudioForm, value: str, task: str) -> None:
+    if value not in GRANULARITIES:
+        raise bad_request(f"timestamp_granularities[] must be among {', '.join(GRANULARITIES)}, got {value!r}",
+                          "timestamp_granularities[]")
+    form.granularities.append(value)
+
+
+def _stream(form: AudioForm, value: str, task: str) -> None:
+    lowered = value.strip().lower()
+    if lowered not in _TRUE + _FALSE:
+        raise bad_request(f"stream must be true or false, got {value!r}", "stream")
+    form.stream = lowered in _TRUE
+
+
+# the text fields read, each by its setter (others are skipped)
+_SETTERS: dict[str, Callable[[AudioForm, str, str], None]] = {
+    "model": _model, "language": _language, "prompt": _prompt, "temperature": _set_temperature,
+    "response_format": _response_format, "timestamp_granularities[]": _granularity,
+    "timestamp_granularities": _granularity, "stream": _stream}
 
 
 def _temperature(value: str) -> float:
