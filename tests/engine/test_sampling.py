@@ -55,6 +55,22 @@ def test_seeded_sampling_reproducible_across_batch_compositions(make_engine):
     assert outputs[0].generated_tokens == alone.generated_tokens
 
 
+def test_a_seeded_request_samples_the_same_whatever_its_neighbours_ask(make_engine):
+    """A top-p row whose nucleus lies among its 256 likeliest tokens samples there, another over the whole
+    vocabulary: each row takes its own road, so a neighbour without top-p (once the whole batch's road) or a
+    greedy one changes nothing; and sample i of n (seeded seed + i) is the request of its own with that seed."""
+    engine = make_engine()
+    params = sampled(seed=42, top_p=0.5)
+    (alone,) = run(engine, [(PROMPT, params)])
+    for neighbour in (sampled(top_p=1.0), sampled(seed=3, top_p=0.5), sampled(min_p=0.1), greedy()):
+        outputs = run(engine, [(OTHER_PROMPTS[0], neighbour), (PROMPT, params)])
+        assert outputs[1].generated_tokens == alone.generated_tokens, neighbour
+    children = run(engine, [(PROMPT, sampled(seed=42, top_p=0.5, n=3)), (OTHER_PROMPTS[1], sampled())])[:3]
+    for i, child in enumerate(children):
+        (own,) = run(engine, [(PROMPT, sampled(seed=42 + i, top_p=0.5))])
+        assert child.generated_tokens == own.generated_tokens
+
+
 def test_different_seeds_differ(make_engine):
     engine = make_engine()
     a, b = run(engine, [(PROMPT, sampled(seed=1)), (PROMPT, sampled(seed=2))])
@@ -284,12 +300,10 @@ def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
     peaked = (torch.randn(3, 5000, generator=gen) * 8).softmax(-1)  # nucleus among the first 256
     flat = torch.randn(3, 5000, generator=gen).softmax(-1)  # it is not: the whole vocabulary is sorted
     params = [SamplingParams(temperature=1.0, top_p=0.9)] * 6
-    for probs in (peaked, flat, torch.cat([peaked, flat])):
+    for probs in (peaked, torch.cat([peaked, flat])):
         top_p = torch.full((probs.shape[0],), 0.9)
-        candidates = _nucleus_candidates(probs, params[: probs.shape[0]], [False] * probs.shape[0])
-        if probs is peaked:
-            values, ids = candidates
-            assert torch.equal(torch.zeros_like(probs).scatter_(1, ids, _nucleus(values, top_p)),
-                               reference(probs, top_p))
-        else:
-            assert candidates is None
+        rows, values, ids = _nucleus_candidates(probs, params[: probs.shape[0]], [False] * probs.shape[0])
+        assert rows == [0, 1, 2]  # the peaked rows, each judged on its own
+        assert torch.equal(torch.zeros_like(probs[rows]).scatter_(1, ids, _nucleus(values, top_p[rows])),
+                           reference(probs[rows], top_p[rows]))
+    assert _nucleus_candidates(flat, params[:3], [False] * 3)[0] == []

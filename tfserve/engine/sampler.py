@@ -69,6 +69,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.params for r in requests]
         device = logits.device
+        token_ids = logits.max(dim=-1).indices  # what greedy rows take
         temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
         logits = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
@@ -77,9 +78,19 @@ class Sampler:
             k = torch.tensor([min(k, vocab_size) if k else vocab_size for k in top_k], device=device)
             logits = _apply_top_k(logits, k)
         probs = logits.softmax(dim=-1)
-        candidates = _nucleus_candidates(probs, params, greedy)
-        if candidates is not None:  # every row's choice lies among its most likely tokens: sample only there
-            return self._sample_among(candidates, requests, greedy)
+        # each row's road is its own to choose (the batch's would change the noise a seeded row draws)
+        among, values, ids = _nucleus_candidates(probs, params, greedy)
+        if among:  # these rows' choices lie among their most likely tokens: sample only there
+            token_ids[among] = self._sample_among(values, ids, [requests[i] for i in among])
+        whole = [i for i, g in enumerate(greedy) if not g and i not in among]
+        if whole:
+            token_ids[whole] = self._sample_whole(probs[whole], [requests[i] for i in whole])
+        return token_ids
+
+    def _sample_whole(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The exponential race over the whole vocabulary of each row's probabilities, after min-p and top-p."""
+        params = [r.params for r in requests]
+        device = probs.device
         min_p = [p.min_p for p in params]
         if any(min_p):
             threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -87,32 +98,28 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if any(t < 1.0 for t in top_p):
             probs = _apply_top_p(probs, torch.tensor(top_p, device=device))
-        noise = torch.empty_like(probs).exponential_()
-        for i, request in enumerate(requests):
-            if request.generator is not None:
-                noise[i].exponential_(generator=request.generator)
-        sampled = (probs / noise).max(dim=-1).indices
-        greedy_ids = logits.max(dim=-1).indices
-        return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
+        return (probs / self._noise(probs, requests)).max(dim=-1).indices
 
-    def _sample_among(self, candidates: tuple[torch.Tensor, torch.Tensor], requests: list[Request],
-                      greedy: list[bool]) -> torch.Tensor:
-        """`_sample` over each row's most likely tokens only (`values` sorted descending, their token `ids`):
-        the same min-p, top-p and exponential race, on 256 entries instead of the whole vocabulary."""
-        values, ids = candidates
+    def _sample_among(self, values: torch.Tensor, ids: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """`_sample_whole` over each row's most likely tokens only (`values` sorted descending, their token
+        `ids`): the same min-p, top-p and exponential race, on 256 entries instead of the whole vocabulary."""
         params = [r.params for r in requests]
         device = values.device
         min_p = [p.min_p for p in params]
         if any(min_p):
             values = values.masked_fill(values < torch.tensor(min_p, device=device)[:, None] * values[:, :1], 0.0)
         values = _nucleus(values, torch.tensor([p.top_p for p in params], device=device))
-        noise = torch.empty_like(values).exponential_()
+        choice = (values / self._noise(values, requests)).max(dim=-1).indices
+        return ids.gather(1, choice[:, None])[:, 0]
+
+    @staticmethod
+    def _noise(like: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Exp(1) noise shaped as `like` [rows, n]; a seeded request's row drawn from its own generator."""
+        noise = torch.empty_like(like).exponential_()
         for i, request in enumerate(requests):
             if request.generator is not None:
                 noise[i].exponential_(generator=request.generator)
-        choice = (values / noise).max(dim=-1).indices
-        choice = torch.where(torch.tensor(greedy, device=device), torch.zeros_like(choice), choice)
-        return ids.gather(1, choice[:, None])[:, 0]
+        return noise
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Repetition (HF: over prompt and output), presence and frequency (OpenAI: over output)."""
@@ -186,16 +193,21 @@ def _apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 _TOP_P_CANDIDATES = 256
 
 
-def _nucleus_candidates(probs: torch.Tensor, params, greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Each row's 256 most likely tokens (probabilities sorted descending, and their ids) when every row's
-    choice is sure to lie among them: greedy, or a top-p whose nucleus they already hold; None otherwise."""
-    if probs.shape[-1] <= _TOP_P_CANDIDATES or not all(g or p.top_p < 1.0 for p, g in zip(params, greedy)):
-        return None
-    values, ids = probs.topk(_TOP_P_CANDIDATES, dim=-1)
-    top_p = torch.tensor([0.0 if g else p.top_p for p, g in zip(params, greedy)], device=probs.device)
-    if not bool((values.sum(dim=-1) > top_p).all()):
-        return None
-    return values, ids
+def _nucleus_candidates(probs: torch.Tensor, params, greedy: list[bool]
+                        ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """The sampled rows whose choice is sure to lie among their 256 most likely tokens (a top-p whose nucleus
+    those already hold), with those tokens' probabilities sorted descending and their ids [len(rows), 256]. Each
+    row is judged on its own."""
+    rows = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.top_p < 1.0]
+    if probs.shape[-1] <= _TOP_P_CANDIDATES or not rows:
+        return [], None, None
+    values, ids = probs[rows].topk(_TOP_P_CANDIDATES, dim=-1)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=probs.device)
+    fits = (values.sum(dim=-1) > top_p).tolist()
+    keep = [n for n, fit in enumerate(fits) if fit]
+    if len(keep) < len(rows):
+        values, ids = values[keep], ids[keep]
+    return [rows[n] for n in keep], values, ids
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
