@@ -213,3 +213,21 @@ def test_huggingface_hub_inference_client_works_unmodified(server, monkeypatch):
     chunks = list(client.chat_completion(messages=[{"role": "user", "content": "hello"}], max_tokens=4,
                                          temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+
+
+def test_queued_sequences_are_never_counted_twice():
+    """The waiting gauge: the engine's queue is among the sequences without a first token; one waiting for its
+    model (or the engine's next step) counts too."""
+    from types import SimpleNamespace
+
+    from tfserve.server.state import ServerState
+
+    state = ServerState()
+    state.num_waiting = 3  # nothing loaded yet: all three wait
+    assert state.num_queued == 3
+    state.engine = SimpleNamespace(num_waiting=5, num_running=1)
+    state.num_waiting = 6  # 5 queued in the engine and 1 running its prompt
+    assert state.num_queued == 5
+    state.engine = SimpleNamespace(num_waiting=0, num_running=0)
+    state.num_waiting = 2  # submitted, not yet taken by the engine's step
+    assert state.num_queued == 2

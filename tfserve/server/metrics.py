@@ -33,7 +33,7 @@ class ServerMetrics:
         _gauge(registry, "tfserve_num_requests_running", "Sequences in the running batch",
                lambda: engine().num_running if engine() else 0)
         _gauge(registry, "tfserve_num_requests_waiting", "Sequences queued for the engine",
-               lambda: (engine().num_waiting if engine() else 0) + state.num_waiting)
+               lambda: state.num_queued)
         _gauge(registry, "tfserve_kv_cache_blocks_used", "KV cache blocks in use",
                lambda: engine().block_pool.num_used_blocks if engine() else 0)
         _gauge(registry, "tfserve_kv_cache_blocks_total", "KV cache blocks",

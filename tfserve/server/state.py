@@ -79,6 +79,16 @@ class ServerState:
         if self._mcp_servers is not None:
             await self._mcp_servers.close()
 
+    @property
+    def num_queued(self) -> int:
+        """Sequences waiting to run: the engine's queue, or, where more, those submitted without a first token
+        that are not running (one waiting for its model to load, or for the engine's next step). Never counts
+        a sequence twice (the sum did: the engine's queue is among the sequences without a first token)."""
+        engine = self.engine
+        if engine is None:
+            return self.num_waiting
+        return max(engine.num_waiting, self.num_waiting - engine.num_running)
+
     def set_engine(self, async_engine: AsyncEngine, name: str | None = None, path: str | Path | None = None) -> None:
         """Serve the (started) engine of `async_engine` under `name` (default: the engine's model name, and
         its path as another name); the server becomes ready."""

@@ -100,7 +100,7 @@ class Telemetry:
         gauge("tfserve.requests.running", "Sequences in the running batch", "{sequence}",
               lambda engine: engine.num_running)
         gauge("tfserve.requests.waiting", "Sequences queued for the engine", "{sequence}",
-              lambda engine: engine.num_waiting + state.num_waiting)
+              lambda engine: state.num_queued)
         gauge("tfserve.kv_cache.blocks_used", "KV cache blocks in use", "{block}",
               lambda engine: engine.block_pool.num_used_blocks)
         gauge("tfserve.kv_cache.blocks_total", "KV cache blocks", "{block}",
