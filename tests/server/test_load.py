@@ -42,6 +42,7 @@ def test_40_streams_15_leave_midway(server, engine, caplog):
     registry = server.state.metrics.registry
     labels = {"endpoint": CHAT, "status": "499"}
     num_left_before = registry.get_sample_value("tfserve_requests_total", labels) or 0
+    generated_before = registry.get_sample_value("tfserve_generation_tokens_total") or 0
 
     async def run():
         async with aiohttp.ClientSession() as session:
@@ -70,6 +71,11 @@ def test_40_streams_15_leave_midway(server, engine, caplog):
         time.sleep(0.05)
     statuses = access_statuses()
     assert sorted(statuses) == ["200"] * 25 + ["499"] * 15, statuses
+    # the tokens of a stream its client left count (its access line, /metrics): each had sent 2 or more
+    left = [r.getMessage() for r in caplog.records if r.name == "tfserve.access" and r.getMessage().split()[2] == "499"]
+    assert all(int(line.split("tokens=")[1].split()[0].split("/")[1]) >= 2 for line in left), left
+    generated = registry.get_sample_value("tfserve_generation_tokens_total") - generated_before
+    assert generated >= 25 * 40 + 15 * 2
     assert wait_until_idle(engine), "KV blocks leaked"
     assert server.state.num_waiting == 0
     status, _, body = server.request("GET", "/health")

@@ -128,11 +128,20 @@ async def run_choices(state: ServerState, usage: Usage, requests: list[Any],
                 ended.add(index)
                 num_left -= 1
                 tasks[index].cancel()  # aborts its engine request
-                usage.completion_tokens += len(last_output[index].generated_tokens) if index in last_output else 0
+                _count_cut(state, usage, last_output.get(index))
     finally:
+        for index in set(last_output) - ended:  # cut short (the client left, another choice failed)
+            _count_cut(state, usage, last_output[index])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _count_cut(state: ServerState, usage: Usage, output: Any) -> None:
+    """Count the tokens a sequence ended before its end generated (the usage, the access log, /metrics)."""
+    if output is not None:
+        usage.completion_tokens += len(output.generated_tokens)
+        state.metrics.generation_tokens.inc(len(output.generated_tokens))
 
 
 async def _pump(state: ServerState, index: int, engine_request: Any, queue: asyncio.Queue) -> None:
