@@ -88,11 +88,16 @@ def _respond(form: AudioForm, task: str, result) -> web.Response:
 async def _stream(request: web.Request, events: asyncio.Queue) -> web.StreamResponse:
     stream = EventStream(request)
     await stream.open()
+    said, space = False, ""  # the deltas join to the done text: no space before the first, none held at the end
     while True:
         kind, payload = await events.get()
         if kind == "segments":
-            delta = "".join(s.text for s in payload)
-            await stream.send({"type": "transcript.text.delta", "delta": delta})
+            text = space + "".join(s.text for s in payload)
+            delta = text.strip() if not said else text.rstrip()
+            space = text[len(text.rstrip()):]
+            if delta:
+                said = True
+                await stream.send({"type": "transcript.text.delta", "delta": delta})
         elif kind == "done":
             await stream.send({"type": "transcript.text.done", "text": payload.text,
                                "usage": formats.token_usage(payload)})
