@@ -218,6 +218,42 @@ def test_a_reply_cut_by_max_tokens_shows_no_markup_and_whole_calls_end_as_tool_c
     assert got == (content, names, finish)
 
 
+@pytest.mark.parametrize("script,content,names,finish", [
+    (["<tool_call>"], "", [], "stop"),  # stop "\n" right after the marker: no markup in the content
+    (CALL[:2] + ['"arguments": {"city": "Paris"'], None, ["get_weather"], "stop"),  # cut open: not "tool_calls"
+    (CALL + ["<tool_call>"], None, ["get_weather"], "tool_calls"),  # every call shown is whole
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_a_stop_string_cuts_is_read_as_one_max_tokens_cuts(start_server, script, content, names, finish,
+                                                                   stream):
+    live = start_server()
+    live.state.generate = scripted_generate(script, stop_token_id="}")  # the stop string that matched
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, stop=["}"])
+    if not stream:
+        choice = live.client().chat.completions.create(**kwargs).choices[0]
+        got = (choice.message.content, [c.function.name for c in choice.message.tool_calls or []],
+               choice.finish_reason)
+    else:
+        chunks = [c for c in live.client().chat.completions.create(**kwargs, stream=True) if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.function.name]
+        got = (text if text or not names else None, calls, chunks[-1].choices[0].finish_reason)
+    assert got == (content, names, finish)
+
+
+def test_stop_strings_do_not_cut_forced_calls(server):
+    """A reply `tool_choice` forces is calls only: stop strings are not applied to it (as on OpenAI)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    for stop in (["}"], ["\n"], ['"']):
+        reply = server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "weather in Paris?"}], tools=tools,
+            tool_choice="required", stop=stop, max_tokens=60, temperature=0)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", (stop, choice)
+        assert "city" in json.loads(choice.message.tool_calls[0].function.arguments)
+
+
 def test_without_tools_the_text_is_left_alone(scripted_server):
     reply = scripted_server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES)
     assert reply.choices[0].message.content == "".join(SCRIPT) and reply.choices[0].finish_reason == "stop"

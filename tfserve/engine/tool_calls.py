@@ -153,7 +153,8 @@ class ToolCallStream:
         self._held: list | None = None  # its events, while it may still repeat an earlier call
         self.num_calls = 0
         self.repeated = False
-        self.calls_whole = False  # cut (max_tokens) where the reply shown ends with whole calls
+        self.cut = False  # the reply was cut short (max_tokens, a stop string)
+        self.calls_whole = False  # cut where the reply shown ends with whole calls
         self._text_after_call = False
 
     def feed(self, text: str) -> list:
@@ -173,6 +174,7 @@ class ToolCallStream:
         """Whatever is still held: a call cut short is parsed if it can be, anything else is content, except,
         where the reply was `cut` (max_tokens), a call its format's marker opened: no markup is content."""
         events: list = []
+        self.cut = cut
         if self.repeated:
             return events
         # a call whose name and arguments were already streaming (not held as a possible repeat) is cut open
@@ -394,6 +396,12 @@ class _ObjectReader:
             self._depth -= 1
             return self._depth == 0
         return False
+
+
+def cut_short(output) -> bool:
+    """The engine output ended before the model did: max_tokens, or a stop string (never inside a forced reply of
+    calls; `tool_choice` "auto" leaves them to the text and calls alike)."""
+    return output.finish_reason == "length" or (output.finish_reason == "stop" and isinstance(output.stop_reason, str))
 
 
 def partial_suffix(text: str, marker: str) -> int:

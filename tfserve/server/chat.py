@@ -23,7 +23,7 @@ from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.response_format import compile_grammar, requested_grammar
-from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, detect_format, merge
+from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, cut_short, detect_format, merge
 from tfserve.server.tool_choice import forced_tools, needs_special_tokens, reply_constraint
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: a legacy call's result
@@ -149,6 +149,8 @@ async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_f
     tokenizer = state.engine.tokenizer
     offered = forced_tools(tools, "required") if tools and tool_choice != "none" else []
     constraint = reply_constraint(constraint, tool_format, offered, forced, parallel, tokenizer)
+    if forced:  # a reply of calls only: stop strings do not cut tool calls (as on OpenAI)
+        kwargs.pop("stop", None)
     if constraint is not None:
         await compile_grammar(state.engine, *constraint)
         kwargs["grammar"] = constraint[0]
@@ -228,7 +230,7 @@ class _Reply(Reply):
         request aborted by run_choices)."""
         events = parser.feed(text)
         if output.finished:
-            events += parser.finish(cut=output.finish_reason == "length")
+            events += parser.finish(cut=cut_short(output))
         if parser.repeated:
             self.stopped.add(index)
         return events
@@ -316,8 +318,9 @@ class _Reply(Reply):
 
 
 def _calls_finish(finish_reason: str | None, parser: ToolCallStream) -> str | None:
-    """A reply with calls ends with "tool_calls", also where max_tokens cut only what the parser held back (a
-    repeat of a call, the next call's marker): every call it shows is whole."""
-    if finish_reason in ("stop", None) or (finish_reason == "length" and parser.calls_whole):
+    """A reply with calls ends with "tool_calls", also where max_tokens or a stop string cut only what the parser
+    held back (a repeat of a call, the next call's marker): every call it shows is whole. A call a stop string
+    cut open ends "stop"."""
+    if finish_reason is None or parser.calls_whole or (finish_reason == "stop" and not parser.cut):
         return "tool_calls"
     return finish_reason

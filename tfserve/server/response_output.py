@@ -18,7 +18,7 @@ from tfserve.server.mcp_tools import McpOffer, error_text
 from tfserve.server.reasoning import Reasoning
 from tfserve.server.response_items import echo_tools, text_format
 from tfserve.server.sse import EventStream
-from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream
+from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, cut_short
 
 
 class ReasoningDelta(str):
@@ -77,7 +77,7 @@ class ResponseOutput:
             return events + ([text] if text else [])
         events += self.parser.feed(text)
         if finished:
-            events += self.parser.finish(cut=output.finish_reason == "length")
+            events += self.parser.finish(cut=cut_short(output))
         if self.parser.repeated:  # a repeated tool call ends the turn (run_choices aborts the rest)
             self.stopped.add(0)
         return events

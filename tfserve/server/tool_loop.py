@@ -72,6 +72,8 @@ class Turns:
             forced = forced_tools(self.offered, tool_choice) if self.offered else None
         parallel = field(self.body, "parallel_tool_calls", bool, True)
         constraint = reply_constraint(constraint, self.tool_format, self.offered, forced, parallel, self.tokenizer)
+        if forced:  # a reply of calls only: stop strings do not cut tool calls (as on OpenAI)
+            kwargs.pop("stop", None)
         if constraint is not None:
             await compile_grammar(self.state.engine, *constraint)
             kwargs["grammar"] = constraint[0]
