@@ -14,6 +14,8 @@ halves the bytes a step reads and changes no result.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,9 @@ class WhisperSlots:
                                       if isinstance(module, torch.nn.Linear)]
         weights = "float32" if ops is not None and dtype == torch.float32 and self.device.type == "cpu" else "torch"
         self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
+        # each layer's q, k and v projections stacked: one multiply reads them (k has no bias: zeros there)
+        self._qkv = [EngineLinear(_stacked(layer.self_attn), ops if weights != "torch" else None, "float32")
+                     for layer in self.decoder.layers]
         self.kernels = weights != "torch"
         # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
         self._attention_ops = ops if self.kernels else None
@@ -95,33 +100,29 @@ class WhisperSlots:
         `extra_positions`, the logits at that index of each slot's new tokens (-1: none) [B, vocab]. The logits are
         on the CPU, whatever the model's device."""
         batch, num_new = len(tokens), max(len(t) for t in tokens)
-        ids = self._tensor([row + [0] * (num_new - len(row)) for row in tokens])  # [B, T]
-        lengths = self._tensor([len(t) for t in tokens])
+        ids = self._tensor([t for row in tokens for t in row + [0] * (num_new - len(row))])  # [B*T]
         # padding tokens past a row's own write future positions, overwritten before anything attends to them
-        positions = self._tensor([[min(start + t, self.max_len - 1) for t in range(num_new)] for start in starts])
-        slots = torch.arange(batch, device=self.device)[:, None]
-
+        positions = [[min(start + t, self.max_len - 1) for t in range(num_new)] for start in starts]
+        flat = self._tensor(positions).view(-1)  # [B*T]
+        # causal: the token at position p is written there and reads positions 0..p
+        reads = self._reads(list(range(batch)), [[p + 1 for p in row] for row in positions], new_keys=True)
+        cross = self._reads(list(range(batch)), [[self.num_frames] * num_new] * batch)
         decoder = self.decoder
-        hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[positions]  # [B, T, d_model]
+        hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[flat]  # [B*T, d_model]
         for i, layer in enumerate(decoder.layers):
-            attn = layer.self_attn
-            x = layer.self_attn_layer_norm(hidden)
-            q = self._heads(self._linear(attn.q_proj, x), batch)  # [B, H, T, head_dim]
-            self.self_k[i][slots, :, positions] = self._heads(self._linear(attn.k_proj, x), batch).transpose(1, 2)
-            self.self_v[i][slots, :, positions] = self._heads(self._linear(attn.v_proj, x), batch).transpose(1, 2)
-            # causal: the token at position p reads positions 0..p
-            out = self._attend(q, self.self_k[i], self.self_v[i], 0, positions + 1, attn.scaling)
-            hidden = hidden + self._linear(attn.out_proj, self._merge(out, batch))
-            hidden = self._cross_and_mlp(i, layer, hidden, 0)
-        hidden = decoder.layer_norm(hidden)
+            q, k, v = self._qkv[i](layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1)
+            out = self._attend(q, self.self_k[i], self.self_v[i], reads, layer.self_attn.scaling, k, v)
+            hidden = hidden + self._linear(layer.self_attn.out_proj, out)
+            hidden = self._cross_and_mlp(i, layer, hidden, cross)
+        hidden = decoder.layer_norm(hidden).view(batch, num_new, -1)
 
-        rows = slots[:, 0]
-        logits = self._linear(self.model.proj_out, hidden[rows, lengths - 1]).float().cpu()
+        rows = torch.arange(batch, device=self.device)
+        logits = self._linear(self.model.proj_out, hidden[rows, self._tensor([len(t) - 1 for t in tokens])])
         extra = None
         if extra_positions is not None:
-            at = self._tensor(extra_positions)
-            extra = self._linear(self.model.proj_out, hidden[rows, at.clamp(min=0)]).float().cpu()
-        return logits, extra
+            at = self._tensor([max(p, 0) for p in extra_positions])
+            extra = self._linear(self.model.proj_out, hidden[rows, at]).float().cpu()
+        return logits.float().cpu(), extra
 
     @torch.inference_mode()
     def alignment(self, slot: int, tokens: list[int], heads: list[tuple[int, int]]) -> torch.Tensor:
@@ -129,59 +130,103 @@ class WhisperSlots:
         `tokens` read in one pass over slot `slot`'s window: [len(heads), len(tokens), num_frames]. The slot's
         self-attention cache is left as it is."""
         decoder, num_tokens = self.decoder, len(tokens)
-        hidden = decoder.embed_tokens(self._tensor([tokens])) + decoder.embed_positions.weight[:num_tokens]
+        hidden = decoder.embed_tokens(self._tensor(tokens)) + decoder.embed_positions.weight[:num_tokens]
+        cross = self._reads([slot], [[self.num_frames] * num_tokens])
         scores = {}
         for i, layer in enumerate(decoder.layers):
-            attn = layer.self_attn
-            x = layer.self_attn_layer_norm(hidden)
-            q, k, v = (self._heads(self._linear(proj, x), 1) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-            hidden = hidden + self._linear(attn.out_proj, self._merge(out, 1))
+            q, k, v = (self._heads(x, 1) for x in self._qkv[i](layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
+            hidden = hidden + self._linear(layer.self_attn.out_proj, self._merge(out))
             wanted = [head for (layer_index, head) in heads if layer_index == i]
             if wanted:
                 attn = layer.encoder_attn
                 q = self._heads(self._linear(attn.q_proj, layer.encoder_attn_layer_norm(hidden)), 1)
                 qk = (q[0, wanted] @ self.cross_k[i, slot, wanted].transpose(-1, -2)) * attn.scaling  # [h, T, frames]
                 scores.update({(i, h): qk[n] for n, h in enumerate(wanted)})
-            hidden = self._cross_and_mlp(i, layer, hidden, slot)
+            hidden = self._cross_and_mlp(i, layer, hidden, cross)
         return torch.stack([scores[pair] for pair in heads]).float().cpu()
 
-    def _cross_and_mlp(self, i: int, layer, hidden: torch.Tensor, first_slot: int) -> torch.Tensor:
-        """The cross-attention and feed-forward halves of decoder layer `i`; row b reads slot first_slot + b."""
-        attn, batch = layer.encoder_attn, hidden.shape[0]
-        q = self._heads(self._linear(attn.q_proj, layer.encoder_attn_layer_norm(hidden)), batch)
-        out = self._attend(q, self.cross_k[i], self.cross_v[i], first_slot, None, attn.scaling)
-        hidden = hidden + self._linear(attn.out_proj, self._merge(out, batch))
+    def _cross_and_mlp(self, i: int, layer, hidden: torch.Tensor, cross: _Reads) -> torch.Tensor:
+        """The cross-attention and feed-forward halves of decoder layer `i` over hidden [rows, d_model]."""
+        attn = layer.encoder_attn
+        q = self._linear(attn.q_proj, layer.encoder_attn_layer_norm(hidden))
+        hidden = hidden + self._linear(attn.out_proj, self._attend(q, self.cross_k[i], self.cross_v[i], cross,
+                                                                   attn.scaling))
         x = layer.final_layer_norm(hidden)
         return hidden + self._linear(layer.fc2, layer.activation_fn(self._linear(layer.fc1, x)))
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first_slot: int,
-                key_lens: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Attention of q [B, H, T, head_dim], row b over slot first_slot + b of one layer's cache [slots, H,
-        positions, head_dim]: query (b, t) reads the first `key_lens[b, t]` positions (None: all)
-        -> [B, H, T, head_dim]."""
-        batch, _, num_new, _ = q.shape
-        _, num_heads, num_positions, head_dim = k_cache.shape
-        if key_lens is None:
-            key_lens = torch.full((batch, num_new), num_positions, dtype=torch.long, device=q.device)
+    def _reads(self, slots: list[int], key_lens: list[list[int]], new_keys: bool = False) -> _Reads:
+        """What rows (b, t) read: slot `slots[b]`'s first `key_lens[b][t]` positions of a layer's cache, the
+        self-attention's with `new_keys` (written first at position key_lens[b][t] - 1), else the cross-attention's."""
+        num_positions, heads = self.max_len if new_keys else self.num_frames, self.num_heads
+        if self._attention_ops is None:  # SDPA over the slots' caches, masked where a row reads fewer keys
+            lens = self._tensor(key_lens)  # [B, T]
+            write = None
+            if new_keys:
+                block = self._tensor(slots)[:, None, None] * heads + torch.arange(heads, device=self.device)
+                write = (block * num_positions + (lens - 1)[:, :, None]).view(-1)  # [(b, t, h)]
+            return _Reads(slots[0], len(slots), lens, write, None)
+        # the kernel: every (row, token, head) a sequence of one head, whose one block is its slot's keys of that
+        # head, in the (b, t, h) order of the rows of a [B*T, d_model] activation viewed as [B*T*H, head_dim]
+        blocks = [slot * heads + head for slot, row in zip(slots, key_lens) for _ in row for head in range(heads)]
+        lens = [length for row in key_lens for length in row for _ in range(heads)]
+        write = self._tensor([b * num_positions + n - 1 for b, n in zip(blocks, lens)]) if new_keys else None
+        return _Reads(slots[0], len(slots), self._tensor(lens), write, self._tensor(blocks)[:, None])
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads: _Reads, scale: float,
+                k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [rows, d_model] over one layer's cache [slots, heads, positions, head_dim] as `reads`
+        says, after writing the new keys and values k, v [rows, d_model] where given -> [rows, d_model]."""
+        num_positions, head_dim = k_cache.shape[2], self.head_dim
         if self._attention_ops is not None:
-            # every (row, head, token) a sequence of one head, whose one block is its slot's keys of that head
-            blocks = torch.arange(first_slot * num_heads, (first_slot + batch) * num_heads).repeat_interleave(num_new)
+            new = {}
+            if k is not None:
+                new = {"new_k": k.reshape(-1, 1, head_dim).contiguous(),
+                       "new_v": v.reshape(-1, 1, head_dim).contiguous(), "slots": reads.write}
             out = self._attention_ops.paged_decode_attention(
                 q.reshape(-1, 1, head_dim).contiguous(), k_cache.view(-1, num_positions, 1, head_dim),
-                v_cache.view(-1, num_positions, 1, head_dim), blocks[:, None],
-                key_lens[:, None].expand(batch, num_heads, num_new).reshape(-1), scale, -1, 0.0)
-            return out.view(batch, num_heads, num_new, head_dim)
+                v_cache.view(-1, num_positions, 1, head_dim), reads.blocks, reads.key_lens, scale, -1, 0.0, **new)
+            return out.view(q.shape)
+        if k is not None:
+            k_cache.view(-1, head_dim).index_copy_(0, reads.write, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, reads.write, v.reshape(-1, head_dim))
+        batch, key_lens = reads.num_slots, reads.key_lens
         num_keys = int(key_lens.max())
-        keys, values = (cache[first_slot:first_slot + batch, :, :num_keys] for cache in (k_cache, v_cache))
+        first = reads.first_slot
+        keys, values = (cache[first:first + batch, :, :num_keys] for cache in (k_cache, v_cache))
         mask = None
         if bool((key_lens < num_keys).any()):
             mask = (torch.arange(num_keys, device=q.device)[None, None, :] < key_lens[:, :, None])[:, None]  # [B,1,T,K]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(self._heads(q, batch), keys, values, attn_mask=mask, scale=scale)
+        return self._merge(out)
 
     def _heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """[B*T, d_model] -> [B, heads, T, head_dim]"""
         return x.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
 
     @staticmethod
-    def _merge(x: torch.Tensor, batch: int) -> torch.Tensor:
-        return x.transpose(1, 2).reshape(batch, x.shape[2], -1)
+    def _merge(x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, T, head_dim] -> [B*T, d_model]"""
+        return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], -1)
+
+
+def _stacked(attn) -> torch.nn.Linear:
+    """One linear over the rows of `attn`'s q, k and v projections (k has no bias in Whisper: zeros)."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weight = torch.cat([p.weight.detach() for p in projections])
+    stacked = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
+    stacked.weight.data.copy_(weight)
+    stacked.bias.data.copy_(torch.cat([p.bias.detach() if p.bias is not None else torch.zeros_like(p.weight[:, 0])
+                                       for p in projections]))
+    return stacked
+
+
+@dataclass(slots=True)
+class _Reads:
+    """What the rows of one step read in the caches of a layer (`WhisperSlots._reads`)."""
+
+    first_slot: int  # row b reads slot first_slot + b (SDPA)
+    num_slots: int
+    key_lens: torch.Tensor  # keys each (b, t) reads: [B, T] (SDPA), or each (b, t, h) [B*T*H] (the kernel)
+    write: torch.Tensor | None  # cache rows (of a [slots*heads*positions, head_dim] view) of the new keys, (b, t, h)
+    blocks: torch.Tensor | None  # the kernel's block table: (b, t, h) -> slot * heads + h, [B*T*H, 1]
