@@ -23,8 +23,9 @@ class TimestampRules:
         self.suppress = suppress
         self.begin_suppress = [t for t in tokens.begin_suppress if t < vocab_size]
 
-    def apply(self, logits: torch.Tensor, sampled: list[list[int]]) -> None:
-        """Mask `logits` [B, vocab] in place, row b having sampled `sampled[b]` so far in its window."""
+    def apply(self, logits: torch.Tensor, sampled: list[list[int]]) -> torch.Tensor:
+        """Mask `logits` [B, vocab] in place, row b having sampled `sampled[b]` so far in its window; returns the
+        masked logits' log-probabilities."""
         ts, eot = self.tokens.timestamp_begin, self.tokens.eot
         logits[:, self.suppress] = NEG_INF
         for b, row in enumerate(sampled):
@@ -49,6 +50,8 @@ class TimestampRules:
         force = logprobs[:, ts:].logsumexp(dim=-1) > logprobs[:, :ts].max(dim=-1).values
         if force.any():
             logits[force, :ts] = NEG_INF
+            logprobs[force] = torch.log_softmax(logits[force], dim=-1)
+        return logprobs
 
 
 @dataclass(slots=True)

@@ -105,7 +105,6 @@ class Transcriber:
         self._lock = threading.Lock()  # guards `waiting`, which submit() appends to from other threads
         self._worker = WorkThread(f"tfserve-whisper-{whisper.name}", self.step, self._has_work,
                                   on_stop=self._fail_all)
-        self._generator = torch.Generator().manual_seed(0)
 
     # -- the thread ---------------------------------------------------------------------------------------
 
@@ -254,9 +253,8 @@ class Transcriber:
         if not sampling:
             return ended
         rows = logits[sampling]
-        self.rules.apply(rows, [windows[b].sampled for b in sampling])
-        logprobs = torch.log_softmax(rows, dim=-1)
-        chosen = self._sample(rows, [windows[b].temperature for b in sampling])
+        logprobs = self.rules.apply(rows, [windows[b].sampled for b in sampling])
+        chosen = self._sample(rows, [windows[b] for b in sampling])
         for i, b in enumerate(sampling):
             window, token = windows[b], int(chosen[i])
             window.sampled.append(token)
@@ -278,13 +276,18 @@ class Transcriber:
         window.pending = self.tokens.sot_sequence(language, window.job.options.task)[1:]
         window.prompt += window.pending
 
-    def _sample(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    @staticmethod
+    def _sample(logits: torch.Tensor, windows: list[Window]) -> torch.Tensor:
+        """Row i's token for windows[i]: the argmax, or drawn at its temperature from its job's own generator
+        (so a job's transcript does not depend on the others sharing its steps)."""
         chosen = logits.argmax(dim=-1)
-        hot = [i for i, t in enumerate(temperatures) if t >= MIN_TEMPERATURE]
-        if hot:
-            scale = torch.tensor([temperatures[i] for i in hot])[:, None]
-            probs = torch.softmax(logits[hot] / scale, dim=-1)
-            chosen[hot] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+        for i, window in enumerate(windows):
+            if window.temperature >= MIN_TEMPERATURE:
+                job = window.job
+                if job.generator is None:
+                    job.generator = torch.Generator().manual_seed(0)
+                probs = torch.softmax(logits[i] / window.temperature, dim=-1)
+                chosen[i] = torch.multinomial(probs, 1, generator=job.generator)[0]
         return chosen
 
     def finish(self, ended: list[Window]) -> None:
