@@ -115,7 +115,7 @@ def test_metrics_count_the_graphs_captured_and_replayed(cpu_graphs, make_engine)
 
     engine = make_engine(cpu_kernels=False)
     _generate(engine)
-    registry = ServerMetrics(SimpleNamespace(engine=engine, num_waiting=0, speech=None)).registry
+    registry = ServerMetrics(SimpleNamespace(engine=engine, num_waiting=0, num_queued=0, speech=None)).registry
     graphs = engine.runner.graphs
     assert registry.get_sample_value("tfserve_cuda_graphs_captured") == len(graphs.graphs) >= 4
     assert registry.get_sample_value("tfserve_cuda_graph_replays") == graphs.num_replays >= 25

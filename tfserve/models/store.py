@@ -240,8 +240,16 @@ def count_parameters(path: Path) -> int | None:
 
 
 def dir_size(path: Path) -> int:
-    """Bytes of all files under `path`."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of all files under `path`; a file or folder that goes while it is read (a download's temporary
+    files, which pip removes as it goes) counts as gone."""
+    total = 0
+    for folder, _, names in os.walk(path):  # os.walk skips a folder it cannot list
+        for name in names:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _architecture(config: dict) -> str | None:
