@@ -84,7 +84,7 @@ class Sampler:
             token_ids[among] = self._sample_among(values, ids, [requests[i] for i in among])
         whole = [i for i, g in enumerate(greedy) if not g and i not in among]
         if whole:
-            token_ids[whole] = self._sample_whole(probs[whole], [requests[i] for i in whole])
+            token_ids[whole] = self._sample_whole(_rows(probs, whole), [requests[i] for i in whole])
         return token_ids
 
     def _sample_whole(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -201,13 +201,18 @@ def _nucleus_candidates(probs: torch.Tensor, params, greedy: list[bool]
     rows = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.top_p < 1.0]
     if probs.shape[-1] <= _TOP_P_CANDIDATES or not rows:
         return [], None, None
-    values, ids = probs[rows].topk(_TOP_P_CANDIDATES, dim=-1)
+    values, ids = _rows(probs, rows).topk(_TOP_P_CANDIDATES, dim=-1)
     top_p = torch.tensor([params[i].top_p for i in rows], device=probs.device)
     fits = (values.sum(dim=-1) > top_p).tolist()
     keep = [n for n, fit in enumerate(fits) if fit]
     if len(keep) < len(rows):
         values, ids = values[keep], ids[keep]
     return [rows[n] for n in keep], values, ids
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without a copy when that is every row."""
+    return x if rows == list(range(x.shape[0])) else x[rows]
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
