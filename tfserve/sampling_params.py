@@ -95,6 +95,8 @@ class SamplingParams:
             _check(_is_number(value), name, "must be a finite number")
             setattr(self, name, float(value))
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), name, "must be True or False")
         # past float32's range the logits would divide to 0 and the probabilities to NaN
         _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
                f"must be in [0, {MAX_TEMPERATURE:g}]")

@@ -340,6 +340,27 @@ def test_generate_batch_validates_every_prompt_before_queueing_any(make_engine):
     assert engine.num_waiting == 0 and not engine.requests  # the first was not left to run unseen later
 
 
+def test_a_generate_batch_that_raises_leaves_no_request_behind(make_engine, monkeypatch):
+    """A step that raises (or Ctrl-C) ends the call's requests: the next call runs alone, as it would have."""
+    engine = make_engine()
+    (expected,) = engine.generate_batch([[5, 6, 7]], greedy(max_tokens=4)).values()
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate_batch([[9, 8, 7], [5, 6]], greedy(max_tokens=4))
+    assert not engine.requests and not engine.has_unfinished
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    (again,) = engine.generate_batch([[5, 6, 7]], greedy(max_tokens=4)).values()
+    assert again.generated_tokens == expected.generated_tokens
+
+
 def test_generate_batch_takes_one_prompt_and_array_ids(make_engine):
     import numpy as np
     import torch
@@ -377,6 +398,8 @@ def test_a_prompt_that_fills_the_context_names_the_prompt(make_engine):
     ({"top_k": True}, "top_k"), ({"stop_token_ids": [True]}, "stop_token_ids"), ({"temperature": 1e39}, "temperature"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"logit_bias": [1, 2]}, "logit_bias"), ({"stop": 5}, "stop"),
     ({"seed": 2**63 - 1, "n": 2}, "seed"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 def test_bad_sampling_values_name_their_field(fields, name):
     with pytest.raises(ValueError, match=rf"^{name}"):

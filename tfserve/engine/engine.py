@@ -492,15 +492,21 @@ class Engine:
         results: dict[str, RequestOutput] = {}
         pending = set(order)
         bar = _progress(len(order)) if progress else None
-        while pending:
-            for output in self.step():
-                if output.finished and output.request_id in pending:
-                    results[output.request_id] = output
-                    pending.discard(output.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                for output in self.step():
+                    if output.finished and output.request_id in pending:
+                        results[output.request_id] = output
+                        pending.discard(output.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # a step that raised, Ctrl-C: these requests go, the engine stays usable
+            for request_id in pending:
+                self.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return {request_id: results[request_id] for request_id in order}
 
     # -- stats ------------------------------------------------------------------------------------------
