@@ -60,6 +60,39 @@ def test_add_requests_refuses_an_id_in_use(make_engine):
         manager.add_requests(requests)
 
 
+def test_an_id_whose_result_is_unread_is_still_in_use(make_engine):
+    """A finished request keeps its id until its result is read: taking it again lost that result."""
+    engine = make_engine()
+    with BatchingManager(engine) as manager:
+        manager.add_request(PROMPT, request_id="x", params=SamplingParams(max_tokens=2))
+        deadline = time.monotonic() + 30
+        while "x" in manager._sinks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ValueError, match="request_id 'x' is already in use"):
+            manager.add_request(PROMPT, request_id="x", params=SamplingParams(max_tokens=3))
+        assert len(manager.get_result("x", timeout=30).generated_tokens) == 2
+        manager.add_request(PROMPT, request_id="x", params=SamplingParams(max_tokens=3))  # read: free again
+        assert len(manager.get_result("x", timeout=30).generated_tokens) == 3
+
+
+def test_a_result_is_among_the_unread_before_a_reader_can_take_it(make_engine):
+    """A reader that takes a final output from its queue marks it read; it must be unread by then, or a late
+    mark left a read id among the unread and get_result() without an id raised KeyError."""
+    engine = make_engine()
+    manager = BatchingManager(engine)
+    (request,) = engine.make_requests(PROMPT, SamplingParams(max_tokens=1))
+    manager.add_requests([request])
+    seen = []
+    real_put = manager._queues[request.request_id].put
+    manager._sinks[request.request_id] = (lambda out: (seen.append(request.request_id in manager._unread),
+                                                       real_put(out)), False, True)
+    while manager._has_work():  # the engine's steps, on this thread (the manager is not started)
+        manager._step()
+    assert seen == [True]
+    assert manager.get_result(timeout=1).request_id == request.request_id
+    assert manager.get_result(timeout=0.01) is None
+
+
 def test_leaving_a_stream_early_aborts_its_request(make_engine):
     engine = make_engine()
     async_engine = AsyncEngine(engine).start()

@@ -86,8 +86,9 @@ class BatchingManager:
             raise RuntimeError("the manager is stopped: start() it again before adding requests")
         with self._lock:
             for request in requests:
-                if request.request_id in self._sinks:
-                    raise ValueError(f"request_id {request.request_id!r} is already in use")
+                if request.request_id in self._sinks or request.request_id in self._queues:
+                    raise ValueError(f"request_id {request.request_id!r} is already in use (running, or its "
+                                     f"result not read yet)")
             for request in requests:
                 if sink is None:
                     own = self._queues[request.request_id] = queue.SimpleQueue()
@@ -198,12 +199,12 @@ class BatchingManager:
         if entry is None:
             return
         sink, stream, own_queue = entry
+        if output.finished and own_queue:  # before its queue has it: a reader that takes it then marks it read
+            with self._unread_changed:
+                self._unread[output.request_id] = None
+                self._unread_changed.notify_all()
         if stream or output.finished:
             try:
                 sink(output)
             except Exception:
                 logger.exception("output sink of %s failed", output.request_id)
-        if output.finished and own_queue:  # after its queue has it: get_result() without an id reads it there
-            with self._unread_changed:
-                self._unread[output.request_id] = None
-                self._unread_changed.notify_all()
