@@ -11,6 +11,7 @@ GRAMMAR_KINDS = ("json_schema", "regex", "lark", "choice")
 # temperatures below this sample greedily (as vLLM): dividing float32 logits by less overflows to inf
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4  # far past any useful value (OpenAI takes at most 2); 1e39 is infinite in float32
+MAX_N = 128  # samples of one request, at most (as OpenAI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class SamplingParams:
                "must be in [-2, 2]")
         _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
                "must be in [-2, 2]")
-        _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         # the samples of n > 1 take seed, seed + 1, ...: each must be a 64-bit integer
         _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**63 - self.n), "seed",
                "must be a 64-bit integer" + (f" (at most 2**63 - {self.n} with n={self.n})" if self.n > 1 else ""))

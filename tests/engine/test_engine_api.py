@@ -340,6 +340,19 @@ def test_generate_batch_validates_every_prompt_before_queueing_any(make_engine):
     assert engine.num_waiting == 0 and not engine.requests  # the first was not left to run unseen later
 
 
+def test_params_changed_after_they_were_built_are_checked_again(make_engine):
+    engine = make_engine()
+    params = SamplingParams(max_tokens=4, temperature=0.7)
+    params.temperature = "hot"
+    with pytest.raises(ValueError, match="^temperature"):
+        engine.generate_batch([[5, 6, 7]], params)
+    params = SamplingParams(max_tokens=4)
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="^max_tokens"):
+        engine.generate_batch([[5, 6, 7]], params)
+    assert not engine.requests
+
+
 def test_a_generate_batch_that_raises_leaves_no_request_behind(make_engine, monkeypatch):
     """A step that raises (or Ctrl-C) ends the call's requests: the next call runs alone, as it would have."""
     engine = make_engine()
@@ -372,8 +385,13 @@ def test_generate_batch_takes_one_prompt_and_array_ids(make_engine):
                                    greedy(max_tokens=2))
     assert len(text.generated_tokens) == 2
     assert [o.generated_tokens for o in arrays.values()] == [ids.generated_tokens] * 3
+    for one in (np.array([5, 6, 7]), torch.tensor([5, 6, 7])):  # one prompt, as a list of ids is
+        assert [o.generated_tokens for o in engine.generate_batch(one, greedy(max_tokens=2)).values()] == \
+            [ids.generated_tokens]
     with pytest.raises(ValueError, match="prompt must be"):
         engine.generate_batch([[True, 5]], greedy())
+    with pytest.raises(ValueError, match="inputs must be a list of prompts"):
+        engine.generate_batch({"hello": 1}, greedy())
 
 
 def test_no_params_take_the_models_recommended_sampling(make_engine):
@@ -398,7 +416,7 @@ def test_a_prompt_that_fills_the_context_names_the_prompt(make_engine):
     ({"top_k": True}, "top_k"), ({"stop_token_ids": [True]}, "stop_token_ids"), ({"temperature": 1e39}, "temperature"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"logit_bias": [1, 2]}, "logit_bias"), ({"stop": 5}, "stop"),
     ({"seed": 2**63 - 1, "n": 2}, "seed"),
-    ({"skip_special_tokens": None}, "skip_special_tokens"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"), ({"ignore_eos": 1}, "ignore_eos"), ({"n": 129}, "n"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 def test_bad_sampling_values_name_their_field(fields, name):

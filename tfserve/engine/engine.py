@@ -480,9 +480,10 @@ class Engine:
                        progress: bool = False) -> dict[str, RequestOutput]:
         """Generate for every input (a prompt alone, a string or a list of token ids, is one input); returns
         request id -> final output, in input order. Every input is validated before any is queued."""
-        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and _is_token_id(inputs[0])):
+        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and _is_token_id(inputs[0])) \
+                or getattr(inputs, "ndim", None) == 1:  # one prompt (a 1-D array or tensor of ids too)
             inputs = [inputs]
-        if not isinstance(inputs, Iterable):
+        if not isinstance(inputs, Iterable) or isinstance(inputs, (dict, bytes)):
             raise ValueError(f"inputs must be a list of prompts (strings or lists of token ids), not "
                              f"{type(inputs).__name__}")
         requests = [request for prompt in inputs for request in self.make_requests(prompt, params)]
@@ -538,7 +539,7 @@ def _as_sampling_params(params: SamplingParams | Any | None) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
-        return params
+        return params.replace()  # checked again: a caller may have changed a field since it was built
     if type(params).__name__ == "GenerationConfig":
         return SamplingParams.from_generation_config(params)
     raise ValueError(f"params must be a SamplingParams or a transformers GenerationConfig, not {type(params).__name__}")

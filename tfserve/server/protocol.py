@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tfserve.sampling_params import SamplingParams
+from tfserve.sampling_params import MAX_N, SamplingParams
 from tfserve.server.body import read_json  # noqa: F401  (re-exported: every handler reads its body here)
 from tfserve.server.errors import ApiError, bad_request, from_value_error
 
@@ -21,7 +21,6 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INT_FIELDS = ("top_k", "seed", "n")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-MAX_N = 128  # as OpenAI
 MAX_INT64 = 2**63  # token ids and seeds become int64 tensors
 # what the API accepts: OpenAI's ranges, and ours for the fields OpenAI lacks (vLLM takes any
 # repetition_penalty > 0; past 2 it only garbles text). SamplingParams checks again what the engine can run.
