@@ -17,7 +17,7 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown, top_count
 from tfserve.server.media import ImageRef, content_of, gather_images
-from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, param_names, read_json,
+from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, one_of, param_names, read_json,
                                      sampling_kwargs, stream_options, use_model)
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
@@ -86,8 +86,7 @@ def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Ima
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object", where)
         role = field(message, "role", str, required=True, param=f"{where}.role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
+        one_of(role, ROLES, f"{where}.role")
         tool_calls = field(message, "tool_calls", list, param=f"{where}.tool_calls") if role == "assistant" else None
         if role == "assistant" and not tool_calls and message.get("function_call") is not None:
             tool_calls = [chat_functions.call_of(message, i)]

@@ -15,7 +15,7 @@ from tfserve.images import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, ImageEr
                             decode_image)
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media_fetch import Fetcher, read_file
-from tfserve.server.protocol import field, part_text, text_of
+from tfserve.server.protocol import field, one_of, part_text, text_of
 
 DEFAULT_MAX_IMAGES = 16  # per request
 DEFAULT_FETCH_TIMEOUT_S = 10.0
@@ -90,8 +90,7 @@ def image_ref(part: dict[str, Any], where: str) -> ImageRef:
         url = field(part, "image_url", str, required=True, param=f"{where}.image_url")
         detail = field(part, "detail", str, "auto", param=f"{where}.detail")
         detail_param = f"{where}.detail"
-    if detail not in DETAILS:
-        raise bad_request(f"{detail_param} must be one of {', '.join(DETAILS)} (got {detail!r})", detail_param)
+    one_of(detail, DETAILS, detail_param)
     scheme = url.partition(":")[0].lower()
     if scheme not in SCHEMES or ":" not in url:
         raise bad_request(f"{where}: the image URL must be a data: URL (data:image/png;base64,...), an http(s) URL "

@@ -77,7 +77,7 @@ INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.imag
 def one_of(value: Any, choices: tuple[str, ...], param: str) -> Any:
     """`value` when it is one of `choices` (or absent), else a 400 naming them."""
     if value is not None and value not in choices:
-        raise bad_request(f"{param} must be one of {', '.join(choices)}, not {value!r}", param)
+        raise bad_request(f"{param} must be one of {', '.join(choices)} (got {value!r})", param)
     return value
 
 

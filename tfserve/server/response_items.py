@@ -16,7 +16,7 @@ from tfserve.server.body import loads
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
 from tfserve.server.chat_prompt import check_schema, refuse_tool_choice_without_tools
-from tfserve.server.protocol import field, text_of
+from tfserve.server.protocol import field, one_of, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -42,8 +42,7 @@ def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = (), name: 
         kind = item.get("type", "message")
         if kind == "message":
             role = field(item, "role", str, required=True, param=f"{where}.role")
-            if role not in ROLES:
-                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)} (got {role!r})", f"{where}.role")
+            one_of(role, ROLES, f"{where}.role")
             content = field(item, "content", (str, list), required=True, param=f"{where}.content")
             messages.append({"role": "system" if role == "developer" else role,
                              "content": content_of(content, f"{where}.content", images)})
