@@ -45,8 +45,12 @@ class WhisperSlots:
                                    device=self.device)
         self.cross_v = torch.zeros_like(self.cross_k)
         # every decoder linear, by the module it multiplies for: the kernels' packed copy, or F.linear without them
+        # not the self-attention's q/k/v (self._qkv multiplies them) nor the cross-attention's k/v (run as modules,
+        # once a window, by `encode`)
+        elsewhere = {id(p) for layer in self.decoder.layers
+                     for p in _projections(layer.self_attn) + (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)}
         linears = [model.proj_out] + [module for layer in self.decoder.layers for module in layer.modules()
-                                      if isinstance(module, torch.nn.Linear)]
+                                      if isinstance(module, torch.nn.Linear) and id(module) not in elsewhere]
         weights = "float32" if ops is not None and dtype == torch.float32 and self.device.type == "cpu" else "torch"
         self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
         # each layer's q, k and v projections stacked: one multiply reads them (k has no bias: zeros there)
@@ -210,9 +214,13 @@ class WhisperSlots:
         return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], -1)
 
 
+def _projections(attn) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear]:
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
 def _stacked(attn) -> torch.nn.Linear:
     """One linear over the rows of `attn`'s q, k and v projections (k has no bias in Whisper: zeros)."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    projections = _projections(attn)
     weight = torch.cat([p.weight.detach() for p in projections])
     stacked = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
     stacked.weight.data.copy_(weight)
