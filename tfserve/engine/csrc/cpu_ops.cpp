@@ -225,22 +225,10 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
     }
   };
 
-  // Items in order (partition, KV head), split into one contiguous run per thread of about equal rows.
-  const int64_t num_items = num_parts * num_kv_heads;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  std::vector<int64_t> cost(num_items + 1, 0);
-  for (int64_t i = 0; i < num_items; ++i) {
-    int64_t seq, a, b;
-    rows_of(i / num_kv_heads, seq, a, b);
-    cost[i + 1] = cost[i] + (b - a) + L;  // rows, and a chunk's worth for the item's fixed work
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+  // Items in order (partition, KV head), each claimed by whichever thread is free (tfs::parallel_claims).
+  tfs::parallel_claims(num_parts * num_kv_heads, [&](auto& claim) {
     std::vector<float> scores(group * P);
-    for (int64_t t = first_thread; t < last_thread; ++t) {
-      const int64_t lo = std::lower_bound(cost.begin(), cost.end(), cost.back() * t / threads) - cost.begin();
-      const int64_t hi = std::lower_bound(cost.begin(), cost.end(), cost.back() * (t + 1) / threads) - cost.begin();
-      for (int64_t i = lo; i < hi; ++i) item(i / num_kv_heads, i % num_kv_heads, scores.data());
-    }
+    for (int64_t i = claim(); i >= 0; i = claim()) item(i / num_kv_heads, i % num_kv_heads, scores.data());
   });
 
   // Sequences of several partitions: their results merged in partition order.

@@ -90,28 +90,28 @@ static void linear_panels(const float* xp, const W* wp, const float* bp, float* 
                           int64_t n, int64_t panels) {
   const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t tile_rows = num_tiles ? (m + num_tiles - 1) / num_tiles : 0;  // balanced: 32 rows -> 11, 11, 10
-  // panels per call: enough accumulators for the FMA pipes with one or two rows
-  const int64_t group = tile_rows == 1 ? 4 : tile_rows == 2 ? 2 : 1;
+  // panels per call: enough accumulators for the FMA pipes with one or two rows, and pieces enough to share
+  // out (parallel_chunks): a 576-column layer is 18 panels on AVX-512, 5 pieces of 4 split 3 to 2
+  int64_t group = tile_rows == 1 ? 4 : tile_rows == 2 ? 2 : 1;
+  while (group > 1 && (panels + group - 1) / group < 4 * at::get_num_threads()) group /= 2;
   const int64_t num_groups = (panels + group - 1) / group;
-  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * group, np = std::min(group, panels - p0);
-      const int64_t cols = std::min(kPanelCols, n - (p0 + np - 1) * kPanelCols);  // of the group's last panel
-      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
-        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
-        const float* x = xp + r0 * k;
-        const W* w = wp + p0 * k * kPanelCols;
-        const float* b = bp ? bp + p0 * kPanelCols : nullptr;
-        float* y = yp + r0 * n + p0 * kPanelCols;
-        constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-        if (np == 4) linear_tile_of<W, 4>(rows, seq, x, k, w, b, y, n, cols);
-        else if (np == 2) linear_tile_of<W, 2>(rows, seq, x, k, w, b, y, n, cols);
-        else {  // one panel at a time (a group's remainder, or tiles of 3+ rows)
-          for (int64_t p = 0; p < np; ++p) {
-            const int64_t c = std::min(kPanelCols, n - (p0 + p) * kPanelCols);
-            linear_tile_of<W, 1>(rows, seq, x, k, w + p * k * kPanelCols, b ? b + p * kPanelCols : nullptr,
-                                 y + p * kPanelCols, n, c);
-          }
+  parallel_chunks(num_groups, [&](int64_t g) {
+    const int64_t p0 = g * group, np = std::min(group, panels - p0);
+    const int64_t cols = std::min(kPanelCols, n - (p0 + np - 1) * kPanelCols);  // of the group's last panel
+    for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+      const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+      const float* x = xp + r0 * k;
+      const W* w = wp + p0 * k * kPanelCols;
+      const float* b = bp ? bp + p0 * kPanelCols : nullptr;
+      float* y = yp + r0 * n + p0 * kPanelCols;
+      constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
+      if (np == 4) linear_tile_of<W, 4>(rows, seq, x, k, w, b, y, n, cols);
+      else if (np == 2) linear_tile_of<W, 2>(rows, seq, x, k, w, b, y, n, cols);
+      else {  // one panel at a time (a group's remainder, or tiles of 3+ rows)
+        for (int64_t p = 0; p < np; ++p) {
+          const int64_t c = std::min(kPanelCols, n - (p0 + p) * kPanelCols);
+          linear_tile_of<W, 1>(rows, seq, x, k, w + p * k * kPanelCols, b ? b + p * kPanelCols : nullptr,
+                               y + p * kPanelCols, n, c);
         }
       }
     }

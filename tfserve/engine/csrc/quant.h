@@ -225,8 +225,9 @@ template <bool kFour>
 static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
   const int64_t nb = k / QK, gbb = group_block_bytes(kFour), groups = (n + kGroup - 1) / kGroup;
   constexpr auto rows_seq = std::make_integer_sequence<int, kQuantTileRows>{};
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+  constexpr int64_t kPiece = 4;  // groups a thread claims at a time (parallel_chunks)
+  parallel_chunks((groups + kPiece - 1) / kPiece, [&](int64_t piece) {
+    for (int64_t g = piece * kPiece; g < std::min(groups, (piece + 1) * kPiece); ++g) {
       const int64_t cols = std::min(kGroup, n - g * kGroup);
       for (int64_t r0 = 0; r0 < m; r0 += kQuantTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kQuantTileRows, m - r0));
@@ -311,9 +312,9 @@ static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m
   const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t tile_rows = (m + num_tiles - 1) / num_tiles;
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_claims(panels, [&](auto& claim) {
     std::vector<float> panel(k * kPanelCols);
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = claim(); p >= 0; p = claim()) {
       const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
       dequantize_panel<T>(w, nb, groups, p * kPanelCols, cols, panel.data());
       for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
