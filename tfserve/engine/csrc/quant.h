@@ -126,6 +126,17 @@ inline float group_weight(const uint8_t* gb, QType t, int64_t c, int64_t k) {
   return d * static_cast<float>(q) + half_to_float(h[kGroup + c]);
 }
 
+// VNNI (AVX512-VNNI with VL, or AVX-VNNI: Zen 4 and later, Intel since Ice Lake / Alder Lake) multiplies 4
+// u8 x s8 pairs and adds them into an int32 lane in one instruction, where AVX2 needs maddubs (to int16), an
+// int16 add and a final madd: the same integers, as no int16 sum here can saturate.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TFS_VNNI 1
+#define TFS_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define TFS_VNNI 1
+#define TFS_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
 constexpr int64_t kAheadBytes = 2048;  // about 13 group blocks: as many loads in flight as the memory needs
 
 // y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nb group blocks). The activations are
@@ -137,7 +148,8 @@ static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows&
 #if TFS_AVX2 || TFS_AVX512
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* gb = group + b * gbb;
     // the blocks are read front to back (and the next group's follow): ask for the bytes kAheadBytes on
@@ -154,12 +166,19 @@ static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows&
           int32_t a, c;
           std::memcpy(&a, xb + 4 * p, 4);
           std::memcpy(&c, xb + 16 + 4 * p, 4);
+#if TFS_VNNI
+          sums[r] = TFS_DPBUSD(sums[r], lo, _mm256_set1_epi32(a));
+          sums[r] = TFS_DPBUSD(sums[r], hi, _mm256_set1_epi32(c));
+#else
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
+#endif
         }
       }
+#if !TFS_VNNI
       for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);
-    } else {  // s8 x s8: |w| (u8) times x with w's sign, as maddubs wants
+#endif
+    } else {  // s8 x s8: |w| (u8) times x with w's sign, as maddubs wants (no pair reaches 2 x 127 x 127 > 32767)
       for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * j));
         const __m256i aw = _mm256_sign_epi8(w, w);
@@ -167,7 +186,11 @@ static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows&
           int32_t a;
           std::memcpy(&a, xq.q.data() + (r0 + r) * k + b * QK + 4 * j, 4);
           const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+#if TFS_VNNI
+          sums[r] = TFS_DPBUSD(sums[r], aw, xs);
+#else
           sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+#endif
         }
       }
     }
@@ -219,18 +242,25 @@ static void group_tile_of(int rows, std::integer_sequence<int, Rs...>, const uin
   ((rows == Rs + 1 ? (group_tile<kFour, Rs + 1>(group, nb, xq, r0, k, y, ldy, cols), true) : false) || ...);
 }
 
-constexpr int kQuantTileRows = 4;
+// Rows a tile unpacks each group block for: 8 where 32 vector registers hold their int and float sums (4-bit
+// on AVX-512: 1.1x at 32 rows; 8-bit blocks keep 3 vectors a row live and spill at 8), else 4.
+#if TFS_AVX512
+template <bool kFour> constexpr int kQuantTileRows = kFour ? 8 : 4;
+#else
+template <bool kFour> constexpr int kQuantTileRows = 4;
+#endif
 
 template <bool kFour>
 static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
   const int64_t nb = k / QK, gbb = group_block_bytes(kFour), groups = (n + kGroup - 1) / kGroup;
-  constexpr auto rows_seq = std::make_integer_sequence<int, kQuantTileRows>{};
+  constexpr int kRows = kQuantTileRows<kFour>;
+  constexpr auto rows_seq = std::make_integer_sequence<int, kRows>{};
   constexpr int64_t kPiece = 4;  // groups a thread claims at a time (parallel_chunks)
   parallel_chunks((groups + kPiece - 1) / kPiece, [&](int64_t piece) {
     for (int64_t g = piece * kPiece; g < std::min(groups, (piece + 1) * kPiece); ++g) {
       const int64_t cols = std::min(kGroup, n - g * kGroup);
-      for (int64_t r0 = 0; r0 < m; r0 += kQuantTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kQuantTileRows, m - r0));
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
         group_tile_of<kFour>(rows, rows_seq, w + g * nb * gbb, nb, xq, r0, k, y + r0 * n + g * kGroup, n, cols);
       }
     }
