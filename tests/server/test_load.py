@@ -169,6 +169,13 @@ def test_drain_aborts_what_is_left_at_its_timeout_or_a_second_signal(tokenizer, 
     from tfserve.server.run import drain
 
     engine = build_engine(tokenizer, num_blocks=64)
+    step = engine.step
+
+    def slow_step():  # 400 tokens of the tiny model took under 0.3 s on a fast CPU: the stream must outlast the wait
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step
     live = start_server(state=make_state(AsyncEngine(engine).start()))
     first_chunk, result = threading.Event(), {}
     thread = _start_stream(live, 400, first_chunk, result)
