@@ -307,3 +307,61 @@ def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
         assert torch.equal(torch.zeros_like(probs[rows]).scatter_(1, ids, _nucleus(values, top_p[rows])),
                            reference(probs[rows], top_p[rows]))
     assert _nucleus_candidates(flat, params[:3], [False] * 3)[0] == []
+
+
+def test_top_p_over_wide_candidates_equals_sorting_the_whole_vocabulary():
+    import torch
+
+    from tfserve.engine.sampler import _WIDE_CANDIDATES, _apply_top_p
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 3 * _WIDE_CANDIDATES
+    peaked = (torch.randn(2, vocab, generator=gen) * 8).softmax(-1)
+    medium = (torch.randn(2, vocab, generator=gen) * 2.5).softmax(-1)  # nucleus past 256, within 4096
+    flat = torch.rand(2, vocab, generator=gen).softmax(-1)  # past 4096: the whole row is sorted
+    probs = torch.cat([peaked, medium, flat])
+    top_p = torch.full((6,), 0.9)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    kept = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs > 0.9, 0.0)
+    reference = torch.zeros_like(probs).scatter_(1, order, kept)
+    nucleus_sizes = (reference > 0).sum(dim=-1).tolist()
+    assert nucleus_sizes[2] > 256 and nucleus_sizes[3] <= _WIDE_CANDIDATES < nucleus_sizes[4]
+    assert torch.equal(_apply_top_p(probs, top_p), reference)
+    assert torch.equal(_apply_top_p(probs[4:], top_p[4:]), reference[4:])  # every row sorted
+
+
+def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_zero():
+    import torch
+
+    from tfserve.engine.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])  # unnormalised rows too
+    gen = torch.Generator().manual_seed(0)
+    draws = 20_000
+    counts = torch.zeros(2, 5)
+    for _ in range(draws // 1000):
+        u = torch.rand(1000, 2, dtype=torch.float64, generator=gen)
+        for row in range(2):
+            tokens = _inverse_cdf(probs[row].expand(1000, 5), u[:, row])
+            counts[row] += torch.bincount(tokens, minlength=5)
+    frequency = counts / draws
+    assert counts[0, 1] == counts[0, 4] == 0 and counts[1, :4].sum() == 0
+    assert torch.allclose(frequency[0], torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0]), atol=0.015)
+    # the ends of [0, 1): the first and the last token of positive probability
+    edges = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
+    assert _inverse_cdf(probs[:1].expand(2, 5), edges).tolist() == [0, 3]
+
+
+def test_keep_freed_memory_respects_the_users_choice(monkeypatch):
+    from tfserve.engine import host_memory
+
+    for name, value in (("TFSERVE_KEEP_FREED_MEMORY", "0"), ("MALLOC_TRIM_THRESHOLD_", "1000"),
+                        ("LD_PRELOAD", "/usr/lib/libtcmalloc.so.4")):
+        host_memory.keep_freed_memory.cache_clear()
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert host_memory.keep_freed_memory() is False
+    host_memory.keep_freed_memory.cache_clear()
+    import sys
+    expected = sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver())
+    assert host_memory.keep_freed_memory() is expected

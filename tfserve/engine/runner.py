@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tfserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
-from tfserve.engine import attention, kernels
+from tfserve.engine import attention, host_memory, kernels
 from tfserve.engine.attention import AttentionGroup, AttentionMetadata
 from tfserve.engine.backends import cuda_graphs, select_backend
 from tfserve.engine.backends.compiled import CompiledForward
@@ -67,6 +67,8 @@ class ModelRunner:
         else:
             model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()
         self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, self.cpu_ops)
         self.forward = select_backend(model, config, self.cpu_ops, tp)

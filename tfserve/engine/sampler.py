@@ -69,7 +69,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.params for r in requests]
         device = logits.device
-        token_ids = logits.max(dim=-1).indices  # what greedy rows take
+        # what greedy rows take (with none, no pass over the vocabulary for them)
+        token_ids = (logits.max(dim=-1).indices if any(greedy)
+                     else torch.zeros(logits.shape[0], dtype=torch.long, device=device))
         temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
         logits = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
@@ -88,7 +90,9 @@ class Sampler:
         return token_ids
 
     def _sample_whole(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The exponential race over the whole vocabulary of each row's probabilities, after min-p and top-p."""
+        """Each row's probabilities over the whole vocabulary, after min-p and top-p, sampled by inverse CDF: one
+        uniform draw per row against the running sum. (An exponential race here drew a random number per token,
+        serially: 24 ms a step for 32 rows of SmolLM2's 49152 tokens; this takes under 1 ms.)"""
         params = [r.params for r in requests]
         device = probs.device
         min_p = [p.min_p for p in params]
@@ -98,7 +102,7 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if any(t < 1.0 for t in top_p):
             probs = _apply_top_p(probs, torch.tensor(top_p, device=device))
-        return (probs / self._noise(probs, requests)).max(dim=-1).indices
+        return _inverse_cdf(probs, self._uniform(probs.shape[0], requests, device))
 
     def _sample_among(self, values: torch.Tensor, ids: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """`_sample_whole` over each row's most likely tokens only (`values` sorted descending, their token
@@ -111,6 +115,15 @@ class Sampler:
         values = _nucleus(values, torch.tensor([p.top_p for p in params], device=device))
         choice = (values / self._noise(values, requests)).max(dim=-1).indices
         return ids.gather(1, choice[:, None])[:, 0]
+
+    @staticmethod
+    def _uniform(rows: int, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """One uniform number in [0, 1) per row (float64); a seeded request's drawn from its own generator."""
+        u = torch.rand(rows, dtype=torch.float64, device=device)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=request.generator)[0]
+        return u
 
     @staticmethod
     def _noise(like: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -215,11 +228,38 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x if rows == list(range(x.shape[0])) else x[rows]
 
 
+_WIDE_CANDIDATES = 4096
+
+
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one), sorting the
-    whole vocabulary (`_nucleus_candidates` spares that where the nucleus lies among the first 256)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    return torch.zeros_like(probs).scatter_(1, order, _nucleus(sorted_probs, top_p))
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one): over each
+    row's 4096 likeliest tokens where they hold its nucleus, else sorting the whole vocabulary (49152 tokens of
+    32 rows: 52 ms; `_nucleus_candidates` spares both where the nucleus lies among the first 256)."""
+    out = torch.zeros_like(probs)
+    rows = list(range(probs.shape[0]))
+    if probs.shape[-1] > _WIDE_CANDIDATES:
+        values, ids = probs.topk(_WIDE_CANDIDATES, dim=-1)
+        fits = (values.sum(dim=-1) > top_p).tolist()
+        held = [i for i, fit in enumerate(fits) if fit]
+        if held:
+            out[held] = torch.zeros_like(probs[held]).scatter_(1, ids[held], _nucleus(values[held], top_p[held]))
+        rows = [i for i, fit in enumerate(fits) if not fit]
+    if rows:
+        sorted_probs, order = _rows(probs, rows).sort(dim=-1, descending=True)
+        nucleus = torch.zeros_like(sorted_probs).scatter_(1, order, _nucleus(sorted_probs, top_p[rows]))
+        if len(rows) == probs.shape[0]:
+            return nucleus
+        out[rows] = nucleus
+    return out
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token whose share of the running sum of `probs` (unnormalised, >= 0) holds u * total: a draw
+    from probs, never a token of probability 0 (the first index whose running sum exceeds the point). u: [rows]
+    in [0, 1), float64; the sum is float64 too, so a token's share is exact to ~1e-16."""
+    cdf = probs.double().cumsum(dim=-1)  # (cumsum(dtype=float64) took 6x as long)
+    point = u[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def _nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
