@@ -304,9 +304,24 @@ def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
         top_p = torch.full((probs.shape[0],), 0.9)
         rows, values, ids = _nucleus_candidates(probs, params[: probs.shape[0]], [False] * probs.shape[0])
         assert rows == [0, 1, 2]  # the peaked rows, each judged on its own
-        assert torch.equal(torch.zeros_like(probs[rows]).scatter_(1, ids, _nucleus(values, top_p[rows])),
+        # (scatter_add: a row's zero padding points at token 0, which may be a candidate of its own)
+        assert torch.equal(torch.zeros_like(probs[rows]).scatter_add_(1, ids, _nucleus(values, top_p[rows])),
                            reference(probs[rows], top_p[rows]))
     assert _nucleus_candidates(flat, params[:3], [False] * 3)[0] == []
+    # rows whose tokens above 1/1024 hold the nucleus, rows that need their 256 likeliest, rows that need more
+    # one token of 0.7 and 240 just under the floor: the floor holds 0.7 only, the 256 likeliest 0.93
+    middling = torch.full((3, 5000), (1 - 0.7 - 240 * 0.00095) / 4759)
+    middling[:, 0], middling[:, 1:241] = 0.7, 0.00095
+    middling = middling * (1 + 0.01 * torch.rand(3, 5000, generator=gen))  # no ties: sort and top-k agree
+    middling = (middling / middling.sum(-1, keepdim=True))[:, torch.randperm(5000, generator=gen)]
+    probs = torch.cat([flat[:1], middling, peaked])
+    above = (probs > 1 / 1024).float() * probs
+    assert (above.sum(-1) > 0.9).tolist() == [False, False, False, False, True, True, True]
+    rows, values, ids = _nucleus_candidates(probs, params + params[:1], [False] * 7)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    top_p = torch.full((len(rows),), 0.9)
+    assert torch.equal(torch.zeros_like(probs[rows]).scatter_add_(1, ids, _nucleus(values, top_p)),
+                       reference(probs[rows], top_p))
 
 
 def test_top_p_over_wide_candidates_equals_sorting_the_whole_vocabulary():
