@@ -324,25 +324,28 @@ def test_top_p_over_candidates_equals_sorting_the_whole_vocabulary():
                        reference(probs[rows], top_p))
 
 
-def test_top_p_over_wide_candidates_equals_sorting_the_whole_vocabulary():
+def test_top_p_by_buckets_equals_sorting_the_whole_vocabulary():
     import torch
 
-    from tfserve.engine.sampler import _WIDE_CANDIDATES, _apply_top_p
+    from tfserve.engine.sampler import _apply_top_p
 
     gen = torch.Generator().manual_seed(1)
-    vocab = 3 * _WIDE_CANDIDATES
+    vocab = 12288
     peaked = (torch.randn(2, vocab, generator=gen) * 8).softmax(-1)
-    medium = (torch.randn(2, vocab, generator=gen) * 2.5).softmax(-1)  # nucleus past 256, within 4096
-    flat = torch.rand(2, vocab, generator=gen).softmax(-1)  # past 4096: the whole row is sorted
+    medium = (torch.randn(2, vocab, generator=gen) * 2.5).softmax(-1)
+    flat = torch.rand(2, vocab, generator=gen).softmax(-1)  # a nucleus of thousands of tokens
     probs = torch.cat([peaked, medium, flat])
-    top_p = torch.full((6,), 0.9)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    kept = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs > 0.9, 0.0)
+    probs[0, :100] = 0.0  # zeros, and a row of a few equal values
+    probs[1] = torch.tensor([0.25] * 4 + [0.0] * (vocab - 4))[torch.randperm(vocab, generator=gen)]
+    top_p = torch.tensor([0.9, 0.6, 0.9, 0.5, 0.9, 0.99])
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()  # the mass before, in float64
+    kept = sorted_probs.masked_fill(before > top_p.double()[:, None], 0.0)
     reference = torch.zeros_like(probs).scatter_(1, order, kept)
-    nucleus_sizes = (reference > 0).sum(dim=-1).tolist()
-    assert nucleus_sizes[2] > 256 and nucleus_sizes[3] <= _WIDE_CANDIDATES < nucleus_sizes[4]
+    sizes = (reference > 0).sum(dim=-1).tolist()
+    assert sizes[1] == 3 and sizes[4] > 4096 and sizes[5] > sizes[4]
     assert torch.equal(_apply_top_p(probs, top_p), reference)
-    assert torch.equal(_apply_top_p(probs[4:], top_p[4:]), reference[4:])  # every row sorted
+    assert torch.equal(_apply_top_p(probs[4:], top_p[4:]), reference[4:])
 
 
 def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_zero():

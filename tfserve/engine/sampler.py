@@ -253,7 +253,7 @@ def _padded(num_rows: int, row: torch.Tensor, token: torch.Tensor, value: torch.
     ids = torch.zeros(num_rows, width, dtype=torch.long, device=value.device)
     values[row, slot] = value
     ids[row, slot] = token
-    values, order = values.sort(dim=-1, descending=True)
+    values, order = values.sort(dim=-1, descending=True, stable=True)  # equal values: in token order
     return values, ids.gather(1, order)
 
 
@@ -262,29 +262,34 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x if rows == list(range(x.shape[0])) else x[rows]
 
 
-_WIDE_CANDIDATES = 4096
+_BUCKET_BITS = 19  # tokens bucketed by the top 12 value bits of their float32 probability (4096 buckets)
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one): over each
-    row's 4096 likeliest tokens where they hold its nucleus, else sorting the whole vocabulary (49152 tokens of
-    32 rows: 52 ms; `_nucleus_candidates` spares both where the nucleus lies among the first 256)."""
-    out = torch.zeros_like(probs)
-    rows = list(range(probs.shape[0]))
-    if probs.shape[-1] > _WIDE_CANDIDATES:
-        values, ids = probs.topk(_WIDE_CANDIDATES, dim=-1)
-        fits = (values.sum(dim=-1) > top_p).tolist()
-        held = [i for i, fit in enumerate(fits) if fit]
-        if held:
-            out[held] = torch.zeros_like(probs[held]).scatter_(1, ids[held], _nucleus(values[held], top_p[held]))
-        rows = [i for i, fit in enumerate(fits) if not fit]
-    if rows:
-        sorted_probs, order = _rows(probs, rows).sort(dim=-1, descending=True)
-        nucleus = torch.zeros_like(sorted_probs).scatter_(1, order, _nucleus(sorted_probs, top_p[rows]))
-        if len(rows) == probs.shape[0]:
-            return nucleus
-        out[rows] = nucleus
-    return out
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always the top one), without
+    sorting the vocabulary (49152 tokens of 32 rows: 52 ms; `_nucleus_candidates` spares even this where the
+    nucleus lies among a few hundred): the tokens are bucketed by the high bits of their float32 value, which
+    order the buckets as the values; the buckets' masses, summed from the top in float64, keep every bucket whose
+    tokens all have less than top_p before them, drop every bucket past it, and sort only the one bucket where
+    the running mass crosses top_p. A token's mass before it is the float64 sum of the tokens above it."""
+    rows, vocab = probs.shape
+    num_buckets = 1 << (31 - _BUCKET_BITS)
+    bucket = probs.contiguous().view(torch.int32) >> _BUCKET_BITS  # probabilities >= 0: ordered as the values
+    offsets = torch.arange(rows, dtype=torch.int32, device=probs.device)[:, None] * num_buckets
+    mass = torch.bincount((bucket + offsets).flatten(), weights=probs.flatten().double(),
+                          minlength=rows * num_buckets).view(rows, num_buckets)
+    above = mass.flip(-1).cumsum(-1).flip(-1) - mass  # per bucket, the mass of the buckets above it
+    limit = top_p.double()[:, None]
+    crossing = ((above <= limit) & (above + mass > limit)).float().argmax(dim=-1)  # the one bucket per row
+    kept = torch.where(bucket > crossing[:, None], probs, 0.0)  # buckets whose every token has < top_p before
+    # the crossing bucket's tokens, sorted: kept while the mass before them stays within top_p
+    in_crossing = bucket == crossing[:, None]
+    where = in_crossing.nonzero()
+    row, token = where[:, 0], where[:, 1]
+    values, ids = _padded(rows, row, token, probs[row, token])
+    before = above.gather(1, crossing[:, None]) + values.double().cumsum(-1) - values.double()
+    values = values.masked_fill(before > limit, 0.0)
+    return kept.scatter_add_(1, ids, values)  # (padding: zeros added to token 0)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
