@@ -221,12 +221,8 @@ def _nucleus_candidates(probs: torch.Tensor, params, greedy: list[bool]
     groups = []  # (positions in rows, values, ids)
     fast = [n for n, h in enumerate(held) if h]
     if fast:
-        if len(fast) < len(rows):
-            keep = torch.tensor(held, device=sub.device)[row]
-            slot_of = torch.full((len(rows),), -1, dtype=torch.long, device=sub.device)
-            slot_of[fast] = torch.arange(len(fast), device=sub.device)
-            row, token, found = slot_of[row[keep]], token[keep], found[keep]
-        groups.append((fast, *_padded(len(fast), row, token, found)))
+        values, ids = _padded(len(rows), row, token, found)
+        groups.append((fast, _rows(values, fast), _rows(ids, fast)))
     rest = [n for n, h in enumerate(held) if not h]
     if rest:
         values, ids = _rows(sub, rest).topk(_TOP_P_CANDIDATES, dim=-1)
@@ -272,7 +268,7 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     order the buckets as the values; the buckets' masses, summed from the top in float64, keep every bucket whose
     tokens all have less than top_p before them, drop every bucket past it, and sort only the one bucket where
     the running mass crosses top_p. A token's mass before it is the float64 sum of the tokens above it."""
-    rows, vocab = probs.shape
+    rows = probs.shape[0]
     num_buckets = 1 << (31 - _BUCKET_BITS)
     bucket = probs.contiguous().view(torch.int32) >> _BUCKET_BITS  # probabilities >= 0: ordered as the values
     offsets = torch.arange(rows, dtype=torch.int32, device=probs.device)[:, None] * num_buckets
@@ -296,7 +292,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the token whose share of the running sum of `probs` (unnormalised, >= 0) holds u * total: a draw
     from probs, never a token of probability 0 (the first index whose running sum exceeds the point). u: [rows]
     in [0, 1), float64; the sum is float64 too, so a token's share is exact to ~1e-16."""
-    cdf = probs.double().cumsum(dim=-1)  # (cumsum(dtype=float64) took 6x as long)
+    cdf = probs.double().cumsum(dim=-1)
     point = u[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
