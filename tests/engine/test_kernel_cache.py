@@ -102,3 +102,21 @@ def test_a_build_begun_beside_the_load_is_shown_even_when_it_finished_first(monk
     reports: list[str] = []
     kernels.build_with_progress(reports.append)
     assert len(reports) == 1 and reports[0].startswith("Building tfserve's CPU kernels")
+
+
+def test_a_build_killed_part_way_does_not_hold_later_ones():
+    """torch's lock file, left by a process killed while building (Ctrl-C in a first `serve`), made every later
+    build or load wait for ever."""
+    import threading
+
+    if kernels.cpu_ops() is None:
+        import pytest
+
+        pytest.skip("no compiler here: the kernels do not build")
+    (kernels.build_dir() / "lock").touch()  # what the killed process left
+    done = []
+    thread = threading.Thread(target=lambda: done.append(kernels.build()), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done and done[0].isa == kernels.cpu_ops().isa
+    assert not (kernels.build_dir() / "lock").exists()

@@ -21,6 +21,8 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -156,8 +158,9 @@ def build(march: str | None = None):
     directory.mkdir(parents=True, exist_ok=True)
     source = _source_copy(directory)
     start = time.perf_counter()
-    module = load(name=_module_name(march), sources=[str(source)], extra_cflags=_cflags(march),
-                  build_directory=str(directory), verbose=False)
+    with _builder(directory):
+        module = load(name=_module_name(march), sources=[str(source)], extra_cflags=_cflags(march),
+                      build_directory=str(directory), verbose=False)
     if fresh:
         logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
     if module.isa == "scalar" and _march(march) == "native":
@@ -165,6 +168,26 @@ def build(march: str | None = None):
                        platform.machine())
     logger.debug("CPU kernels: %s (%s)", module.isa, directory)
     return module
+
+
+@contextmanager
+def _builder(directory: Path) -> Iterator[None]:
+    """This process alone builds or loads in `directory`, under a lock the OS drops when the process ends.
+    torch's own lock is a file (`lock`) that a process killed part-way through a build (Ctrl-C during a first
+    `tfserve serve`) leaves behind, and every later start waited on it for ever; holding this lock, no live
+    builder can own that file, so a leftover one is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(directory / "build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _source_files() -> list[Path]:
