@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tfserve.engine.attention import sdpa_backends
 from tfserve.engine.cpu_linear import EngineLinear
+
+
+KEY_BUCKET = 64  # on a GPU, SDPA reads the self-attention's keys in multiples of this (masked past each row's own)
 
 
 class WhisperSlots:
@@ -59,6 +63,9 @@ class WhisperSlots:
         self.kernels = weights != "torch"
         # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
         self._attention_ops = ops if self.kernels else None
+        # SDPA reads keys in multiples of this: on a GPU a few shapes, not a new one each step (its attention plans
+        # per shape); on a CPU exactly as many as the longest row reads (its time follows the keys read)
+        self.key_bucket = 1 if self.device.type == "cpu" else KEY_BUCKET
 
     def _linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module(x)` through its engine copy, x: [..., in_features]."""
@@ -84,7 +91,8 @@ class WhisperSlots:
         group = 1 if self.device.type == "cpu" else len(slots)
         for first in range(0, len(slots), group):
             batch = features[first:first + group].to(self.device, self.model.dtype)
-            hidden = self.model.model.encoder(batch).last_hidden_state  # [group, 1500, d_model]
+            with sdpa_backends(self.device):
+                hidden = self.model.model.encoder(batch).last_hidden_state  # [group, 1500, d_model]
             index = self._tensor(slots[first:first + group])
             for i, layer in enumerate(self.decoder.layers):
                 attn = layer.encoder_attn
@@ -139,7 +147,8 @@ class WhisperSlots:
         scores = {}
         for i, layer in enumerate(decoder.layers):
             q, k, v = (self._heads(x, 1) for x in self._qkv[i](layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
+            with sdpa_backends(self.device):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
             hidden = hidden + self._linear(layer.self_attn.out_proj, self._merge(out))
             wanted = [head for (layer_index, head) in heads if layer_index == i]
             if wanted:
@@ -169,13 +178,17 @@ class WhisperSlots:
             if new_keys:
                 block = self._tensor(slots)[:, None, None] * heads + torch.arange(heads, device=self.device)
                 write = (block * num_positions + (lens - 1)[:, :, None]).view(-1)  # [(b, t, h)]
-            return _Reads(slots[0], len(slots), lens, write, None)
+            # how many keys the step reads, decided here from the lists: no device sync in the layers
+            fewest, most = min(min(row) for row in key_lens), max(max(row) for row in key_lens)
+            most = min(-(-most // self.key_bucket) * self.key_bucket, num_positions)
+            return _Reads(slots[0], len(slots), lens, write, None, most, fewest < most)
         # the kernel: every (row, token, head) a sequence of one head, whose one block is its slot's keys of that
         # head, in the (b, t, h) order of the rows of a [B*T, d_model] activation viewed as [B*T*H, head_dim]
         blocks = [slot * heads + head for slot, row in zip(slots, key_lens) for _ in row for head in range(heads)]
         lens = [length for row in key_lens for length in row for _ in range(heads)]
         write = self._tensor([b * num_positions + n - 1 for b, n in zip(blocks, lens)]) if new_keys else None
-        return _Reads(slots[0], len(slots), self._tensor(lens), write, self._tensor(blocks)[:, None])
+        return _Reads(slots[0], len(slots), self._tensor(lens), write, self._tensor(blocks)[:, None], max(lens),
+                      False)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads: _Reads, scale: float,
                 k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,14 +207,13 @@ class WhisperSlots:
         if k is not None:
             k_cache.view(-1, head_dim).index_copy_(0, reads.write, k.reshape(-1, head_dim))
             v_cache.view(-1, head_dim).index_copy_(0, reads.write, v.reshape(-1, head_dim))
-        batch, key_lens = reads.num_slots, reads.key_lens
-        num_keys = int(key_lens.max())
-        first = reads.first_slot
+        batch, num_keys, first = reads.num_slots, reads.num_keys, reads.first_slot
         keys, values = (cache[first:first + batch, :, :num_keys] for cache in (k_cache, v_cache))
         mask = None
-        if bool((key_lens < num_keys).any()):
-            mask = (torch.arange(num_keys, device=q.device)[None, None, :] < key_lens[:, :, None])[:, None]  # [B,1,T,K]
-        out = F.scaled_dot_product_attention(self._heads(q, batch), keys, values, attn_mask=mask, scale=scale)
+        if reads.masked:  # [B, 1, T, K]
+            mask = (torch.arange(num_keys, device=q.device)[None, None, :] < reads.key_lens[:, :, None])[:, None]
+        with sdpa_backends(q.device):
+            out = F.scaled_dot_product_attention(self._heads(q, batch), keys, values, attn_mask=mask, scale=scale)
         return self._merge(out)
 
     def _heads(self, x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -238,3 +250,6 @@ class _Reads:
     key_lens: torch.Tensor  # keys each (b, t) reads: [B, T] (SDPA), or each (b, t, h) [B*T*H] (the kernel)
     write: torch.Tensor | None  # cache rows (of a [slots*heads*positions, head_dim] view) of the new keys, (b, t, h)
     blocks: torch.Tensor | None  # the kernel's block table: (b, t, h) -> slot * heads + h, [B*T*H, 1]
+    num_keys: int  # keys read per row (SDPA): the most any row reads, rounded up to the slots' key_bucket
+    masked: bool  # some row reads fewer than num_keys (SDPA)
+

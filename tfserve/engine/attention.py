@@ -19,6 +19,7 @@ sequence's keys gathered from the cache (`FlashLayout`, built once per step).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -325,9 +326,21 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int
     return o.index_select(0, group.unpad_index)
 
 
+def sdpa_backends(device: torch.device):
+    """SDPA without cuDNN's attention on a GPU: cuDNN builds a plan for every new shape (6-80 ms each, measured
+    on an H100), and a server's steps read a new number of keys every few tokens; flash and memory-efficient
+    attention just run. Elsewhere, as it is."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _attend(q, k, v, mask, scaling, softcap):
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        with sdpa_backends(q.device):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     # Logit soft-capping (Gemma 2) has no SDPA kernel: scores, cap, mask, softmax by hand.
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
