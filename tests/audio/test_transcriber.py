@@ -253,3 +253,84 @@ def test_the_thread_that_steps_ends_when_idle_and_leaves_no_workers(transcriber)
     assert transcriber.transcribe(speech("fox")).text
     time.sleep(0.5)
     assert not transcriber._worker.is_alive and threads() <= before
+
+
+def _failing_clip():
+    """Ten seconds of the spoken sentences cut mid-word, as `tfserve bench transcribe` cuts them, whose greedy
+    decode fails the thresholds (and so does every hotter one): six decodes of one window."""
+    from tfserve.bench.audio import clips
+
+    return clips([speech(name) for name in sorted(SENTENCES)], 16, 10.0)[6]
+
+
+def test_a_failed_window_is_decoded_hotter_side_by_side_to_the_same_transcript(whisper, monkeypatch):
+    """The hotter decodes of a window run at once in free slots, not one after another, and give what one after
+    another gives (each decode draws from a generator of its own)."""
+    from tfserve.audio.transcriber import Transcriber
+
+    audio, results, steps = _failing_clip(), {}, {}
+    for side_by_side in (False, True):
+        if not side_by_side:
+            monkeypatch.setattr(Transcriber, "spread", lambda self: None)
+        else:
+            monkeypatch.undo()
+        transcriber = Transcriber(whisper, max_num_windows=8).start()
+        try:
+            result = transcriber.transcribe(audio)
+        finally:
+            transcriber.stop()
+        results[side_by_side] = [(s.start, s.end, s.text, s.temperature) for s in result.segments]
+        steps[side_by_side] = transcriber.stats.num_steps
+    assert results[True] == results[False] and results[True]
+    assert steps[True] < 0.6 * steps[False], steps  # 90 against 251 measured
+
+
+def test_a_decode_run_ahead_gives_its_slot_to_a_job_that_waits(whisper, monkeypatch):
+    """Once the hotter decodes fill every slot, a job that comes waits no step: the hottest stops (and starts
+    again later), and both transcripts are what they are alone."""
+    from tfserve.audio.transcriber import Fallback, Transcriber
+
+    audio, other = _failing_clip(), speech("fox")
+    transcriber = Transcriber(whisper, max_num_windows=3).start()
+    try:
+        alone = [transcriber.transcribe(audio).text, transcriber.transcribe(other).text]
+    finally:
+        transcriber.stop()
+
+    spread, give_back = Transcriber.spread, Fallback.give_back
+    queued, submitted, stopped, admitted = [], [], [], []
+
+    def spread_then_submit(self):
+        spread(self)
+        if not queued and len(self.windows) == 3 and all(w.fallback is not None for w in self.windows):
+            job = self.make_job(other, TranscriptionOptions(), lambda kind, payload: queued.append((kind, payload)))
+            queued.append(job)
+            submitted.append(self.stats.num_steps)  # this step's decode is still to come
+            self.submit(job)  # from the stepping thread itself: it waits at the next step's admission
+
+    def record(self, window):
+        stopped.append(window.temperature)
+        give_back(self, window)
+
+    monkeypatch.setattr(Transcriber, "spread", spread_then_submit)
+    monkeypatch.setattr(Fallback, "give_back", record)
+    transcriber = Transcriber(whisper, max_num_windows=3).start()
+    real_admit = transcriber.admit
+
+    def admit():
+        real_admit()
+        if queued and not admitted and any(w.job is queued[0] for w in transcriber.windows):
+            admitted.append(transcriber.stats.num_steps)
+
+    transcriber.admit = admit
+    try:
+        text = transcriber.transcribe(audio).text
+        deadline = time.monotonic() + 30
+        while not any(kind == "done" for kind, *_ in queued[1:]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        transcriber.stop()
+    assert stopped and max(stopped) == 0.6  # the hottest of 0.2 (the window's own slot), 0.4, 0.6
+    assert admitted == [submitted[0] + 1]  # admitted at the very next step
+    done = [payload for kind, payload in queued[1:] if kind == "done"]
+    assert [text, done[0].text] == alone

@@ -95,7 +95,6 @@ class TranscriptionJob:
     prompt_reset_since: int = 0  # all_tokens before this are not shown to the next window
     num_windows: int = 0
     features: Any = None  # log-mel [num_mel_bins, num_frames + 3000] (the silence after the audio included)
-    generator: Any = None  # torch.Generator of its hot decodes, seeded 0: the same audio, the same transcript
     aborted: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -4,7 +4,13 @@ A job moves through its audio one 30-second window at a time (where the next win
 timestamps the last one ended with, as openai-whisper's long-form decoding does). Every step admits windows
 into free slots (their encoder passes run as one batch), then runs one decoder step for every window in flight;
 a window that ends hands its segments to its job's sink and frees its slot for the job's next window or another
-job's. One step reads: `admit() -> decode() -> finish()`.
+job's. One step reads: `admit() -> spread() -> decode() -> finish()`.
+
+A window whose greedy decode fails the thresholds (a repetition loop, or unlikely text) is decoded again at
+temperatures 0.2, 0.4, ... 1.0 and the first that passes is taken, as openai-whisper does one after another;
+here the hotter decodes also run side by side in slots no waiting job needs (`spread`), each from the window's
+one encoder pass and with a generator of its own, so the transcript is the same either way and the slowest
+window of a batch no longer takes six decodes' time.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ class Window:
     no_speech_prob: float = 0.0
     sot_index: int = -1  # index of <|startoftranscript|> in `pending` (its logits give the no-speech probability)
     detect_language: bool = False  # the step after <|startoftranscript|> picks the language first
-    attempts: list[Attempt] = field(default_factory=list)  # decodes that failed the thresholds
+    fallback: Fallback | None = None  # the hotter decodes of this window, once its greedy one failed
+    generator: torch.Generator | None = None  # its draws at a temperature (each decode's own, seeded 0)
 
 
 @dataclass(slots=True)
@@ -62,6 +69,62 @@ class Attempt:
     avg_logprob: float  # over the window's every token, the end of text included (what the thresholds judge)
     compression_ratio: float
     no_speech_prob: float
+
+    @property
+    def silent(self) -> bool:
+        """Likely no speech: the window is skipped."""
+        return self.no_speech_prob > NO_SPEECH_THRESHOLD and self.avg_logprob < LOGPROB_THRESHOLD
+
+    @property
+    def accepted(self) -> bool:
+        """Fluent and likely enough (or silent): no hotter decode is needed."""
+        failed = self.compression_ratio > COMPRESSION_RATIO_THRESHOLD or self.avg_logprob < LOGPROB_THRESHOLD
+        return self.silent or not failed
+
+
+@dataclass(eq=False)
+class Fallback:
+    """The hotter decodes of a window whose greedy decode failed: each temperature decoded once, in a slot of its
+    own (`Transcriber.spread`) or after a cooler one in the same slot; the first in order that passes is taken."""
+
+    greedy: Attempt
+    temperatures: list[float]
+    waiting: list[float] = field(default_factory=list)  # not started (or stopped for a job), coolest first
+    attempts: dict[float, Attempt] = field(default_factory=dict)  # the finished ones, by temperature
+    windows: list[Window] = field(default_factory=list)  # decoding one of the temperatures
+
+    def __post_init__(self) -> None:
+        self.waiting = list(self.temperatures)
+
+    def take(self) -> float | None:
+        """The coolest temperature not decoding nor done, or None."""
+        return self.waiting.pop(0) if self.waiting else None
+
+    def give_back(self, window: Window) -> None:
+        """`window`'s temperature stops decoding (its slot goes to a job); it starts again later."""
+        self.windows.remove(window)
+        self.waiting = sorted(self.waiting + [window.temperature])
+
+    def ahead(self) -> list[Window]:
+        """The windows decoding what one decode after another would not have reached yet: all but the coolest."""
+        return sorted(self.windows, key=lambda w: w.temperature)[1:]
+
+    def decide(self) -> Attempt | None:
+        """The attempt taken once the cooler ones are known: the first that passes, or the likeliest of all when
+        none does; None while a cooler one is still decoding."""
+        for temperature in self.temperatures:
+            attempt = self.attempts.get(temperature)
+            if attempt is None:
+                return None
+            if attempt.accepted:
+                return attempt
+        return _best([self.greedy, *self.attempts.values()])
+
+
+def _hotter(temperature: float) -> list[float]:
+    """The fallback's temperatures after `temperature`: +0.2 each, up to 1.0."""
+    steps = round((1.0 - temperature) / TEMPERATURE_STEP)
+    return [round(temperature + TEMPERATURE_STEP * (i + 1), 6) for i in range(steps)]
 
 
 def _best(attempts: list[Attempt]) -> Attempt:
@@ -173,6 +236,7 @@ class Transcriber:
         try:
             self._drop_aborted()
             self.admit()
+            self.spread()
             if self.windows:
                 ended = self.decode()
                 self.finish(ended)
@@ -189,7 +253,9 @@ class Transcriber:
             self._free(window)
 
     def admit(self) -> None:
-        """Start the next window of waiting jobs while slots are free; their encoder passes run in the same step."""
+        """Start the next window of waiting jobs while slots are free (taking back those of hotter decodes run
+        ahead: `spread`); their encoder passes run in the same step."""
+        self._make_room()
         new: list[Window] = []
         while len(self.windows) < self.slots.num_slots:
             with self._lock:
@@ -211,6 +277,35 @@ class Transcriber:
         features = torch.stack([w.job.features[:, w.seek:w.seek + WINDOW_FRAMES] for w in new])
         self.slots.encode(list(range(first, len(self.windows))), features)
         self.stats.num_windows += len(new)
+
+    def _make_room(self) -> None:
+        """Free the slots of hotter decodes run ahead of their turn (`spread`), the hottest first, while jobs wait
+        for a slot: a decode that may not be needed never holds up one that is."""
+        with self._lock:
+            wanted = len(self.waiting)
+        while wanted > self.slots.num_slots - len(self.windows):
+            ahead = [w for group in self._fallbacks() for w in group.ahead()]
+            if not ahead:
+                return
+            window = max(ahead, key=lambda w: w.temperature)
+            window.fallback.give_back(window)
+            self._free(window)
+
+    def _fallbacks(self) -> list[Fallback]:
+        """The windows' fallbacks under way, oldest first."""
+        return list(dict.fromkeys(w.fallback for w in self.windows if w.fallback is not None))
+
+    def spread(self) -> None:
+        """Start the hotter decodes of failed windows in the slots left free once every waiting job has one (the
+        oldest window's first): each copies its window's encoder output, not another encoder pass."""
+        for group in self._fallbacks():
+            while len(self.windows) < self.slots.num_slots and (temperature := group.take()) is not None:
+                source = group.windows[0]
+                window = self._window(source.job, temperature)
+                window.fallback = group
+                self.windows.append(window)
+                group.windows.append(window)
+                self.slots.copy_encoding(self.windows.index(source), len(self.windows) - 1)
 
     def _window(self, job: TranscriptionJob, temperature: float | None = None) -> Window:
         tokens, options = self.tokens, job.options
@@ -278,21 +373,23 @@ class Transcriber:
 
     @staticmethod
     def _sample(logits: torch.Tensor, windows: list[Window]) -> torch.Tensor:
-        """Row i's token for windows[i]: the argmax, or drawn at its temperature from its job's own generator
-        (so a job's transcript does not depend on the others sharing its steps)."""
+        """Row i's token for windows[i]: the argmax, or drawn at its temperature from the decode's own generator,
+        seeded 0 (so a transcript depends neither on the jobs sharing its steps nor on whether its hotter decodes
+        ran side by side)."""
         chosen = logits.argmax(dim=-1)
         for i, window in enumerate(windows):
             if window.temperature >= MIN_TEMPERATURE:
-                job = window.job
-                if job.generator is None:
-                    job.generator = torch.Generator().manual_seed(0)
+                if window.generator is None:
+                    window.generator = torch.Generator().manual_seed(0)
                 probs = torch.softmax(logits[i] / window.temperature, dim=-1)
-                chosen[i] = torch.multinomial(probs, 1, generator=job.generator)[0]
+                chosen[i] = torch.multinomial(probs, 1, generator=window.generator)[0]
         return chosen
 
     def finish(self, ended: list[Window]) -> None:
         """Judge each ended window: decode it again hotter, skip it as silence, or take its segments."""
         for window in ended:
+            if window not in self.windows:  # a hotter decode freed as a cooler one of its window was taken
+                continue
             try:
                 self._finish(window)
             except Exception as exc:  # this job ends with the error (its slot is freed next step); the others go on
@@ -306,15 +403,26 @@ class Transcriber:
     def _finish(self, window: Window) -> None:
         job = window.job
         attempt = self._attempt(window)
-        silent = attempt.no_speech_prob > NO_SPEECH_THRESHOLD and attempt.avg_logprob < LOGPROB_THRESHOLD
-        failed = attempt.compression_ratio > COMPRESSION_RATIO_THRESHOLD or attempt.avg_logprob < LOGPROB_THRESHOLD
-        if failed and not silent and job.options.temperature == 0:
-            window.attempts.append(attempt)
-            if window.temperature < 1.0 - 1e-6:  # the same window again, keeping its encoder output
-                self._restart(window, window.temperature + TEMPERATURE_STEP)
+        group = window.fallback
+        if group is not None:
+            group.attempts[window.temperature] = attempt
+        elif not attempt.accepted and job.options.temperature == 0 and window.temperature < 1.0 - 1e-6:
+            group = window.fallback = Fallback(attempt, _hotter(window.temperature), windows=[window])
+        if group is not None:
+            chosen = group.decide()
+            if chosen is None:  # a cooler temperature is still decoding: this slot decodes the next, or frees
+                temperature = group.take()
+                if temperature is not None:  # the same window again, keeping its encoder output
+                    self._restart(window, temperature)
+                else:
+                    group.windows.remove(window)
+                    self._free(window)
                 return
-            attempt = _best(window.attempts)  # every temperature failed: the likeliest decode
-        if silent or not any(t < self.tokens.eot for t in attempt.tokens):
+            for other in group.windows:  # hotter decodes no longer needed
+                if other is not window:
+                    self._free(other)
+            attempt = chosen  # its words are timed in this window's slot: every slot of the group holds the same
+        if attempt.silent or not any(t < self.tokens.eot for t in attempt.tokens):
             job.seek += window.num_frames
             new = []
         else:
@@ -382,7 +490,7 @@ class Transcriber:
         fresh = self._window(window.job, temperature)
         window.prompt, window.pending, window.temperature = fresh.prompt, list(fresh.prompt), temperature
         window.position, window.sampled, window.logprobs, window.sum_logprob = 0, [], [], 0.0
-        window.sot_index, window.detect_language = fresh.sot_index, fresh.detect_language
+        window.sot_index, window.detect_language, window.generator = fresh.sot_index, fresh.detect_language, None
 
     def _free(self, window: Window) -> None:
         """Free `window`'s slot, moving the last window into it so the slots stay dense."""

@@ -99,6 +99,11 @@ class WhisperSlots:
                 self.cross_k[i, index] = self._heads(attn.k_proj(hidden), len(index))
                 self.cross_v[i, index] = self._heads(attn.v_proj(hidden), len(index))
 
+    def copy_encoding(self, src: int, dst: int) -> None:
+        """Give slot `dst` slot `src`'s encoder output (another decode of the same window)."""
+        for cache in (self.cross_k, self.cross_v):
+            cache[:, dst] = cache[:, src]
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src`'s caches into slot `dst` (keeping the active slots dense)."""
         for cache in (self.self_k, self.self_v, self.cross_k, self.cross_v):
