@@ -282,7 +282,7 @@ def test_a_failed_window_is_decoded_hotter_side_by_side_to_the_same_transcript(w
         results[side_by_side] = [(s.start, s.end, s.text, s.temperature) for s in result.segments]
         steps[side_by_side] = transcriber.stats.num_steps
     assert results[True] == results[False] and results[True]
-    assert steps[True] < 0.6 * steps[False], steps  # 90 against 251 measured
+    assert steps[True] < 0.8 * steps[False], steps  # 214 against 370 measured (AVX-512)
 
 
 def test_a_decode_run_ahead_gives_its_slot_to_a_job_that_waits(whisper, monkeypatch):

@@ -351,7 +351,7 @@ def test_top_p_by_buckets_equals_sorting_the_whole_vocabulary():
 def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_zero():
     import torch
 
-    from tfserve.engine.sampler import _inverse_cdf
+    from tfserve.engine.sampler import inverse_cdf
 
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])  # unnormalised rows too
     gen = torch.Generator().manual_seed(0)
@@ -360,14 +360,14 @@ def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_zero():
     for _ in range(draws // 1000):
         u = torch.rand(1000, 2, dtype=torch.float64, generator=gen)
         for row in range(2):
-            tokens = _inverse_cdf(probs[row].expand(1000, 5), u[:, row])
+            tokens = inverse_cdf(probs[row].expand(1000, 5), u[:, row])
             counts[row] += torch.bincount(tokens, minlength=5)
     frequency = counts / draws
     assert counts[0, 1] == counts[0, 4] == 0 and counts[1, :4].sum() == 0
     assert torch.allclose(frequency[0], torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0]), atol=0.015)
     # the ends of [0, 1): the first and the last token of positive probability
     edges = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
-    assert _inverse_cdf(probs[:1].expand(2, 5), edges).tolist() == [0, 3]
+    assert inverse_cdf(probs[:1].expand(2, 5), edges).tolist() == [0, 3]
 
 
 def test_keep_freed_memory_respects_the_users_choice(monkeypatch):

@@ -20,14 +20,14 @@ class TimestampRules:
         suppress = torch.zeros(vocab_size, dtype=torch.bool)
         suppress[[t for t in tokens.suppress if t < vocab_size]] = True
         suppress[tokens.eot + 1:tokens.timestamp_begin] = True  # every special token but the end of text
-        self.suppress = suppress
+        self.suppress = suppress.nonzero()[:, 0]  # as indices: index_fill_ is ~4x faster than a boolean mask
         self.begin_suppress = [t for t in tokens.begin_suppress if t < vocab_size]
 
     def apply(self, logits: torch.Tensor, sampled: list[list[int]]) -> torch.Tensor:
         """Mask `logits` [B, vocab] in place, row b having sampled `sampled[b]` so far in its window; returns the
         masked logits' log-probabilities."""
         ts, eot = self.tokens.timestamp_begin, self.tokens.eot
-        logits[:, self.suppress] = NEG_INF
+        logits.index_fill_(1, self.suppress, NEG_INF)
         for b, row in enumerate(sampled):
             if not row:  # a window starts with a timestamp, at most max_initial_timestamp
                 logits[b, self.begin_suppress] = NEG_INF

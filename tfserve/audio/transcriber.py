@@ -32,6 +32,7 @@ from tfserve.audio.timestamps import TimestampRules, split_window
 from tfserve.audio.whisper_forward import WhisperSlots
 from tfserve.audio.words import word_times
 from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
+from tfserve.engine.sampler import inverse_cdf
 from tfserve.engine.threads import WorkThread, run_in_fresh_thread
 from tfserve.sampling_params import MIN_TEMPERATURE
 
@@ -323,6 +324,7 @@ class Transcriber:
         return Window(job, job.seek, min(WINDOW_FRAMES, job.num_frames - job.seek), prompt, temperature,
                       pending=list(prompt), sot_index=sot_index, detect_language=detect)
 
+    @torch.inference_mode()  # the rules mask the step's logits (inference tensors) in place
     def decode(self) -> list[Window]:
         """One decoder step for every window in flight; returns those that ended."""
         windows = self.windows
@@ -335,7 +337,7 @@ class Transcriber:
                 window.no_speech_prob = sot_logits[b].softmax(-1)[self.tokens.no_speech].item()
                 window.sot_index = -1
         sampling: list[int] = []
-        broken = torch.isnan(logits).any(dim=-1).tolist()
+        broken = torch.isnan(logits.sum(dim=-1)).tolist()  # a NaN anywhere in a row (20x cheaper than isnan.any)
         for b, window in enumerate(windows):
             if broken[b]:  # this window's job ends (its slot is freed next step); the others' rows are theirs
                 if not window.job.aborted.is_set():
@@ -347,7 +349,7 @@ class Transcriber:
         ended = []
         if not sampling:
             return ended
-        rows = logits[sampling]
+        rows = logits if len(sampling) == len(windows) else logits[sampling]  # (rules mask in place: ours)
         logprobs = self.rules.apply(rows, [windows[b].sampled for b in sampling])
         chosen = self._sample(rows, [windows[b] for b in sampling])
         for i, b in enumerate(sampling):
@@ -373,16 +375,23 @@ class Transcriber:
 
     @staticmethod
     def _sample(logits: torch.Tensor, windows: list[Window]) -> torch.Tensor:
-        """Row i's token for windows[i]: the argmax, or drawn at its temperature from the decode's own generator,
-        seeded 0 (so a transcript depends neither on the jobs sharing its steps nor on whether its hotter decodes
-        ran side by side)."""
-        chosen = logits.argmax(dim=-1)
-        for i, window in enumerate(windows):
-            if window.temperature >= MIN_TEMPERATURE:
-                if window.generator is None:
-                    window.generator = torch.Generator().manual_seed(0)
-                probs = torch.softmax(logits[i] / window.temperature, dim=-1)
-                chosen[i] = torch.multinomial(probs, 1, generator=window.generator)[0]
+        """Row i's token for windows[i]: the argmax, or drawn at its temperature by inverse CDF (the chat
+        sampler's), one uniform from the decode's own generator, seeded 0 (so a transcript depends neither on the
+        jobs sharing its steps nor on whether its hotter decodes ran side by side). The hot rows are drawn
+        together: one softmax and one running sum for all (torch.multinomial took ~0.9 ms a row)."""
+        chosen = logits.max(dim=-1).indices  # the first maximum, as argmax; ~2x faster on a CPU
+        hot = [i for i, window in enumerate(windows) if window.temperature >= MIN_TEMPERATURE]
+        if not hot:
+            return chosen
+        uniforms = []
+        for i in hot:
+            window = windows[i]
+            if window.generator is None:
+                window.generator = torch.Generator().manual_seed(0)
+            uniforms.append(torch.rand(1, dtype=torch.float64, generator=window.generator))
+        temperatures = torch.tensor([windows[i].temperature for i in hot])[:, None]
+        probs = torch.softmax(logits[hot] / temperatures, dim=-1)
+        chosen[hot] = inverse_cdf(probs, torch.cat(uniforms))
         return chosen
 
     def finish(self, ended: list[Window]) -> None:

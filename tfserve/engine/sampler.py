@@ -103,7 +103,7 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if any(t < 1.0 for t in top_p):
             probs = _apply_top_p(probs, torch.tensor(top_p, device=device))
-        return _inverse_cdf(probs, self._uniform(probs.shape[0], requests, device))
+        return inverse_cdf(probs, self._uniform(probs.shape[0], requests, device))
 
     def _sample_among(self, values: torch.Tensor, ids: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """`_sample_whole` over each row's most likely tokens only (`values` sorted descending, zeros past a row's
@@ -116,7 +116,7 @@ class Sampler:
         if any(min_p):
             values = values.masked_fill(values < torch.tensor(min_p, device=device)[:, None] * values[:, :1], 0.0)
         values = _nucleus(values, torch.tensor([p.top_p for p in params], device=device))
-        choice = _inverse_cdf(values, self._uniform(values.shape[0], requests, device))
+        choice = inverse_cdf(values, self._uniform(values.shape[0], requests, device))
         return ids.gather(1, choice[:, None])[:, 0]
 
     @staticmethod
@@ -288,7 +288,7 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return kept.scatter_add_(1, ids, values)  # (padding: zeros added to token 0)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the token whose share of the running sum of `probs` (unnormalised, >= 0) holds u * total: a draw
     from probs, never a token of probability 0 (the first index whose running sum exceeds the point). u: [rows]
     in [0, 1), float64; the sum is float64 too, so a token's share is exact to ~1e-16."""
