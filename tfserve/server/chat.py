@@ -22,9 +22,9 @@ from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_para
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
-from tfserve.server.response_format import compile_grammar, requested_grammar
+from tfserve.server.response_format import requested_grammar
 from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, cut_short, detect_format, merge
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, reply_constraint
+from tfserve.server.tool_choice import apply_constraint, forced_tools, reply_constraint
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: a legacy call's result
 
@@ -148,13 +148,7 @@ async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_f
     tokenizer = state.engine.tokenizer
     offered = forced_tools(tools, "required") if tools and tool_choice != "none" else []
     constraint = reply_constraint(constraint, tool_format, offered, forced, parallel, tokenizer)
-    if forced:  # a reply of calls only: stop strings do not cut tool calls (as on OpenAI)
-        kwargs.pop("stop", None)
-    if constraint is not None:
-        await compile_grammar(state.engine, *constraint)
-        kwargs["grammar"] = constraint[0]
-    if tools and needs_special_tokens(tool_format, tokenizer):  # e.g. Mistral's [TOOL_CALLS]
-        kwargs["skip_special_tokens"] = False
+    await apply_constraint(state.engine, kwargs, constraint, forced, tools, tool_format, tokenizer)
 
 
 class _Reply(Reply):

@@ -11,6 +11,7 @@ from tfserve.engine.structured import JSON_OPTIONS
 from tfserve.sampling_params import Grammar
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
+from tfserve.server.response_format import compile_grammar
 from tfserve.engine.tool_calls import ToolCallFormat
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -163,3 +164,17 @@ def _literal(tokenizer: Any, text: str) -> str:
 def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
     """True when the format's marker is a special token: the text must keep it for the parser to see calls."""
     return _literal(tokenizer, fmt.start).startswith("<[")
+
+
+async def apply_constraint(engine: Any, kwargs: dict[str, Any], constraint: tuple | None, forced: list | None,
+                           tools: list | None, tool_format: ToolCallFormat | None, tokenizer: Any) -> None:
+    """Into a reply's sampling `kwargs`: the grammar `constraint` (from `reply_constraint`), compiled; no stop
+    strings for a reply of forced calls only (stop strings do not cut tool calls, as on OpenAI); special tokens
+    kept where the tool format's calls are made of them (e.g. Mistral's [TOOL_CALLS])."""
+    if forced:
+        kwargs.pop("stop", None)
+    if constraint is not None:
+        await compile_grammar(engine, *constraint)
+        kwargs["grammar"] = constraint[0]
+    if tools and needs_special_tokens(tool_format, tokenizer):
+        kwargs["skip_special_tokens"] = False

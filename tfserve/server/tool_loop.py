@@ -14,11 +14,10 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import admit, run_choices
 from tfserve.server.protocol import field, make_params, param_names, sampling_kwargs
 from tfserve.server.reasoning import reasoning_for
-from tfserve.server.response_format import compile_grammar
 from tfserve.server.response_items import chat_tools
 from tfserve.server.sse import EventStream
 from tfserve.engine.tool_calls import detect_format
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, reply_constraint
+from tfserve.server.tool_choice import apply_constraint, forced_tools, reply_constraint
 
 
 def max_tool_calls_of(body: dict[str, Any]) -> int:
@@ -72,13 +71,8 @@ class Turns:
             forced = forced_tools(self.offered, tool_choice) if self.offered else None
         parallel = field(self.body, "parallel_tool_calls", bool, True)
         constraint = reply_constraint(constraint, self.tool_format, self.offered, forced, parallel, self.tokenizer)
-        if forced:  # a reply of calls only: stop strings do not cut tool calls (as on OpenAI)
-            kwargs.pop("stop", None)
-        if constraint is not None:
-            await compile_grammar(self.state.engine, *constraint)
-            kwargs["grammar"] = constraint[0]
-        if self.offered and needs_special_tokens(self.tool_format, self.tokenizer):
-            kwargs["skip_special_tokens"] = False
+        await apply_constraint(self.state.engine, kwargs, constraint, forced, self.offered, self.tool_format,
+                               self.tokenizer)
         return kwargs
 
     async def next(self, messages: list[dict], first: bool, tools_left: int, used_tokens: int
