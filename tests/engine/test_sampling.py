@@ -383,3 +383,35 @@ def test_keep_freed_memory_respects_the_users_choice(monkeypatch):
     import sys
     expected = sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver())
     assert host_memory.keep_freed_memory() is expected
+
+
+def test_the_nucleus_kernel_draws_what_the_candidate_road_draws_to_the_bit():
+    """`nucleus_sample` (the CPU kernels) against `_nucleus_candidates` + `_sample_among` on the same probabilities
+    and uniforms: the same token for every row whose tokens above 1/1024 hold its top-p, and -1 for the others."""
+    from kernel_builds import kernel_build
+    from tfserve.engine.sampler import _CANDIDATE_FLOOR, Sampler, _nucleus_candidates
+    from tfserve.sampling_params import SamplingParams
+
+    ops = kernel_build("native")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for scale in (2.0, 4.0, 8.0, 16.0):
+        rows.append(torch.randn(40, 3000, generator=gen) * scale)
+    logits = torch.cat(rows)
+    logits[5, :40] = logits[5, 40]  # ties: drawn in token order
+    logits[6] = torch.randn(3000, generator=gen).round()  # many equal values
+    probs = logits.softmax(dim=-1)
+    top_ps = [0.5, 0.8, 0.9, 0.95, 0.99, 0.999]
+    params = [SamplingParams(temperature=1.0, top_p=top_ps[i % len(top_ps)]) for i in range(len(probs))]
+    top_p = torch.tensor([p.top_p for p in params])
+    u = torch.rand(len(probs), dtype=torch.float64, generator=gen)
+    u[:3] = torch.tensor([0.0, 1 - 2 ** -53, 0.5])
+    picked = ops.nucleus_sample(probs, top_p, u, _CANDIDATE_FLOOR)
+    held = (((probs > _CANDIDATE_FLOOR) * probs).sum(-1) > top_p).tolist()
+    assert picked.tolist().count(-1) == held.count(False) > 0 and held.count(True) > 80
+    among, values, ids = _nucleus_candidates(probs, params, [False] * len(probs))
+    sampler = Sampler(torch.device("cpu"))
+    python = sampler._sample_among(values, ids, [type("R", (), {"params": params[i]}) for i in among], u[among])
+    by_row = dict(zip(among, python.tolist()))
+    for row, (token, is_held) in enumerate(zip(picked.tolist(), held)):
+        assert (token == by_row[row]) if is_held else token == -1, row
