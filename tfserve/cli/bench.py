@@ -133,6 +133,66 @@ def offline(
     _show(result, f"offline {engine}: {loaded.name}", output_json, settings)
 
 
+@app.command("roofline")
+def roofline(
+    ctx: typer.Context,
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = Dtype.float32,
+    batch: Annotated[int, typer.Option("--batch", min=1, max=256, help="Sequences of the batched decode step.")] = 32,
+    output_len: Annotated[int, typer.Option("--output-len", min=8, help="Tokens each run decodes.")] = 64,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, max=20, help="Rounds of every measurement.")] = 3,
+    output_json: OutputJsonOpt = None,
+) -> None:
+    """How close CPU decoding comes to this machine's limits, measured here and now.
+
+    One sequence's decode step against reading the model's weight bytes once (its bound: every weight is
+    streamed), and a batch's step against the matmul roofline (the weights read once, and 2 FLOPs per
+    parameter per sequence at the GFLOP/s torch's own matmul reaches here). Each round measures the limits
+    and the steps back to back.
+
+    [bold]Examples[/bold]
+
+      tfserve bench roofline                       # float32, a batch of 32
+      tfserve bench roofline --dtype float16 --batch 8 -o roofline.json
+    """
+    from tfserve.bench.roofline import measure
+    from tfserve.bench.settings import run_settings
+    from tfserve.cli.loading import engine_config_from_flags
+    from tfserve.cli.progress import step_progress
+    from tfserve.engine.engine import Engine
+    from tfserve.models import store
+
+    writable(output_json, "--output-json")
+    if store.is_speech_model(model):
+        raise TfserveError(f"{model!r} is a speech-to-text model: benchmark it with `tfserve bench transcribe`")
+    with step_progress() as progress:
+        config = engine_config_from_flags({"max_num_seqs": batch, "max_batch_tokens": max(512, batch)})
+        engine = Engine.from_pretrained(model, config, dtype=dtype.value, device="cpu", progress=progress)
+    from rich.table import Table
+
+    table = Table(title=f"roofline: {engine.model_name} ({_engine_details(engine)['dtype']}, "
+                        f"kernels {_engine_details(engine)['cpu_kernels'] or 'off'})")
+    table.add_column("")
+    try:
+        with err_console.status(f"measuring {rounds} rounds"):
+            results = measure(engine, batch, output_len, rounds)
+    finally:
+        engine.close()
+    for r in results:
+        table.add_column(f"round {r['round']}", justify="right")
+    rows = [("read the weights, GB/s", "read_gb_s", "{:.1f}"), ("1 sequence: step, ms", "one_step_ms", "{:.2f}"),
+            ("1 sequence: GB/s", "one_gb_s", "{:.1f}"), ("1 sequence: of the read", "one_of_read", "{:.0%}"),
+            ("matmul, GFLOP/s", "matmul_gflops", "{:.0f}"), (f"{batch} sequences: step, ms", "batch_step_ms", "{:.1f}"),
+            (f"{batch} sequences: tok/s", "batch_tok_s", "{:.0f}"), ("roofline, tok/s", "roofline_tok_s", "{:.0f}"),
+            (f"{batch} sequences: of the roofline", "batch_of_roofline", "{:.0%}")]
+    for label, key, form in rows:
+        table.add_row(label, *(form.format(r[key]) for r in results))
+    console.print(table)
+    if output_json is not None:
+        settings = run_settings("roofline", ctx.params, model_name=engine.model_name, **_engine_details(engine))
+        write_text(output_json, to_json({"rounds": results, "settings": settings}))
+
+
 def _engine_details(engine) -> dict:
     """What ran a tfserve engine's forward: device, dtype, the forward backend, the CPU kernels' ISA (or None)."""
     from tfserve.engine.kernels import isa

@@ -1,0 +1,41 @@
+"""`tfserve bench roofline` with the tiny random-weight llama: each round's figures, and ratios that follow from
+them."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+from tiny import build_llama, build_tokenizer
+from tiny import one_torch_thread as _one_torch_thread  # noqa: F401  (an autouse fixture)
+
+from tfserve.cli import app
+
+
+def test_roofline_rounds_measure_the_steps_against_the_limits(tfserve_home, tmp_path, monkeypatch):
+    import torch
+
+    from tfserve.models import loading
+
+    tokenizer = build_tokenizer()
+    model = build_llama(tokenizer)
+    monkeypatch.setattr(loading, "load_model", lambda spec, **options: loading.LoadedModel(
+        model, tokenizer, "tiny-local", Path("/models/tiny-local"), "cpu", torch.float32))
+    monkeypatch.setenv("TFSERVE_CPU_KERNELS", "0")  # no kernel build in a fresh $TFSERVE_HOME
+    out = tmp_path / "roofline.json"
+    result = CliRunner().invoke(app, ["bench", "roofline", "-m", "tiny-local", "--batch", "3", "--output-len", "8",
+                                      "--rounds", "2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "of the roofline" in result.output and "round 2" in result.output
+    data = json.loads(out.read_text())
+    assert [r["round"] for r in data["rounds"]] == [1, 2]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    for r in data["rounds"]:
+        assert r["weight_bytes"] == weights and r["batch"] == 3
+        assert min(r["read_gb_s"], r["one_step_ms"], r["matmul_gflops"], r["batch_step_ms"]) > 0
+        assert r["one_gb_s"] == pytest.approx(weights / (r["one_step_ms"] / 1e3) / 1e9, rel=0.01)
+        assert r["one_of_read"] == pytest.approx(r["one_gb_s"] / r["read_gb_s"], rel=0.02)
+        assert r["batch_tok_s"] == pytest.approx(3 / (r["batch_step_ms"] / 1e3), rel=0.01)
+        assert r["batch_of_roofline"] == pytest.approx(r["batch_tok_s"] / r["roofline_tok_s"], rel=0.02)
+    assert data["settings"]["command"] == "tfserve bench roofline" and data["settings"]["dtype"] == "float32"
+

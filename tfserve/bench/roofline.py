@@ -1,0 +1,103 @@
+"""How close the engine's decode steps come to this machine's own limits (`tfserve bench roofline`): one
+sequence's step against the time to read the model's weight bytes once (decoding one sequence streams every
+weight), and a batch's step against the matmul roofline (the weights read once, and 2 FLOPs per parameter per
+sequence at the GFLOP/s that torch's own matmul reaches here). Each round measures the limits and the steps
+back to back, so a machine whose neighbours come and go is compared with itself."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from tfserve.bench.offline import random_prompts
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def read_gb_per_s(num_bytes: int, repeats: int = 7) -> float:
+    """GB/s of reading `num_bytes` of float32 from memory once (16 distinct tensors summed, torch's threads),
+    the median of `repeats` passes."""
+    pieces = [torch.ones(max(num_bytes // 4 // 16, 1)) for _ in range(16)]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for piece in pieces:
+            piece.sum()
+        times.append(time.perf_counter() - start)
+    return sum(p.numel() * 4 for p in pieces) / statistics.median(times) / 1e9
+
+
+def matmul_gflops(rows: int, inner: int, outer: int, seconds: float = 0.3) -> float:
+    """GFLOP/s of torch's float32 matmul [rows, inner] @ [inner, outer] (its best of three timed runs)."""
+    a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+    for _ in range(3):
+        a @ b
+    flops = 2 * rows * inner * outer
+    start = time.perf_counter()
+    count = 0
+    while time.perf_counter() - start < seconds / 3:
+        a @ b
+        count += 1
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        best = max(best, flops * count / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def decode_step_s(engine, num_seqs: int, num_tokens: int, vocab_size: int, seed: int = 0) -> float:
+    """The median time of `engine.step()` once `num_seqs` greedy sequences (40-token random prompts) all decode:
+    the steps after the one that prefilled the last prompt."""
+    from tfserve import SamplingParams
+
+    engine.block_pool.reset_prefix_cache()
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    for prompt in random_prompts(num_seqs, 40, 40, vocab_size, seed):
+        engine.add_request(prompt, params)
+    times, decoding = [], False
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        if decoding and len(outputs) == num_seqs:  # every sequence sampled one token in this step
+            times.append(elapsed)
+        decoding = decoding or sum(1 for o in outputs if o.delta_tokens) == num_seqs
+    return statistics.median(times) if times else float("nan")
+
+
+def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3, on_round=None) -> list[dict]:
+    """`rounds` rounds of: the read rate of the weights' bytes, one sequence's decode step, torch's matmul rate,
+    `batch` sequences' decode step; each round's figures and ratios (see the module's docstring)."""
+    from tfserve import SamplingParams
+
+    model = engine.model
+    config = model.config.get_text_config()
+    num_bytes = weight_bytes(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", 4 * hidden)
+    vocab_size = config.vocab_size
+    engine.generate_batch([[100, 101, 102]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    results = []
+    for index in range(rounds):
+        read = read_gb_per_s(num_bytes)
+        one = decode_step_s(engine, 1, num_tokens, vocab_size, seed=index)
+        gflops = matmul_gflops(2048, hidden, inner)
+        many = decode_step_s(engine, batch, num_tokens, vocab_size, seed=index + 1000)
+        bound = max(num_bytes / (read * 1e9), 2 * num_params * batch / (gflops * 1e9))
+        result = {"round": index + 1, "weight_bytes": num_bytes, "read_gb_s": round(read, 2),
+                  "one_step_ms": round(one * 1e3, 3), "one_gb_s": round(num_bytes / one / 1e9, 2),
+                  "one_of_read": round(num_bytes / one / 1e9 / read, 3), "matmul_gflops": round(gflops, 1),
+                  "batch": batch, "batch_step_ms": round(many * 1e3, 3), "batch_tok_s": round(batch / many, 1),
+                  "roofline_tok_s": round(batch / bound, 1), "batch_of_roofline": round(bound / many, 3)}
+        results.append(result)
+        if on_round is not None:
+            on_round(result)
+    return results
