@@ -122,6 +122,12 @@ class LeanForward:
             formats.update(projection.labels)
         self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
 
+    def weight_bytes(self) -> int:
+        """Bytes of weight one decode step reads: every linear layer's as the kernels hold it (a GGUF's blocks,
+        16-bit panels, float32); the norms' and one embedding row are too few to count."""
+        projections = [*(p for column in self._layers[1:5] for p in column), self.lm_head]
+        return sum(linear.nbytes for projection in projections for linear in projection.linears)
+
     def _decoder_stack(self, other_layout: bool):
         """The kernels' `DecoderStack` over every layer, for decode steps, where each layer is what it runs: the
         stacked q/k/v and gate/up projections in the kernels' formats, rotary everywhere, no per-head norms,
