@@ -32,6 +32,10 @@ def test_slot_decoder_logits_equal_hfs_forward(whisper):
     for ops, key_bucket in ((None, 1), (None, 64), (cpu_ops(), 1)):
         slots = WhisperSlots(model, 4, ops)
         slots.key_bucket = key_bucket
+        if ops is not None:  # the encoder's linears through the kernels: transformers' encoder within rounding
+            with torch.inference_mode():
+                assert torch.allclose(slots._encoder(features), model.model.encoder(features).last_hidden_state,
+                                      atol=2e-4)
         slots.encode([0, 1], features)
         alignments.append(slots.alignment(1, prompts[0], [(0, 0), (3, 5)]))
         logits, first = slots.decode(prompts, [0, 0], [0, 0])

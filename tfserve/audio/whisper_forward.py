@@ -61,6 +61,15 @@ class WhisperSlots:
         self._qkv = [EngineLinear(_stacked(layer.self_attn), ops if weights != "torch" else None, "float32")
                      for layer in self.decoder.layers]
         self.kernels = weights != "torch"
+        # the encoder's linears through the kernels too (where they are: 2.2x torch's GEMM at its shapes), else
+        # transformers' encoder as it is
+        self._encoder_linears = None
+        if self.kernels:
+            encoder = model.model.encoder
+            self._encoder_linears = [
+                (EngineLinear(_stacked(layer.self_attn), ops, "float32"),
+                 *(EngineLinear(m, ops, "float32") for m in (layer.self_attn.out_proj, layer.fc1, layer.fc2)))
+                for layer in encoder.layers]
         # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
         self._attention_ops = ops if self.kernels else None
         # SDPA reads keys in multiples of this: on a GPU a few shapes, not a new one each step (its attention plans
@@ -91,8 +100,7 @@ class WhisperSlots:
         group = 1 if self.device.type == "cpu" else len(slots)
         for first in range(0, len(slots), group):
             batch = features[first:first + group].to(self.device, self.model.dtype)
-            with sdpa_backends(self.device):
-                hidden = self.model.model.encoder(batch).last_hidden_state  # [group, 1500, d_model]
+            hidden = self._encoder(batch)  # [group, 1500, d_model]
             index = self._tensor(slots[first:first + group])
             for i, layer in enumerate(self.decoder.layers):
                 attn = layer.encoder_attn
@@ -103,6 +111,27 @@ class WhisperSlots:
         """Give slot `dst` slot `src`'s encoder output (another decode of the same window)."""
         for cache in (self.cross_k, self.cross_v):
             cache[:, dst] = cache[:, src]
+
+    def _encoder(self, features: torch.Tensor) -> torch.Tensor:
+        """The encoder over features [windows, num_mel_bins, 3000] -> [windows, 1500, d_model]. With the kernels,
+        transformers' `WhisperEncoder` step for step (q scaled before the attention, as it does), its linear
+        layers through packed copies: 1500 x 384 x 1536 in 4.0 ms against torch's 9.0 on the AVX-512 EPYC."""
+        encoder = self.model.model.encoder
+        if self._encoder_linears is None:
+            with sdpa_backends(self.device):
+                return encoder(features).last_hidden_state
+        x = F.gelu(encoder.conv2(F.gelu(encoder.conv1(features)))).permute(0, 2, 1)
+        x = x + encoder.embed_positions.weight[:x.shape[1]]
+        windows, frames, width = x.shape
+        hidden = x.reshape(windows * frames, width)
+        for layer, (qkv, out_proj, fc1, fc2) in zip(encoder.layers, self._encoder_linears):
+            attn = layer.self_attn
+            q, k, v = qkv(layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1)
+            heads = [t.reshape(windows, frames, attn.num_heads, -1).transpose(1, 2) for t in (q * attn.scaling, k, v)]
+            out = F.scaled_dot_product_attention(*heads, scale=1.0)
+            hidden = hidden + out_proj(out.transpose(1, 2).reshape(windows * frames, width))
+            hidden = hidden + fc2(layer.activation_fn(fc1(layer.final_layer_norm(hidden))))
+        return encoder.layer_norm(hidden).view(windows, frames, width)
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src`'s caches into slot `dst` (keeping the active slots dense)."""
