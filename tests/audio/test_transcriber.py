@@ -338,3 +338,15 @@ def test_a_decode_run_ahead_gives_its_slot_to_a_job_that_waits(whisper, monkeypa
     assert admitted == [submitted[0] + 1]  # admitted at the very next step
     done = [payload for kind, payload in queued[1:] if kind == "done"]
     assert [text, done[0].text] == alone
+
+
+def test_a_whisper_too_large_for_a_second_copy_of_its_linears_runs_torchs(whisper, monkeypatch):
+    """As the chat engine: the kernels' packed copies only where a second copy of the weights fits the limit."""
+    from tfserve.audio.whisper_forward import WhisperSlots
+    from tfserve.engine import cpu_linear
+    from tfserve.engine.kernels import cpu_ops
+
+    assert WhisperSlots(whisper.model, 2, cpu_ops()).kernels  # tiny.en: 150 MB
+    monkeypatch.setattr(cpu_linear, "MAX_PACKED_BYTES", 1 << 20)
+    slots = WhisperSlots(whisper.model, 2, cpu_ops())
+    assert not slots.kernels and slots._encoder_linears is None

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tfserve.engine.attention import sdpa_backends
-from tfserve.engine.cpu_linear import EngineLinear
+from tfserve.engine.cpu_linear import EngineLinear, can_pack
 
 
 KEY_BUCKET = 64  # on a GPU, SDPA reads the self-attention's keys in multiples of this (masked past each row's own)
@@ -55,7 +55,8 @@ class WhisperSlots:
                      for p in _projections(layer.self_attn) + (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)}
         linears = [model.proj_out] + [module for layer in self.decoder.layers for module in layer.modules()
                                       if isinstance(module, torch.nn.Linear) and id(module) not in elsewhere]
-        weights = "float32" if ops is not None and dtype == torch.float32 and self.device.type == "cpu" else "torch"
+        # float32 on a CPU with the kernels, and small enough for a second copy of its linears (as the chat engine)
+        weights = "float32" if can_pack(model, ops) else "torch"
         self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
         # each layer's q, k and v projections stacked: one multiply reads them (k has no bias: zeros there)
         self._qkv = [EngineLinear(_stacked(layer.self_attn), ops if weights != "torch" else None, "float32")
