@@ -90,7 +90,7 @@ class Fallback:
 
     greedy: Attempt
     temperatures: list[float]
-    waiting: list[float] = field(default_factory=list)  # not started (or stopped for a job), coolest first
+    waiting: list[float] = field(init=False)  # not started (or stopped for a job), coolest first
     attempts: dict[float, Attempt] = field(default_factory=dict)  # the finished ones, by temperature
     windows: list[Window] = field(default_factory=list)  # decoding one of the temperatures
 

@@ -222,8 +222,7 @@ class WhisperSlots:
         blocks = [slot * heads + head for slot, row in zip(slots, key_lens) for _ in row for head in range(heads)]
         lens = [length for row in key_lens for length in row for _ in range(heads)]
         write = self._tensor([b * num_positions + n - 1 for b, n in zip(blocks, lens)]) if new_keys else None
-        return _Reads(slots[0], len(slots), self._tensor(lens), write, self._tensor(blocks)[:, None], max(lens),
-                      False)
+        return _Reads(slots[0], len(slots), self._tensor(lens), write, self._tensor(blocks)[:, None], 0, False)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads: _Reads, scale: float,
                 k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,6 +284,6 @@ class _Reads:
     key_lens: torch.Tensor  # keys each (b, t) reads: [B, T] (SDPA), or each (b, t, h) [B*T*H] (the kernel)
     write: torch.Tensor | None  # cache rows (of a [slots*heads*positions, head_dim] view) of the new keys, (b, t, h)
     blocks: torch.Tensor | None  # the kernel's block table: (b, t, h) -> slot * heads + h, [B*T*H, 1]
-    num_keys: int  # keys read per row (SDPA): the most any row reads, rounded up to the slots' key_bucket
-    masked: bool  # some row reads fewer than num_keys (SDPA)
+    num_keys: int  # keys read per row (SDPA): the most any row reads, rounded up to the slots' key_bucket (kernel: 0)
+    masked: bool  # some row reads fewer than num_keys (SDPA; kernel: False)
 

@@ -77,7 +77,7 @@ def decode_step_s(engine, num_seqs: int, num_tokens: int, vocab_size: int, seed:
     return statistics.median(times) if times else float("nan")
 
 
-def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3, on_round=None) -> list[dict]:
+def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3) -> list[dict]:
     """`rounds` rounds of: the read rate of the weights' bytes, one sequence's decode step, torch's matmul rate,
     `batch` sequences' decode step; each round's figures and ratios (see the module's docstring)."""
     from tfserve import SamplingParams
@@ -103,6 +103,4 @@ def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3, on_r
                   "batch": batch, "batch_step_ms": round(many * 1e3, 3), "batch_tok_s": round(batch / many, 1),
                   "roofline_tok_s": round(batch / bound, 1), "batch_of_roofline": round(bound / many, 3)}
         results.append(result)
-        if on_round is not None:
-            on_round(result)
     return results

@@ -170,8 +170,9 @@ def roofline(
         engine = Engine.from_pretrained(model, config, dtype=dtype.value, device="cpu", progress=progress)
     from rich.table import Table
 
-    table = Table(title=f"roofline: {engine.model_name} ({_engine_details(engine)['dtype']}, "
-                        f"kernels {_engine_details(engine)['cpu_kernels'] or 'off'})")
+    details = _engine_details(engine)
+    table = Table(title=f"roofline: {engine.model_name} ({details['dtype']}, "
+                        f"kernels {details['cpu_kernels'] or 'off'})")
     table.add_column("")
     try:
         with err_console.status(f"measuring {rounds} rounds"):
@@ -189,7 +190,7 @@ def roofline(
         table.add_row(label, *(form.format(r[key]) for r in results))
     console.print(table)
     if output_json is not None:
-        settings = run_settings("roofline", ctx.params, model_name=engine.model_name, **_engine_details(engine))
+        settings = run_settings("roofline", ctx.params, model_name=engine.model_name, **details)
         write_text(output_json, to_json({"rounds": results, "settings": settings}))
 
 
