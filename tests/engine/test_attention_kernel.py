@@ -121,3 +121,40 @@ def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_win
     assert torch.equal(attention._row_attention(counted, rows, k_cache, v_cache, group(), scale,
                                                 sliding_window or -1, 0.0), got)
     assert len(calls) > 3
+
+
+def _sdpa_full(q, k, v, t_len, heads, scale):
+    """torch's attention without a mask, per window of t_len rows, q scaled first (as Whisper's encoder)."""
+    windows, width = q.shape[0] // t_len, q.shape[1]
+    split = [t.reshape(windows, t_len, heads, width // heads).transpose(1, 2) for t in (q * scale, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*split, scale=1.0)
+    return out.transpose(1, 2).reshape(windows * t_len, width)
+
+
+@pytest.mark.parametrize("windows,t_len,heads,head_dim", [(1, 1, 1, 64), (2, 37, 3, 64), (1, 150, 6, 64),
+                                                         (3, 5, 2, 16), (1, 100, 4, 80), (2, 33, 2, 24)])
+def test_full_attention_matches_sdpa_over_strided_rows(ops, windows, t_len, heads, head_dim):
+    """Whisper's encoder attention: q, k and v are column ranges of one stacked projection (strided rows),
+    each window attends only within itself, and the output is [rows, heads * head_dim]."""
+    gen = torch.Generator().manual_seed(2)
+    width = heads * head_dim
+    qkv = torch.randn(windows * t_len, 3 * width, generator=gen) * 2
+    q, k, v = qkv.chunk(3, dim=-1)
+    got = ops.full_attention(q, k, v, t_len, heads, head_dim**-0.5)
+    assert got.shape == (windows * t_len, width) and got.is_contiguous()
+    torch.testing.assert_close(got, _sdpa_full(q, k, v, t_len, heads, head_dim**-0.5), rtol=1e-5, atol=1e-5)
+    # a window's rows are the same bits computed alone
+    alone = ops.full_attention(q[-t_len:], k[-t_len:], v[-t_len:], t_len, heads, head_dim**-0.5)
+    assert torch.equal(got[-t_len:], alone)
+
+
+def test_full_attention_refuses_what_it_cannot_read(ops):
+    x = torch.randn(10, 8)
+    with pytest.raises(RuntimeError, match="whole number of windows"):
+        ops.full_attention(x, x, x, 3, 2, 1.0)
+    with pytest.raises(RuntimeError, match="heads"):
+        ops.full_attention(x, x, x, 5, 3, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.full_attention(x.double(), x.double(), x.double(), 5, 2, 1.0)
+    with pytest.raises(RuntimeError, match="consecutive"):
+        ops.full_attention(x.t(), x.t(), x.t(), 4, 2, 1.0)

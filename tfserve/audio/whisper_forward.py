@@ -59,18 +59,25 @@ class WhisperSlots:
         weights = "float32" if can_pack(model, ops) else "torch"
         self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
         # each layer's q, k and v projections stacked: one multiply reads them (k has no bias: zeros there)
-        self._qkv = [EngineLinear(_stacked(layer.self_attn), ops if weights != "torch" else None, "float32")
+        self._qkv = [EngineLinear(_stacked(*_projections(layer.self_attn)), ops if weights != "torch" else None,
+                                  "float32")
                      for layer in self.decoder.layers]
         self.kernels = weights != "torch"
-        # the encoder's linears through the kernels too (where they are: 2.2x torch's GEMM at its shapes), else
-        # transformers' encoder as it is
-        self._encoder_linears = None
+        # the encoder's linears through the kernels too (where they are: 2.2x torch's GEMM at its shapes), with
+        # its attention (2.2x torch's CPU flash attention at 1500 frames; not in a build without a vector path,
+        # where torch's is far faster), and each window's cross-attention keys and values stacked in one multiply;
+        # else transformers' encoder as it is
+        self._encoder_linears = self._cross_kv = self._encoder_attention = None
         if self.kernels:
             encoder = model.model.encoder
             self._encoder_linears = [
-                (EngineLinear(_stacked(layer.self_attn), ops, "float32"),
+                (EngineLinear(_stacked(*_projections(layer.self_attn)), ops, "float32"),
                  *(EngineLinear(m, ops, "float32") for m in (layer.self_attn.out_proj, layer.fc1, layer.fc2)))
                 for layer in encoder.layers]
+            self._cross_kv = [EngineLinear(_stacked(layer.encoder_attn.k_proj, layer.encoder_attn.v_proj), ops,
+                                           "float32") for layer in self.decoder.layers]
+            if ops.isa != "scalar":
+                self._encoder_attention = ops.full_attention
         # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
         self._attention_ops = ops if self.kernels else None
         # SDPA reads keys in multiples of this: on a GPU a few shapes, not a new one each step (its attention plans
@@ -104,9 +111,12 @@ class WhisperSlots:
             hidden = self._encoder(batch)  # [group, 1500, d_model]
             index = self._tensor(slots[first:first + group])
             for i, layer in enumerate(self.decoder.layers):
-                attn = layer.encoder_attn
-                self.cross_k[i, index] = self._heads(attn.k_proj(hidden), len(index))
-                self.cross_v[i, index] = self._heads(attn.v_proj(hidden), len(index))
+                if self._cross_kv is None:
+                    k, v = layer.encoder_attn.k_proj(hidden), layer.encoder_attn.v_proj(hidden)
+                else:
+                    k, v = self._cross_kv[i](hidden.view(-1, hidden.shape[-1])).chunk(2, dim=-1)
+                self.cross_k[i, index] = self._heads(k, len(index))
+                self.cross_v[i, index] = self._heads(v, len(index))
 
     def copy_encoding(self, src: int, dst: int) -> None:
         """Give slot `dst` slot `src`'s encoder output (another decode of the same window)."""
@@ -128,9 +138,14 @@ class WhisperSlots:
         for layer, (qkv, out_proj, fc1, fc2) in zip(encoder.layers, self._encoder_linears):
             attn = layer.self_attn
             q, k, v = qkv(layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1)
-            heads = [t.reshape(windows, frames, attn.num_heads, -1).transpose(1, 2) for t in (q * attn.scaling, k, v)]
-            out = F.scaled_dot_product_attention(*heads, scale=1.0)
-            hidden = hidden + out_proj(out.transpose(1, 2).reshape(windows * frames, width))
+            if self._encoder_attention is not None:  # q scaled inside, as below
+                out = self._encoder_attention(q, k, v, frames, attn.num_heads, attn.scaling)
+            else:
+                heads = [t.reshape(windows, frames, attn.num_heads, -1).transpose(1, 2)
+                         for t in (q * attn.scaling, k, v)]
+                out = F.scaled_dot_product_attention(*heads, scale=1.0)
+                out = out.transpose(1, 2).reshape(windows * frames, width)
+            hidden = hidden + out_proj(out)
             hidden = hidden + fc2(layer.activation_fn(fc1(layer.final_layer_norm(hidden))))
         return encoder.layer_norm(hidden).view(windows, frames, width)
 
@@ -264,14 +279,13 @@ def _projections(attn) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linea
     return attn.q_proj, attn.k_proj, attn.v_proj
 
 
-def _stacked(attn) -> torch.nn.Linear:
-    """One linear over the rows of `attn`'s q, k and v projections (k has no bias in Whisper: zeros)."""
-    projections = _projections(attn)
-    weight = torch.cat([p.weight.detach() for p in projections])
+def _stacked(*linears: torch.nn.Linear) -> torch.nn.Linear:
+    """One linear over the rows of `linears` (a missing bias, as Whisper's k projections have: zeros)."""
+    weight = torch.cat([p.weight.detach() for p in linears])
     stacked = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
     stacked.weight.data.copy_(weight)
     stacked.bias.data.copy_(torch.cat([p.bias.detach() if p.bias is not None else torch.zeros_like(p.weight[:, 0])
-                                       for p in projections]))
+                                       for p in linears]))
     return stacked
 
 

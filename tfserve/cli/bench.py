@@ -195,12 +195,12 @@ def roofline(
 
 
 def _engine_details(engine) -> dict:
-    """What ran a tfserve engine's forward: device, dtype, the forward backend, the CPU kernels' ISA (or None)."""
-    from tfserve.engine.kernels import isa
-
+    """What ran a tfserve engine's forward: device, dtype, the forward backend, the ISA the CPU kernels were built
+    for (`TFSERVE_KERNELS_MARCH` may ask for less than the CPU has; None without them)."""
     runner = engine.runner
     return {"device": engine.device, "dtype": str(engine.dtype).removeprefix("torch."),
-            "forward_backend": runner.forward.name, "cpu_kernels": isa() if runner.cpu_ops is not None else None,
+            "forward_backend": runner.forward.name,
+            "cpu_kernels": runner.cpu_ops.isa if runner.cpu_ops is not None else None,
             "cuda_graph": runner.graphs is not None}
 
 

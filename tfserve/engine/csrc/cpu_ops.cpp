@@ -336,6 +336,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 #include "linear.h"
+#include "full_attention.h"
 #include "quant.h"
 #include "shm.h"
 
@@ -655,6 +656,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("dtype") = py::none());
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("full_attention", &full_attention, "Attention without a mask over windows of rows, e.g. Whisper's encoder (CPU)",
+        nogil, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("t_len"), py::arg("heads"), py::arg("scale"));
   m.def("repack_blocks", &repack_blocks, "GGUF blocks (Q4_0, Q4_1, Q8_0) in the layout of quant_linear (CPU)", nogil);
   m.def("quant_linear", &quant_linear, "x @ W.T + bias with W from repack_blocks (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none(),
