@@ -156,11 +156,12 @@ class WhisperSlots:
 
     @torch.inference_mode()
     def decode(self, tokens: list[list[int]], starts: list[int],
-               extra_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               extra_positions: list[int] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One decoder step for slots 0..len(tokens)-1: slot b appends `tokens[b]` (one or more) at positions
         `starts[b]`... Returns the float32 logits after each slot's last new token [B, vocab], and, with
-        `extra_positions`, the logits at that index of each slot's new tokens (-1: none) [B, vocab]. The logits are
-        on the CPU, whatever the model's device."""
+        `extra_positions`, the logits at that index of slot b's new tokens by b (-1: none), from the same multiply
+        by the LM head (its one read of the head's weights). The logits are on the CPU, whatever the model's
+        device."""
         batch, num_new = len(tokens), max(len(t) for t in tokens)
         ids = self._tensor([t for row in tokens for t in row + [0] * (num_new - len(row))])  # [B*T]
         # padding tokens past a row's own write future positions, overwritten before anything attends to them
@@ -178,13 +179,11 @@ class WhisperSlots:
             hidden = self._cross_and_mlp(i, layer, hidden, cross)
         hidden = decoder.layer_norm(hidden).view(batch, num_new, -1)
 
-        rows = torch.arange(batch, device=self.device)
-        logits = self._linear(self.model.proj_out, hidden[rows, self._tensor([len(t) - 1 for t in tokens])])
-        extra = None
-        if extra_positions is not None:
-            at = self._tensor([max(p, 0) for p in extra_positions])
-            extra = self._linear(self.model.proj_out, hidden[rows, at]).float().cpu()
-        return logits.float().cpu(), extra
+        extra = [(b, p) for b, p in enumerate(extra_positions or []) if p >= 0]
+        rows = list(range(batch)) + [b for b, _ in extra]
+        at = [len(t) - 1 for t in tokens] + [p for _, p in extra]
+        logits = self._linear(self.model.proj_out, hidden[self._tensor(rows), self._tensor(at)]).float().cpu()
+        return logits[:batch], {b: logits[batch + i] for i, (b, _) in enumerate(extra)}
 
     @torch.inference_mode()
     def alignment(self, slot: int, tokens: list[int], heads: list[tuple[int, int]]) -> torch.Tensor:
