@@ -83,14 +83,16 @@ def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
 
 
 @pytest.mark.parametrize("sliding_window", [None, 37])
-def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_window):
-    """A prefill group through the kernel (one query per row, `table_rows` naming its sequence's table): the
-    torch path's result within rounding, and every row bit for bit what a decode of that row alone gives, also
-    when a long group is cut into several kernel calls."""
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_window, head_dim):
+    """A prefill group through the kernel (one query per row, `table_rows` naming its sequence's table; the
+    kernel takes a prompt's rows several at a time through each partition of its keys): the torch path's result
+    within rounding, and every row bit for bit what a decode of that row alone gives, also when a long group is
+    cut into several kernel calls."""
     from tfserve.engine import attention
 
     gen = torch.Generator().manual_seed(1)
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 120
+    num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 4, 120
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     chunks = [(0, 7), (130, 170), (3, 1), (0, 290)]  # (first position, new tokens): a cached prefix, one token
