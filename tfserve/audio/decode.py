@@ -23,6 +23,7 @@ def decode_audio(data: bytes, *, sample_rate: int = WHISPER_SAMPLE_RATE, max_sec
 
     if not data:
         raise AudioError("the file is empty")
+    _check_whole(data)
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError) as exc:
@@ -52,6 +53,10 @@ def decode_audio(data: bytes, *, sample_rate: int = WHISPER_SAMPLE_RATE, max_sec
             chunks += _flush(resampler)
         except av.error.FFmpegError as exc:
             raise AudioError(f"the audio could not be decoded ({_reason(exc)}); is the file whole?") from None
+        declared = _declared_seconds(container, stream)
+    held = num_samples / sample_rate
+    if declared is not None and held < declared - max(0.1, 0.02 * declared):
+        raise AudioError(f"the file is truncated: its header says {declared:.2f} s of audio, it holds {held:.2f} s")
     samples = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
     if samples.size == 0:
         raise AudioError("the file holds no audio samples (empty or truncated?)")
@@ -63,6 +68,40 @@ def decode_audio(data: bytes, *, sample_rate: int = WHISPER_SAMPLE_RATE, max_sec
     if limit is not None and samples.shape[0] > limit:
         raise AudioError(f"the audio is longer than {max_seconds:g} s (see --max-audio-seconds)")
     return samples
+
+
+def _declared_seconds(container, stream) -> float | None:
+    """How long the file's headers say the audio is, where they say it (FLAC's stream info, MP4's sample tables,
+    Matroska's segment duration), else None. Not an MP3's: files of frames that are often joined or cut on purpose,
+    whose first Xing header (or FFmpeg's estimate from the bitrate) need not describe the whole; an MP3 is read up
+    to its last whole frame, as players do."""
+    if container.format.name == "mp3":
+        return None
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if "matroska" in container.format.name and container.duration:
+        return container.duration / 1e6
+    return None
+
+
+def _check_whole(data: bytes) -> None:
+    """AudioError for a cut WAV or Ogg file, whose decoders read up to the cut without a word: a RIFF header states
+    the file's size (0 or 0xFFFFFFFF where a stream writer could not know it), and an Ogg stream's last page is
+    marked as its end and holds the bytes its header counts."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE" and len(data) >= 12:
+        size = int.from_bytes(data[4:8], "little") + 8
+        if size not in (8, 0xFFFFFFFF + 8) and len(data) < size:
+            raise AudioError(f"the file is truncated: its header says {size} bytes, it has {len(data)}")
+    elif data[:4] == b"OggS":
+        pos, last_flags = 0, 0
+        while pos + 27 <= len(data) and data[pos:pos + 4] == b"OggS":
+            num_segments = data[pos + 26]
+            end = pos + 27 + num_segments + sum(data[pos + 27:pos + 27 + num_segments])
+            if pos + 27 + num_segments > len(data) or end > len(data):
+                raise AudioError("the file is truncated: its last Ogg page is cut")
+            last_flags, pos = data[pos + 5], end
+        if pos == len(data) and not last_flags & 0x04:  # pages to the end, the last not marked end of stream
+            raise AudioError("the file is truncated: its Ogg stream has no end-of-stream page")
 
 
 MAX_BAD_PACKETS = 0.1  # of a stream's packets, skipped as FFmpeg's own tools skip them; more: not this audio
