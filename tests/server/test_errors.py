@@ -4,6 +4,7 @@ a failure of one request that leaves the others alone."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 
@@ -170,8 +171,10 @@ def test_unknown_route_and_wrong_method_are_json(server):
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
 ])
-def test_requests_aiohttp_cannot_parse_are_json_400s(server, raw):
-    """What never reaches the app (aiohttp answers it) is an OpenAI error body too, on one line."""
+def test_requests_aiohttp_cannot_parse_are_json_400s(server, raw, caplog):
+    """What never reaches the app (aiohttp answers it) is an OpenAI error body too, on one line; the log has one
+    warning line for it, not a traceback."""
+    caplog.set_level(logging.INFO, logger="aiohttp.server")
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(raw)
         answer = b""
@@ -184,6 +187,9 @@ def test_requests_aiohttp_cannot_parse_are_json_400s(server, raw):
     assert error["type"] == "invalid_request_error" and error["code"] == "bad_http_request"
     assert error["message"] and "\n" not in error["message"]
     assert server.request("GET", "/v1/models")[0] == 200  # and the server goes on
+    logged = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.INFO]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in logged)  # (aiohttp: debug for garbage)
+    assert logged or raw.startswith(b"GARBAGE")
 
 
 def test_body_over_the_limit_is_413(start_server):

@@ -12,6 +12,7 @@ from http import HTTPStatus
 import aiohttp_cors
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from tfserve.server import admin, audio, chat, completions, conversations, health, models, responses
@@ -97,6 +98,16 @@ class _JsonErrorHandler(RequestHandler):
         response = web.json_response(error.body(), status=status)
         response.force_close()
         return response
+
+    def log_exception(self, *args, **kwargs) -> None:
+        """A request aiohttp cannot parse is the client's bytes, not our fault: one warning line (aiohttp logged
+        a traceback for each, so anyone could fill the log), the rest as aiohttp logs it."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError) and 400 <= exc.code < 500:
+            reason = " ".join(line.strip() for line in str(exc.message).splitlines() if line.strip().strip("^"))
+            self.logger.warning("%s: %s (%d)", args[0] % args[1:], reason, exc.code)
+            return
+        super().log_exception(*args, **kwargs)
 
 
 def _endpoint(request: web.Request) -> str:
