@@ -101,7 +101,7 @@ class SamplingParams:
         # past float32's range the logits would divide to 0 and the probabilities to NaN
         _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
                f"must be in [0, {MAX_TEMPERATURE:g}]")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(_is_number(self.top_p) and 0 <= self.top_p <= 1, "top_p", "must be in [0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
@@ -129,8 +129,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+        """True when sampling reduces to argmax (top_p 0 keeps the most likely token only, as on OpenAI)."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1 or self.top_p == 0
 
     @property
     def shapes_logits(self) -> bool:

@@ -211,7 +211,7 @@ def test_presence_and_frequency_penalties_change_output(make_engine, penalty):
     assert len(set(penalised.generated_tokens)) >= len(set(plain.generated_tokens))
 
 
-@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("n", 0),
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1), ("top_p", -0.1), ("n", 0),
                                           ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0),
                                           ("presence_penalty", 3), ("logprobs", 21), ("stop", [""])])
 def test_sampling_params_errors_name_the_field(field, value):

@@ -86,6 +86,16 @@ def test_seed_makes_sampling_repeatable(server):
     assert others != {first}
 
 
+def test_top_p_0_keeps_only_the_most_likely_token(server):
+    """OpenAI takes top_p 0: the nucleus is the top token alone, whatever the temperature (greedy)."""
+    client = server.client()
+    greedy = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY).choices[0].message
+    for seed in (1, 2):
+        nucleus = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **{**GREEDY, "temperature": 1.5},
+                                                 top_p=0, seed=seed).choices[0].message
+        assert nucleus.content == greedy.content
+
+
 def test_stop_string_cuts_the_text(server):
     client = server.client()
     text = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **{**GREEDY, "max_tokens": 30}) \

@@ -75,6 +75,19 @@ def test_bad_conversation_requests_are_400s(server):
     assert server.request("GET", f"/v1/conversations/{conversation['id']}/items/nope")[0] == 404
 
 
+def test_a_request_adds_at_most_20_items(server):
+    """OpenAI's cap, on creating a conversation and on adding to one."""
+    items = [{"type": "message", "role": "user", "content": f"note {i}"} for i in range(21)]
+    status, _, error = server.request("POST", "/v1/conversations", {"items": items})
+    assert status == 400 and error["error"]["param"] == "items" and "20" in error["error"]["message"]
+    status, _, conversation = server.request("POST", "/v1/conversations", {"items": items[:20]})
+    assert status == 200
+    path = f"/v1/conversations/{conversation['id']}/items"
+    assert server.request("POST", path, {"items": items})[0] == 400
+    assert server.request("POST", path, {"items": items[20:]})[0] == 200
+    assert len(server.request("GET", f"{path}?limit=100")[2]["data"]) == 21
+
+
 def test_an_item_reference_may_name_a_conversation_item(server, tokenizer):
     client = server.client()
     conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "remember"}])

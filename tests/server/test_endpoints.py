@@ -171,6 +171,17 @@ def test_models(server):
     assert info.value.body["code"] == "model_not_found"
 
 
+def test_whisper_1_is_the_speech_model_everywhere(server):
+    """OpenAI's name works for transcriptions (the default speech model), so it is retrieved as that model and
+    refused for text as a speech model is."""
+    whisper = server.client().models.retrieve("whisper-1")
+    assert whisper.id == "whisper-1" and whisper.model_extra["input_modalities"] == ["audio"]
+    status, _, data = server.request("POST", "/v1/chat/completions", {"model": "whisper-1", "max_tokens": 2,
+                                                                      "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and data["error"]["param"] == "model"
+    assert "is a speech-to-text model" in data["error"]["message"]
+
+
 def test_force_model_ignores_the_request_model(start_server):
     live = start_server(state_kwargs={"force_model": True})
     reply = live.client().chat.completions.create(model="anything", messages=[{"role": "user", "content": "hi"}],

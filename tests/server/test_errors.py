@@ -39,7 +39,7 @@ BAD_REQUESTS = [
      "messages[0].content[0]"),
     (CHAT, chat(temperature=-1), "temperature"),
     (CHAT, chat(temperature="hot"), "temperature"),
-    (CHAT, chat(top_p=0), "top_p"),
+    (CHAT, chat(top_p=-0.1), "top_p"),
     (CHAT, chat(top_p=1.5), "top_p"),
     (CHAT, chat(top_k=-5), "top_k"),
     (CHAT, chat(min_p=2), "min_p"),
@@ -98,6 +98,21 @@ BAD_REQUESTS = [
     ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "x"}}]},
      "tools[0].parameters.type"),
+    (CHAT, chat(response_format={"a": 1}), "response_format.type"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"foo": 1}}, "structured_outputs.foo"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
+    ("/v1/responses", {"input": "hi", "text": {"a": 1}}, "text.a"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"a": 1}}}, "text.format.type"),
+    ("/v1/responses", {"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
+    (CHAT, chat(messages=[{"role": "user", "content": []}]), "messages[0].content"),
+    (CHAT, chat(messages=[{"role": "user", "content": ["hi"]}]), "messages[0].content[0]"),
+    (CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}, "hi"]}]), "messages[0].content[1]"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools[0].function.name"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f" * 65}}]), "tools[0].function.name"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools[1].function.name"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "a.b"}]}, "tools[0].name"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 2}, "tools[1].name"),
     (CHAT, chat(user=5), "user"),
     (CHAT, chat(store="x"), "store"),
     (CHAT, chat(metadata="x"), "metadata"),
@@ -114,6 +129,32 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+def test_a_content_part_without_a_type_says_so(server):
+    status, _, data = server.request("POST", CHAT, chat(messages=[{"role": "user", "content": [{"text": "x"}]}]))
+    assert status == 400 and data["error"]["param"] == "messages[0].content[0].type"
+    assert data["error"]["message"] == "messages[0].content[0].type is required"
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses"])
+@pytest.mark.parametrize("tool_choice, says", [
+    (-1, "must be a string or an object, not an integer"), ("1", "must be none, auto, required or"),
+    (True, "must be a string or an object, not a boolean"), ([1], "must be a string or an object, not an array"),
+    ({"a": 1}, "must be none, auto, required or"), ({"type": "function"}, "tool_choice.name is required")])
+def test_a_malformed_tool_choice_is_the_same_400_with_or_without_tools(server, path, tool_choice, says):
+    """Its type and shape come first; "the request has no tools" is only for a well-formed choice."""
+    if path == CHAT:
+        body, tools = chat(), [{"type": "function", "function": {"name": "f"}}]
+    else:
+        body, tools = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}, [{"type": "function", "name": "f"}]
+    errors = []
+    for extra in ({}, {"tools": tools}):
+        status, _, data = server.request("POST", path, {**body, **extra, "tool_choice": tool_choice})
+        assert status == 400, data
+        errors.append(data["error"])
+    assert errors[0] == errors[1] and says in errors[0]["message"], errors
+    assert errors[0]["param"].startswith("tool_choice")
 
 
 def test_context_overflow_says_both_numbers(server, engine):
@@ -135,7 +176,9 @@ def test_context_overflow_is_worded_as_openai_words_it(server):
 
 
 def test_odd_but_valid_values_are_served(server):
-    for extra in [{"top_k": 10**9}, {"seed": -1}, {"temperature": 2}, {"stop_token_ids": [10**9]}]:
+    longest = {"type": "function", "function": {"name": "A-b_9" * 12 + "abcd"}}  # 64 of OpenAI's characters
+    for extra in [{"top_k": 10**9}, {"seed": -1}, {"temperature": 2}, {"stop_token_ids": [10**9]}, {"top_p": 0},
+                  {"tools": [longest]}]:
         status, _, data = server.request("POST", CHAT, chat(**extra))
         assert status == 200, (extra, data)
     refused = [{"role": "user", "content": "hi"},  # an assistant's refusal part, sent back as OpenAI defines it
@@ -199,6 +242,24 @@ def test_body_over_the_limit_is_413(start_server):
     assert live.request("POST", CHAT, chat())[0] == 200
 
 
+def test_what_cannot_fit_is_told_before_the_prompts_are_tokenized(start_server, monkeypatch):
+    """Megabytes of text past any context, or more prompts than the queue takes: a 400 before tokenizing them
+    (seconds of a core each, beside the others' requests)."""
+    from tfserve.server import completions
+
+    live = start_server(state_kwargs={"max_queued": 2})
+    monkeypatch.setattr(completions, "parse_prompts", lambda *args: pytest.fail("tokenized"))
+    huge = "hello world " * 200_000
+    status, _, data = live.request("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": huge, "max_tokens": 2})
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert data["error"]["param"] == "prompt" and "characters" in data["error"]["message"]
+    status, _, data = live.request("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": ["a"] * 5000})
+    assert status == 400 and data["error"]["param"] == "prompt" and "5000 sequences" in data["error"]["message"]
+    status, _, data = live.request("POST", CHAT, chat(messages=[{"role": "user", "content": huge}]))
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert data["error"]["param"] == "messages" and "characters" in data["error"]["message"]
+
+
 def test_queue_beyond_max_queued_is_429_and_a_request_that_never_fits_is_a_400(start_server):
     live = start_server(state_kwargs={"max_queued": 2})
     status, _, data = live.request("POST", CHAT, chat(n=3))  # alone past the queue: retrying cannot help
@@ -218,8 +279,9 @@ def test_loading_and_draining_are_503(start_server, async_engine):
 
     loading = start_server(state=ServerState())
     for path, body in [(CHAT, chat()), ("/health", None)]:
-        status, _, data = loading.request("POST" if body else "GET", path, body)
+        status, headers, data = loading.request("POST" if body else "GET", path, body)
         assert status == 503 and data["error"]["code"] == "model_loading"
+        assert int(headers["Retry-After"]) > 0  # a client's retry loop waits that long
     live = start_server()
     live.state.begin_drain()
     status, _, data = live.request("POST", CHAT, chat())

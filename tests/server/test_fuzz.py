@@ -178,11 +178,14 @@ ODD_CHARSET = (b'--x\r\nContent-Disposition: form-data; name="model"\r\nContent-
 ODD_ENCODING = (b'--x\r\nContent-Disposition: form-data; name="model"\r\nContent-Transfer-Encoding: bogus'
                 b"\r\n\r\nwhisper-1\r\n--x--\r\n")
 MISNAMED_FILE = b'--x\r\nContent-Disposition: form-data; name="files"\r\n\r\n\xcc\xff\x00\r\n--x--\r\n'
+TWO_FILES = (b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nabc\r\n'
+             b'--x\r\nContent-Disposition: form-data; name="file"; filename="b.wav"\r\n\r\ndef\r\n--x--\r\n')
 
 
 @pytest.mark.parametrize("body,param,says", [
     (NESTED_FORM, "file", "nested"), (ODD_CHARSET, "model", "bogus-xyz"), (ODD_ENCODING, "model", "bogus"),
-    (MISNAMED_FILE, "file", "`file` field is missing")], ids=["nested", "charset", "encoding", "misnamed"])
+    (MISNAMED_FILE, "file", "`file` field is missing"), (TWO_FILES, "file", "two `file` fields")],
+    ids=["nested", "charset", "encoding", "misnamed", "two-files"])
 def test_an_odd_audio_form_is_a_400_naming_the_field(server, body, param, says):
     status, headers, raw = raw_request(server, "POST", "/v1/audio/transcriptions", body,
                                        {"Content-Type": "multipart/form-data; boundary=x"})
@@ -199,7 +202,7 @@ def test_huge_numbers_are_a_400_before_the_stream_starts(server, path, field, va
 
 
 BAD_RANGES = [
-    ("temperature", -0.1), ("temperature", 2.01), ("temperature", 1e300), ("top_p", 0), ("top_p", 1.01),
+    ("temperature", -0.1), ("temperature", 2.01), ("temperature", 1e300), ("top_p", 1.01),
     ("top_p", -1), ("presence_penalty", 2.5), ("presence_penalty", -2.5), ("frequency_penalty", 3),
     ("min_p", -0.5), ("min_p", 1.5), ("repetition_penalty", 0), ("repetition_penalty", -1),
     ("repetition_penalty", 2.5), ("top_k", -2), ("n", 0), ("n", 129), ("n", 2**63), ("seed", 2**63),
@@ -215,7 +218,7 @@ def test_values_outside_openais_ranges_are_a_400(server, field, value):
 
 
 def test_values_at_the_edges_of_the_ranges_are_served(server):
-    for extra in [{"temperature": 0}, {"temperature": 2}, {"top_p": 1e-9}, {"presence_penalty": -2},
+    for extra in [{"temperature": 0}, {"temperature": 2}, {"top_p": 0}, {"top_p": 1e-9}, {"presence_penalty": -2},
                   {"frequency_penalty": 2}, {"min_p": 1}, {"repetition_penalty": 2}, {"top_k": -1},
                   {"seed": -(2**63)}, {"seed": 2**63 - 129}, {"n": 3}]:
         assert post(server, COMPLETIONS, {**BASE[COMPLETIONS], **extra})[0] == 200, extra

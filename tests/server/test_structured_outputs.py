@@ -133,6 +133,43 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, message)
     assert status == 400 and error["param"] == param and message in error["message"], error
 
 
+BROKEN_REF = {"type": "object", "properties": {"a": {"$ref": "#/defs/nope"}}}
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # every value nests forever
+
+
+def broken_tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"tools": [WEATHER_TOOL, broken_tool(BROKEN_REF)], "tool_choice": "required"},
+     "tools[1].function.parameters"),
+    ("/v1/chat/completions", {"tools": [WEATHER_TOOL, broken_tool(BROKEN_REF)]}, "tools[1].function.parameters"),
+    ("/v1/chat/completions", {"tools": [broken_tool(BROKEN_REF)], "response_format": {"type": "json_object"}},
+     "tools[0].function.parameters"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": BROKEN_REF}],
+                       "tool_choice": "required"}, "tools[0].parameters"),
+])
+def test_a_tool_schema_that_does_not_compile_is_named_without_the_calls_grammar(server, path, body, param):
+    """The tools' grammar is the server's: its listing and rewritten pointers are no use to the client."""
+    base = {"messages": MESSAGES} if path.endswith("completions") else {"input": "hi"}
+    status, _, raw = server.request("POST", path, {"model": MODEL_NAME, **base, **body})
+    error = raw["error"]
+    assert status == 400 and error["param"] == param and error["code"] == "invalid_grammar", error
+    assert error["message"] == f"{param}: Pointer '/defs/nope' does not exist"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}}, "response_format"),
+    ({"tools": [broken_tool(ENDLESS)], "tool_choice": "required"}, "tools[0].function.parameters"),
+])
+def test_a_schema_no_finite_value_matches_says_so(server, body, param):
+    status, _, raw = server.request("POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, **body})
+    assert status == 400 and raw["error"]["param"] == param
+    assert raw["error"]["message"] == (f"{param}: the schema cannot be matched by any finite JSON value (or is too "
+                                       "large to compile)")
+
+
 def check_call(call, tools) -> dict:
     function = {t["function"]["name"]: t["function"] for t in tools}[call.function.name]
     arguments = json.loads(call.function.arguments)

@@ -3,7 +3,9 @@ model write what the parser reads back (Hermes blocks, Mistral's `[TOOL_CALLS]` 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -11,8 +13,10 @@ import pytest
 from tfserve import Engine, SamplingParams
 from tfserve.server.errors import ApiError
 from tfserve.engine.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
-from tfserve.engine.structured import StructuredOutputs
-from tfserve.server.tool_choice import forced_tools, needs_special_tokens, text_or_calls, tool_call_grammar
+from tfserve.engine.structured import GrammarError, StructuredOutputs
+from tfserve.sampling_params import Grammar
+from tfserve.server.tool_choice import (apply_constraint, forced_tools, needs_special_tokens, text_or_calls,
+                                        tool_call_grammar)
 from tiny import build_llama, build_tokenizer
 
 FUNCTIONS = [
@@ -176,3 +180,18 @@ def test_forced_tools_by_choice():
     with pytest.raises(ApiError) as error:
         forced_tools(tools, {"type": "function", "function": {"name": "nope"}})
     assert error.value.param == "tool_choice.function.name" and "get_weather" in error.value.message
+
+
+def test_a_calls_grammar_that_fails_whole_keeps_the_engines_first_line():
+    """Where no tool's parameters fail alone, the 400 drops the listing of, and the position in, the grammar the
+    server wrote."""
+    class Structured:
+        def compile(self, grammar):
+            if grammar.kind == "lark":
+                raise GrammarError('at 3(7): the calls are off    1 | start: call    2 | call: "<tool_call>" body')
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    engine, constraint = SimpleNamespace(structured=Structured()), (Grammar.lark("start: x\n"), "tools")
+    with pytest.raises(ApiError) as error:
+        asyncio.run(apply_constraint(engine, {}, constraint, None, tools, HERMES, None))
+    assert (error.value.message, error.value.param) == ("tools: the calls are off", "tools")

@@ -152,7 +152,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status)
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

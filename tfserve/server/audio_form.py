@@ -55,6 +55,8 @@ async def read_form(request: web.Request, task: str) -> AudioForm:
                 continue
             try:
                 if name == "file":
+                    if has_file:  # which one to transcribe is not ours to guess
+                        raise bad_request("the form holds two `file` fields: send one audio file", "file")
                     form.file, form.filename = await _read_file(part, request.client_max_size), part.filename
                     has_file = True
                     continue

@@ -14,7 +14,7 @@ from tfserve.server.body import loads
 from tfserve.server.chat_mcp import chat_with_mcp
 from tfserve.server.chat_prompt import parse_tools, render_chat, render_multimodal, render_options, template_kwargs
 from tfserve.server.errors import ApiError, bad_request
-from tfserve.server.generation import Reply, admit, run_choices
+from tfserve.server.generation import Reply, admit, check_text_fits, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown, top_count
 from tfserve.server.media import ImageRef, content_of, gather_images
 from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, one_of, param_names, read_json,
@@ -56,6 +56,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if num_prompt_top is not None:
         kwargs["prompt_logprobs"] = num_prompt_top
     variables, options = template_kwargs(state, body), render_options(body)
+    check_text_fits(state, sum(len(str(message.get("content") or "")) for message in messages), "messages")
     images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
     if images:
         prompt_ids, mm = await render_multimodal(state, messages, images, tools, variables, **options)
@@ -98,6 +99,8 @@ def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Ima
         content = message.get("content")
         if content is None and not tool_calls:
             raise bad_request(f"{where}.content is required", f"{where}.content")
+        if content == []:  # as OpenAI: a list of parts holds at least one
+            raise bad_request(f"{where}.content must not be an empty array", f"{where}.content")
         rendered: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                     "content": "" if content is None else content_of(content, f"{where}.content",
                                                                                       images)}

@@ -5,40 +5,61 @@ the client's function `tools`, the template variables, and the prompt ids throug
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from tfserve.engine import chat_template
 from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.errors import bad_request
 from tfserve.server.media import no_images, takes_images
-from tfserve.server.protocol import field
+from tfserve.server.protocol import field, shorten
 from tfserve.server.threads import in_daemon_thread
+from tfserve.server.tool_choice import tool_choice_of
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """`tools` for the chat template, or None when absent or `tool_choice` is "none"."""
     tools = field(body, "tools", list)
-    tool_choice = field(body, "tool_choice", (str, dict))
-    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
-        raise bad_request("tool_choice must be none, auto, required or a function object", "tool_choice")
+    tool_choice = tool_choice_of(body)
     if not tools:
         refuse_tool_choice_without_tools(body)
         return None
+    names = []
     for i, tool in enumerate(tools):
         if isinstance(tool, dict) and tool.get("type") == "mcp":  # run by the server (chat_mcp checks them)
             continue
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
-        field(tool["function"], "name", str, required=True, param=f"tools[{i}].function.name")
+        where = f"tools[{i}].function.name"
+        names.append((field(tool["function"], "name", str, required=True, param=where), where))
         where = f"tools[{i}].function.parameters"
         check_schema(field(tool["function"], "parameters", dict, param=where), where)
+    check_function_names(names)
     return None if tool_choice == "none" else tools
+
+
+# OpenAI's rule for function names
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_function_names(names: list[tuple[str, str]]) -> None:
+    """400 for a function name OpenAI refuses (1 to 64 letters, digits, _ or -) or one given twice; `names`:
+    (name, its field) of the request's function tools."""
+    seen = set()
+    for name, where in names:
+        if not _FUNCTION_NAME.fullmatch(name):
+            raise bad_request(f"{where} must be 1 to 64 letters, digits, underscores or dashes (got {shorten(name)})",
+                              where)
+        if name in seen:
+            raise bad_request(f"{where}: the function {name!r} is defined twice; tool names must be unique", where)
+        seen.add(name)
 
 
 def refuse_tool_choice_without_tools(body: dict[str, Any], mcp: bool = False) -> None:
     """400 for a `tool_choice` that asks for a call ("required", a named function) with no tools to call (as
-    OpenAI: it is only allowed when tools are specified). An `mcp` choice with mcp tools is theirs to check."""
-    tool_choice = body.get("tool_choice")
+    OpenAI: it is only allowed when tools are specified), once its shape is checked. An `mcp` choice with mcp
+    tools is theirs to check."""
+    tool_choice = tool_choice_of(body)
     if tool_choice in (None, "auto", "none") or (mcp and (tool_choice == "required" or (
             isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp"))):
         return

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request
-from tfserve.server.generation import Reply, admit, run_choices
+from tfserve.server.generation import Reply, admit, check_sequences, check_text_fits, run_choices
 from tfserve.server.logprobs import (completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs,
                                      shown, top_count)
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
@@ -26,6 +26,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     model = await use_model(request, body, state)
+    _check_size(state, body)
     args = (body, state.engine.tokenizer, state.engine.vocab_size)
     if len(str(body.get("prompt"))) < INLINE_PROMPT_CHARS:
         prompts = parse_prompts(*args)
@@ -63,6 +64,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage)
         return await reply.complete(outputs, usage)
+
+
+def _check_size(state: Any, body: dict[str, Any]) -> None:
+    """What can be told before tokenizing: a text past any context, more prompts than the queue takes."""
+    prompt = body.get("prompt")
+    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    for text in texts:
+        if isinstance(text, str):
+            check_text_fits(state, len(text), "prompt")
+    n = body.get("n") if type(body.get("n")) is int and body["n"] > 0 else 1
+    if isinstance(prompt, list) and prompt and not all(_is_token(t) for t in prompt):
+        check_sequences(state, len(prompt) * n, "n" if n > 1 else "prompt")
 
 
 def parse_prompts(body: dict[str, Any], tokenizer: Any, vocab_size: int) -> list[tuple[list[int], str]]:

@@ -26,6 +26,7 @@ from tfserve.server.response_items import (ConversationStore, StoredConversation
 from tfserve.server.state import STATE
 
 MAX_METADATA = 16  # OpenAI's limit: keys of at most 64 characters, values of at most 512
+MAX_ITEMS = 20  # OpenAI's limit on the items one request adds
 
 
 def requested(body: dict[str, Any], store: ConversationStore) -> StoredConversation | None:
@@ -44,9 +45,11 @@ def requested(body: dict[str, Any], store: ConversationStore) -> StoredConversat
 
 
 def checked_items(body: dict[str, Any], required: bool) -> list[dict[str, Any]]:
-    """`items` of a body (Responses input items), checked as a response's input is, with ids given to those
-    that have none."""
+    """`items` of a body (Responses input items, at most MAX_ITEMS), checked as a response's input is, with ids
+    given to those that have none."""
     items = body_field(body, "items", list, [] if not required else None, required=required)
+    if len(items) > MAX_ITEMS:
+        raise bad_request(f"items may hold at most {MAX_ITEMS} items at a time (got {len(items)})", "items")
     if items:
         parse_input(body, name="items")  # a 400 naming the item, as for a response's input
     return input_items({"input": items}) if items else []

@@ -25,13 +25,14 @@ class ApiError(Exception):
     """An HTTP error with an OpenAI body: `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}  # sent with the body (Retry-After on a 503 that will pass)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -71,11 +71,7 @@ def admit(state: ServerState, request: web.Request, prompts: list[list[int]], pa
                 requests.extend(state.engine.make_requests(prompt_ids, params, mm=mm))
         except ValueError as exc:
             raise from_value_error(exc, names.get("prompt", "messages"), names) from None
-    if state.max_queued and len(requests) > state.max_queued:  # never fits: retrying cannot help
-        prompt = names.get("prompt", "messages")
-        raise ApiError(400, f"this request makes {len(requests)} sequences (prompts times n), more than the server "
-                            f"queues at once (--max-queued {state.max_queued}); send fewer prompts or a smaller n",
-                       param="n" if params.n > 1 else prompt)
+    check_sequences(state, len(requests), "n" if params.n > 1 else names.get("prompt", "messages"))
     if state.max_queued and state.num_waiting + len(requests) > state.max_queued:
         raise too_many(f"the server has {state.num_waiting} sequences waiting (--max-queued {state.max_queued}); "
                        "retry shortly")
@@ -83,6 +79,39 @@ def admit(state: ServerState, request: web.Request, prompts: list[list[int]], pa
     usage.prompt_tokens += sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(usage.prompt_tokens)
     return usage, requests
+
+
+def check_sequences(state: ServerState, num_sequences: int, param: str) -> None:
+    """A 400 for a request that alone makes more sequences than the server queues: retrying cannot help."""
+    if state.max_queued and num_sequences > state.max_queued:
+        raise ApiError(400, f"this request makes {num_sequences} sequences (prompts times n), more than the server "
+                            f"queues at once (--max-queued {state.max_queued}); send fewer prompts or a smaller n",
+                       param=param)
+
+
+def check_text_fits(state: ServerState, num_chars: int, param: str) -> None:
+    """A 400 `context_length_exceeded` for text so long that no tokenization of it fits the model's context,
+    before tokenizing it (15 MB of text took 10 s of a core to be told so). A token covers at most the longest
+    entry of the vocabulary's characters; four times that, for normalizers that merge characters."""
+    engine = state.engine
+    longest = _longest_entry(engine.tokenizer)
+    if longest and num_chars > 4 * longest * engine.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, the "
+                            f"{param} holds {num_chars} characters of text, more than that many tokens can take: "
+                            "shorten it", param=param, code="context_length_exceeded")  # OpenAI's words: clients
+        # (litellm, LangChain) tell an overflow by them
+
+
+_LONGEST_ENTRY: dict[int, int] = {}  # by tokenizer id: characters of its longest vocabulary entry
+
+
+def _longest_entry(tokenizer: Any) -> int:
+    if id(tokenizer) not in _LONGEST_ENTRY:
+        try:
+            _LONGEST_ENTRY[id(tokenizer)] = max(map(len, tokenizer.get_vocab()), default=0)
+        except Exception:  # a tokenizer without a vocabulary to list: no bound (tokenized as before)
+            _LONGEST_ENTRY[id(tokenizer)] = 0
+    return _LONGEST_ENTRY[id(tokenizer)]
 
 
 async def run_choices(state: ServerState, usage: Usage, requests: list[Any],

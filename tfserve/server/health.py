@@ -16,7 +16,8 @@ async def health(request: web.Request) -> web.Response:
     try:
         state.check_available()
     except ApiError as error:
-        return web.json_response({"status": state.status, **error.body()}, status=error.status)
+        return web.json_response({"status": state.status, **error.body()}, status=error.status,
+                                 headers=error.headers)
     engine, loading = state.engine, state.models.loading
     if engine is None and loading is None and state.models.asleep is None:  # asleep: the next request loads it
         error = ApiError(503, "no model is loaded; a request naming one loads it", code="model_not_loaded")

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from tfserve.models import store
 from tfserve.server.errors import ApiError
+from tfserve.server.speech import OPENAI_NAMES
 from tfserve.server.state import STATE
 
 
@@ -14,7 +15,7 @@ def _model_object(state, name: str) -> dict:
     model = {"id": name, "object": "model", "created": state.created, "owned_by": "tfserve"}
     if state.engine is not None and name == state.model_name:  # another model's inputs are known once loaded
         model["input_modalities"] = list(getattr(state.engine, "input_modalities", ["text"]))
-    elif name in state.speech.loaded or store.is_speech_model(name):
+    elif name in state.speech.loaded or name in OPENAI_NAMES or store.is_speech_model(name):
         model["input_modalities"] = ["audio"]
     return model
 
@@ -32,7 +33,7 @@ async def get_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     if state.model_name is not None and model_id in state.model_aliases:
         return web.json_response(_model_object(state, state.model_name))
-    if model_id in state.speech.loaded:
+    if model_id in state.speech.loaded or model_id in OPENAI_NAMES:  # whisper-1: the default speech model
         return web.json_response(_model_object(state, model_id))
     if not state.models.on_demand:
         raise ApiError(404, f"The model {model_id!r} does not exist or is not served here", param="model",

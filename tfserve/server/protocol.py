@@ -26,8 +26,7 @@ MAX_INT64 = 2**63  # token ids and seeds become int64 tensors
 # repetition_penalty > 0; past 2 it only garbles text). SamplingParams checks again what the engine can run.
 _RANGES = {
     "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
-    # OpenAI takes 0; our sampler needs a token to keep: temperature 0 is the way to ask for greedy
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (use temperature 0 for greedy)"),
+    "top_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),  # 0 keeps the most likely token only (greedy)
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2] (1 is off)"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
@@ -215,12 +214,10 @@ def text_of(content: Any, param: str) -> str:
 
 
 def part_text(part: Any, where: str) -> str:
-    """One text content part (or a bare string) -> its text; any other part is a 400 naming its type."""
-    if isinstance(part, str):
-        return part
+    """One text content part -> its text; any other part is a 400 naming its type."""
     if not isinstance(part, dict):
-        raise bad_request(f"{where} must be an object", where)
-    kind = part.get("type")
+        raise bad_request(f'{where} must be a content part object, e.g. {{"type": "text", "text": ...}}', where)
+    kind = field(part, "type", str, required=True, param=f"{where}.type")
     if kind == "refusal":  # an assistant's refusal sent back in the conversation: its words
         return field(part, "refusal", str, required=True, param=f"{where}.refusal")
     if kind not in ("text", "input_text", "output_text"):

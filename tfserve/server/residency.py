@@ -250,10 +250,11 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 
 def _refuse_speech_model(name: str) -> None:
-    """400 for a Whisper model named on a text endpoint (it would be loaded as a text model in the chat
-    model's place)."""
+    """400 for a Whisper model (or `whisper-1`, the default one) named on a text endpoint (it would be loaded as a
+    text model in the chat model's place)."""
     from tfserve.models import store
+    from tfserve.server.speech import OPENAI_NAMES  # here: speech imports this module
 
-    if store.is_speech_model(name):
+    if name in OPENAI_NAMES or store.is_speech_model(name):
         raise ApiError(400, f"{name!r} is a speech-to-text model: send audio to /v1/audio/transcriptions or "
                        "/v1/audio/translations", param="model", code="model_not_supported")

@@ -26,11 +26,17 @@ def requested_grammar(body: dict[str, Any], field_name: str = "response_format")
     """The request's output constraint and the field that set it, or None for free text. At most one."""
     found = []
     response_format = field(body, field_name, dict)
-    if response_format:
+    if response_format is not None:
         grammar = _from_response_format(response_format, field_name)
         if grammar is not None:
             found.append((grammar, field_name))
     structured = field(body, "structured_outputs", dict)
+    for key in structured or ():
+        if key not in _VLLM_KEYS:
+            raise bad_request(f"structured_outputs.{key} is not supported here (send one of {', '.join(_VLLM_KEYS)})",
+                              f"structured_outputs.{key}")
+    if structured is not None and all(structured.get(key) in (None, False) for key in _VLLM_KEYS):
+        raise bad_request(f"structured_outputs must set one of {', '.join(_VLLM_KEYS)}", "structured_outputs")
     for key in _VLLM_KEYS if structured else ():
         if structured.get(key) not in (None, False):
             found.append((_from_vllm(key, structured[key], f"structured_outputs.{key}"), f"structured_outputs.{key}"))
@@ -43,7 +49,7 @@ def requested_grammar(body: dict[str, Any], field_name: str = "response_format")
 
 
 def _from_response_format(response_format: dict[str, Any], where: str) -> Grammar | None:
-    kind = field(response_format, "type", str, "text", param=f"{where}.type")
+    kind = field(response_format, "type", str, required=True, param=f"{where}.type")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -105,4 +111,14 @@ async def compile_grammar(engine: Any, grammar: Grammar, param: str) -> None:
     try:
         await asyncio.to_thread(engine.structured.compile, grammar)
     except GrammarError as exc:
-        raise bad_request(f"{param}: {exc}", param, code="invalid_grammar") from None
+        raise bad_request(f"{param}: {_readable(str(exc), grammar)}", param, code="invalid_grammar") from None
+
+
+def _readable(message: str, grammar: Grammar) -> str:
+    """llguidance's error, or what it means where the words are its parser's: a schema whose every value nests
+    forever (or a huge one) fills the parser's item limit at the first token."""
+    if "Too many items" not in message:
+        return message
+    if grammar.kind == "json_schema":
+        return "the schema cannot be matched by any finite JSON value (or is too large to compile)"
+    return "the grammar cannot be matched by any finite output (or is too large to compile)"

@@ -15,7 +15,7 @@ from typing import Any
 from tfserve.server.body import loads
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
-from tfserve.server.chat_prompt import check_schema, refuse_tool_choice_without_tools
+from tfserve.server.chat_prompt import check_function_names, check_schema, refuse_tool_choice_without_tools
 from tfserve.server.protocol import field, one_of, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -103,6 +103,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The Responses API's flat function tools (`{"type": "function", "name", "parameters", ...}`), checked, and
     its `mcp` tools as they are (mcp_tools.split_tools checks them)."""
     tools = field(body, "tools", list, [])
+    names = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -112,8 +113,9 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         if tool.get("type") != "function":
             raise bad_request(f"{where}.type {tool.get('type')!r} is not supported; this server runs function "
                               "and mcp tools", f"{where}.type")
-        field(tool, "name", str, required=True, param=f"{where}.name")
+        names.append((field(tool, "name", str, required=True, param=f"{where}.name"), f"{where}.name"))
         check_schema(field(tool, "parameters", dict, param=f"{where}.parameters"), f"{where}.parameters")
+    check_function_names(names)
     if not [tool for tool in tools if tool.get("type") == "function"]:
         refuse_tool_choice_without_tools(body, mcp=any(tool.get("type") == "mcp" for tool in tools))
     return tools
@@ -141,8 +143,12 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def text_format(body: dict[str, Any]) -> dict[str, Any]:
     """`text.format` ({"type": "text"} when absent) and the same as a chat `response_format`, for the grammar."""
     text = field(body, "text", dict, {})
+    for key in text:
+        if key not in ("format", "verbosity"):
+            raise bad_request(f"text.{key} is not a field of text", f"text.{key}")
+    one_of(field(text, "verbosity", str, param="text.verbosity"), ("low", "medium", "high"), "text.verbosity")
     fmt = field(text, "format", dict, {"type": "text"}, param="text.format")
-    kind = field(fmt, "type", str, "text", param="text.format.type")
+    kind = field(fmt, "type", str, required=True, param="text.format.type")
     if kind not in ("text", "json_object", "json_schema"):
         raise bad_request(f"text.format.type must be text, json_object or json_schema (got {kind!r})",
                           "text.format.type")

@@ -136,7 +136,8 @@ class ServerState:
         if self.failure is not None:
             raise ApiError(503, f"the engine failed: {self.failure}", code="engine_failed")
         if self.status == LOADING:
-            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading")
+            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "2"})
         if self.status == DRAINING:
             raise ApiError(503, "the server is shutting down", code="server_draining")
 

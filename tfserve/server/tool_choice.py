@@ -5,16 +5,44 @@ against that tool's `parameters` schema. Even a 135M model then always answers w
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from tfserve.engine.structured import JSON_OPTIONS
 from tfserve.sampling_params import Grammar
-from tfserve.server.errors import bad_request
+from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.protocol import field
 from tfserve.server.response_format import compile_grammar
 from tfserve.engine.tool_calls import ToolCallFormat
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# the 400 for a tool_choice of no shape this server takes
+_SHAPES = '{where} must be none, auto, required or {{"type": "function", "function": {{"name": ...}}}}'
+
+
+def tool_choice_of(body: dict[str, Any]) -> str | dict | None:
+    """`tool_choice`, its type and shape checked whether or not the request has tools (so a wrong one gets the
+    same 400 either way; the rule that a call needs tools comes after)."""
+    tool_choice = field(body, "tool_choice", (str, dict))
+    _check_shape(tool_choice, "tool_choice")
+    return tool_choice
+
+
+def _check_shape(tool_choice: str | dict | None, where: str) -> None:
+    """400 unless `tool_choice` is absent, none, auto, required, a function's object (chat's nested
+    `{"type": "function", "function": {"name": ...}}` or the Responses API's flat one) or an MCP server's
+    (`{"type": "mcp", ...}`, which mcp_tools checks)."""
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        return
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("function", "mcp"):
+        raise bad_request(_SHAPES.format(where=where), where)
+    if tool_choice["type"] == "mcp":
+        return
+    named = tool_choice.get("function", tool_choice)
+    if not isinstance(named, dict):
+        raise bad_request(f'{where}.function must be an object: {{"name": ...}}', f"{where}.function")
+    field(named, "name", str, required=True,
+          param=f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
 
 
 def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, where: str = "tool_choice"
@@ -28,14 +56,10 @@ def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, wh
     functions = [tool["function"] if isinstance(tool.get("function"), dict) else tool for tool in tools]
     if tool_choice == "required":
         return functions
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
-        raise bad_request(f'{where} must be none, auto, required or {{"type": "function", "function": {{"name": ...}}}}',
-                          where)
-    named = tool_choice.get("function", tool_choice)
-    if not isinstance(named, dict):
-        raise bad_request(f'{where}.function must be an object: {{"name": ...}}', f"{where}.function")
-    name = field(named, "name", str, required=True,
-                 param=f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
+    _check_shape(tool_choice, where)
+    if tool_choice.get("type") != "function":  # an MCP server's choice, on a request without mcp tools
+        raise bad_request(_SHAPES.format(where=where), where)
+    name = tool_choice.get("function", tool_choice)["name"]
     chosen = [f for f in functions if f.get("name") == name]
     if not chosen:
         known = ", ".join(repr(f.get("name")) for f in functions) or "none"
@@ -167,14 +191,50 @@ def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
 
 
 async def apply_constraint(engine: Any, kwargs: dict[str, Any], constraint: tuple | None, forced: list | None,
-                           tools: list | None, tool_format: ToolCallFormat | None, tokenizer: Any) -> None:
+                           tools: list | None, tool_format: ToolCallFormat | None, tokenizer: Any,
+                           body_tools: list | None = None) -> None:
     """Into a reply's sampling `kwargs`: the grammar `constraint` (from `reply_constraint`), compiled; no stop
     strings for a reply of forced calls only (stop strings do not cut tool calls, as on OpenAI); special tokens
-    kept where the tool format's calls are made of them (e.g. Mistral's [TOOL_CALLS])."""
+    kept where the tool format's calls are made of them (e.g. Mistral's [TOOL_CALLS]). `body_tools`: the
+    request's `tools` as sent (`tools` when absent), for naming a tool whose parameters do not compile."""
     if forced:
         kwargs.pop("stop", None)
     if constraint is not None:
-        await compile_grammar(engine, *constraint)
+        try:
+            await compile_grammar(engine, *constraint)
+        except ApiError as error:
+            if not tools:
+                raise
+            raise await _tools_error(engine, forced or forced_tools(tools, "required"), body_tools or tools,
+                                     error) from None
         kwargs["grammar"] = constraint[0]
     if tools and needs_special_tokens(tool_format, tokenizer):
         kwargs["skip_special_tokens"] = False
+
+
+async def _tools_error(engine: Any, functions: list[dict[str, Any]], body_tools: list, error: ApiError) -> ApiError:
+    """A grammar over calls of `functions` that does not compile, as the client can fix it: the first function
+    whose parameters do not compile alone, named where the body holds them; else `error` without the position
+    in, and the listing of, the grammar written here (its first line)."""
+    fields = _parameters_fields(body_tools)
+    for function in functions:
+        try:
+            await compile_grammar(engine, Grammar.json_schema(function.get("parameters") or _EMPTY_PARAMETERS),
+                                  fields.get(function.get("name"), "tools"))
+        except ApiError as culprit:
+            return culprit
+    message = re.sub(r"\s+\d+ \| .*", "", error.message, flags=re.S)  # llguidance's listing: " 1 | start: ..."
+    message = re.sub(r"^(\S+: )at \d+\(\d+\): ", r"\1", message)  # its position: "at 3(7): "
+    return ApiError(error.status, message, param=error.param, code=error.code)
+
+
+def _parameters_fields(body_tools: list) -> dict[str, str]:
+    """Function name -> the body field of its parameters (chat's `tools[i].function.parameters`, the Responses
+    API's `tools[i].parameters`)."""
+    fields = {}
+    for i, tool in enumerate(body_tools):
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            fields[tool["function"].get("name")] = f"tools[{i}].function.parameters"
+        elif isinstance(tool, dict) and tool.get("type") == "function":
+            fields[tool.get("name")] = f"tools[{i}].parameters"
+    return fields

@@ -72,7 +72,7 @@ class Turns:
         parallel = field(self.body, "parallel_tool_calls", bool, True)
         constraint = reply_constraint(constraint, self.tool_format, self.offered, forced, parallel, self.tokenizer)
         await apply_constraint(self.state.engine, kwargs, constraint, forced, self.offered, self.tool_format,
-                               self.tokenizer)
+                               self.tokenizer, field(self.body, "tools", list, []))
         return kwargs
 
     async def next(self, messages: list[dict], first: bool, tools_left: int, used_tokens: int
