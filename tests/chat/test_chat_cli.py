@@ -62,8 +62,8 @@ def test_unreachable_server_is_one_line_and_exit_1():
 
 
 def test_bad_generation_option_is_a_usage_error():
-    result = invoke("localhost:1", "--top-p", "0")
-    assert result.exit_code == 2 and "--top-p" in result.output and "must be in (0, 1]" in result.output
+    result = invoke("localhost:1", "--top-p", "1.5")
+    assert result.exit_code == 2 and "--top-p" in result.output and "must be in [0, 1]" in result.output
 
 
 def test_piped_mode_prints_each_answer_as_plain_text(server):

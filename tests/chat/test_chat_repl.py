@@ -114,7 +114,7 @@ def test_set_and_settings(session):
                             "/set max_tokens many\r/set temperature\r/set temperature 3\r/settings\r/exit\r")
     assert session.settings == Settings(temperature=0.5, max_tokens=8)
     assert "temperature = 0.5" in out and "seed = 7" in out and "seed = None" in out
-    assert "Error: top_p must be in (0, 1]" in out
+    assert "Error: top_p must be in [0, 1]" in out
     assert "Error: temperature must be in [0, 2]" in out  # what servers take: past it every message would fail
     assert "Error: unknown setting 'bogus'" in out
     assert "Error: max_tokens must be an integer (got 'many')" in out

@@ -59,7 +59,7 @@ def test_no_args_shows_help():
     (["nosuch"], ["No such command 'nosuch'", "Try 'tfserve --help' for help."]),
     (["models", "nosuch"], ["No such command 'nosuch'", "Try 'tfserve models --help' for help."]),
     (["--bogus"], ["No such option: --bogus", "Try 'tfserve --help' for help."]),
-    (["chat", "localhost:1", "--top-p", "0"], ["--top-p", "must be in (0, 1]"]),  # raised inside the command
+    (["chat", "localhost:1", "--top-p", "1.5"], ["--top-p", "must be in [0, 1]"]),  # raised inside the command
 ])
 def test_usage_errors_are_one_line_with_clicks_message_and_exit_2(args, fragments):
     result = invoke(*args)
