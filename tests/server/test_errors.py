@@ -258,6 +258,9 @@ def test_what_cannot_fit_is_told_before_the_prompts_are_tokenized(start_server, 
     status, _, data = live.request("POST", CHAT, chat(messages=[{"role": "user", "content": huge}]))
     assert status == 400 and data["error"]["code"] == "context_length_exceeded"
     assert data["error"]["param"] == "messages" and "characters" in data["error"]["message"]
+    status, _, data = live.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": huge})
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert data["error"]["param"] == "input" and "characters" in data["error"]["message"]
 
 
 def test_queue_beyond_max_queued_is_429_and_a_request_that_never_fits_is_a_400(start_server):
