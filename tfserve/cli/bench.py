@@ -145,10 +145,9 @@ def roofline(
 ) -> None:
     """How close CPU decoding comes to this machine's limits, measured here and now.
 
-    One sequence's decode step against reading the model's weight bytes once (its bound: every weight is
-    streamed), and a batch's step against the matmul roofline (the weights read once, and 2 FLOPs per
-    parameter per sequence at the GFLOP/s torch's own matmul reaches here). Each round measures the limits
-    and the steps back to back.
+    One sequence's step against reading the weights once (every weight streamed);
+    a batch's step against the matmul roofline (2 FLOPs a parameter a sequence,
+    at torch's own matmul rate here). Each round measures both back to back.
 
     [bold]Examples[/bold]
 
