@@ -44,3 +44,24 @@ def test_offline_json_says_how_the_run_was_made(tfserve_home, tmp_path, monkeypa
     host = settings["host"]
     assert host["isa"] in ("AVX-512", "AVX2", "NEON", "scalar") and host["torch"] == torch.__version__
     assert host["num_cpus"] >= 1 and host["arch"] and host["python"]
+
+
+def test_offline_reads_the_dataset_before_loading_the_model(tfserve_home, tmp_path, monkeypatch):
+    from tfserve.engine.engine import Engine
+    from tfserve.models import loading
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the dataset was read")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    monkeypatch.setattr(Engine, "from_pretrained", never)
+    (tmp_path / "empty.jsonl").write_text('{"other": 1}\n')
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
+    for dataset, message in [(tmp_path / "nope.jsonl", "not found"), (tmp_path / "empty.jsonl", "has no prompts"),
+                             (tmp_path / "binary.jsonl", "is not text")]:
+        for engine in ("tfserve", "transformers"):
+            result = CliRunner().invoke(app, ["bench", "offline", "--engine", engine, "--dataset", str(dataset),
+                                              "-n", "1"])
+            assert result.exit_code == 1, result.output
+            [line] = [line for line in result.output.splitlines() if line.strip()]  # no load steps before it
+            assert line.startswith(f"Error: dataset {dataset} {message}"), result.output

@@ -2,6 +2,7 @@
 (never a crash), JSON schema, --launch lifecycle, sweeps."""
 
 import asyncio
+import io
 import json
 import socket
 import sys
@@ -31,9 +32,17 @@ def _chunk(content=None, finish=None, usage=None):
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _fake_app(fail_every: int = 0) -> web.Application:
+def _fake_app(fail_every: int = 0, api_key: str | None = None) -> web.Application:
     count = {"n": 0}
     seen_models, seen_bodies = [], []
+
+    @web.middleware
+    async def key_check(request, handler):  # as tfserve serve --api-key: every /v1 route wants the key
+        if api_key and request.path.startswith("/v1") and \
+                request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "invalid or missing API key", "type": "auth_error"}},
+                                     status=401)
+        return await handler(request)
 
     async def chat(request):
         body = await request.json()
@@ -57,14 +66,15 @@ def _fake_app(fail_every: int = 0) -> web.Application:
     async def health(request):
         return web.json_response({"status": "ok"})
 
-    async def models(request):  # as vLLM names a model: by its path
-        return web.json_response({"object": "list", "data": [{"id": "/models/served-one", "object": "model"}]})
+    async def models(request):  # as vLLM names a model: by its path; then those the tests name
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}
+                                                             for name in ("/models/served-one", "m", "whisper-1")]})
 
     async def transcription(request):
         await request.post()
         return web.json_response({"text": "Hello there."})
 
-    app_ = web.Application()
+    app_ = web.Application(middlewares=[key_check])
     app_.router.add_post("/v1/chat/completions", chat)
     app_.router.add_get("/health", health)
     app_.router.add_get("/v1/models", models)
@@ -78,9 +88,9 @@ def _fake_app(fail_every: int = 0) -> web.Application:
 def fake_server():
     servers = []
 
-    def start(fail_every: int = 0) -> str:
+    def start(fail_every: int = 0, api_key: str | None = None) -> str:
         loop = asyncio.new_event_loop()
-        app_ = _fake_app(fail_every)
+        app_ = _fake_app(fail_every, api_key)
         start.apps.append(app_)
         runner = web.AppRunner(app_)
         loop.run_until_complete(runner.setup())
@@ -314,3 +324,139 @@ def test_url_is_read_as_chat_reads_it(url):
     from tfserve.cli.bench import _base_url
 
     assert _base_url(url) == "http://localhost:8000/v1"
+
+
+@pytest.fixture
+def web_server(tmp_path):
+    """A plain web server (python -m http.server): no OpenAI API, 404 pages in HTML."""
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _one_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["-m", "nosuch"], ["does not serve 'nosuch'", "its chat models: /models/served-one, m"]),
+    (["--sweep", "concurrency=1,2", "-m", "nosuch"], ["does not serve 'nosuch'"]),
+    (["-m", "whisper-1"], ["'whisper-1' is a speech-to-text model"]),
+    (["--api-key", "wrong"], ["refused the API key (401): pass --api-key"]),
+])
+def test_cli_serve_checks_the_server_before_sending_load(fake_server, args, fragments):
+    base_url = fake_server(api_key="sekrit" if "--api-key" in args else None)
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "-n", "4", "--max-tokens", "4", *args])
+    assert result.exit_code == 1
+    line = _one_line(result)  # not a table of zeros after every request failed
+    assert all(fragment in line for fragment in fragments), line
+    assert fake_server.apps[0][SEEN_MODELS] == []  # no request was sent
+
+
+def test_cli_serve_with_the_servers_key_runs(fake_server):
+    base_url = fake_server(api_key="sekrit")
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", base_url, "-n", "2", "--max-tokens", "4",
+                                      "--api-key", "sekrit"])
+    assert result.exit_code == 0, result.output
+    assert fake_server.apps[0][SEEN_MODELS] == ["/models/served-one"] * 2
+
+
+def test_cli_serve_against_a_plain_web_server_is_one_line(web_server):
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", web_server, "-n", "2"])
+    assert result.exit_code == 1
+    assert _one_line(result) == (f"Error: http://{web_server} does not answer /v1/models as an OpenAI-compatible "
+                                 "server (404)")
+
+
+def test_transcribe_checks_the_server_and_shows_the_url_it_reads(fake_server, tmp_path):
+    from pathlib import Path
+
+    audio = Path(__file__).parents[1] / "audio" / "data" / "fox.opus"
+    base_url = fake_server(api_key="sekrit")
+    address = base_url.removeprefix("http://").removesuffix("/v1")  # 127.0.0.1:PORT
+    args = ["bench", "transcribe", str(audio), "--url", address, "-m", "whisper-1", "-n", "1", "-c", "1"]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 1
+    assert "refused the API key (401" in _one_line(refused) and "nan" not in refused.output
+    missing = CliRunner().invoke(app, [*args, "--api-key", "sekrit", "-m", "nosuch"])
+    assert missing.exit_code == 1 and "does not serve 'nosuch'; its models: " in _one_line(missing)
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(app, [*args, "--api-key", "sekrit", "-o", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    title = " ".join(result.output.split())
+    assert f"{base_url} whisper-1 concurrency=1" in title  # the URL as read: http://127.0.0.1:PORT/v1
+    assert json.loads(out.read_text())["settings"]["url"] == base_url
+
+
+@pytest.mark.parametrize("command", [["serve", "-n", "1"], ["transcribe", "x.wav"]])
+@pytest.mark.parametrize("url, message", [
+    ("nonsense::::", "invalid URL 'nonsense::::': use host:port or http(s)://host:port[/v1]"),
+    ("ftp://x", "invalid URL 'ftp://x': use host:port or http(s)://host:port[/v1]"),
+    ("127.0.0.1:99999", "invalid URL '127.0.0.1:99999': the port must be 1-65535"),
+    ("http://", "invalid URL 'http://': no host"),
+])
+def test_cli_a_url_that_is_no_url_is_a_usage_error(command, url, message):
+    result = CliRunner().invoke(app, ["bench", *command, "--url", url])
+    assert result.exit_code == 2
+    assert message in _one_line(result) and "reach" not in result.output
+
+
+def test_cli_plot_needs_a_sweep_before_anything_runs(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", "127.0.0.1:9", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2
+    assert "--plot needs --sweep" in _one_line(result) and not (tmp_path / "p.png").exists()
+
+
+def test_cli_launch_timeout_must_be_positive():
+    result = CliRunner().invoke(app, ["bench", "serve", "--launch", "true", "--launch-timeout", "-1"])
+    assert result.exit_code == 2 and "--launch-timeout" in result.output, result.output
+
+
+def _write_results(tmp_path) -> tuple:
+    from tfserve.bench.metrics import RequestRecord, summarize
+
+    def run(tokens_per_s: float) -> dict:
+        return summarize([RequestRecord(ok=True, output_tokens=100, ttft_s=0.1, e2e_s=100 / tokens_per_s,
+                                        token_times_s=[0.1, 100 / tokens_per_s])], 100 / tokens_per_s)
+
+    single, sweep = tmp_path / "bs.json", tmp_path / "sw.json"
+    single.write_text(json.dumps({**run(100), "settings": {"concurrency": 8}}))
+    sweep.write_text(json.dumps({"sweep": "concurrency", "values": [1, 8], "runs": [run(50), run(200)],
+                                 "settings": {"sweep": "concurrency=1,8"}}))
+    return single, sweep
+
+
+def test_cli_compare_plot_of_single_runs_fails_before_the_table(tmp_path):
+    single, _ = _write_results(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "compare", str(single), str(single), "--plot",
+                                      str(tmp_path / "cmp.png")])
+    assert result.exit_code == 2
+    assert "--plot needs sweep results" in _one_line(result)  # no table printed first
+
+
+def test_cli_compare_a_single_run_with_a_sweep(tmp_path):
+    from rich.console import Console
+
+    from tfserve.bench.report import compare_table, load_runs
+
+    single, sweep = _write_results(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "compare", str(single), str(sweep)])
+    assert result.exit_code == 0, result.output
+    assert "2.00x" in result.output  # the sweep's c=8 against the single run, made at c=8
+    console = Console(file=io.StringIO(), width=200, force_terminal=False)
+    console.print(compare_table(load_runs(single) + load_runs(sweep)))
+    rows = {line.split("│")[1].strip(): line for line in console.file.getvalue().splitlines() if "│" in line}
+    assert "200.0 2.00x" in rows["sw c=8"] and "0.44x" in rows["sw c=8"]  # its TPOT too
+    assert "x" not in rows["sw c=1"].replace("sw c=1", "")  # no run at c=1 before it: no ratio...
+    assert "no ratio: no run before it at the same sweep point" in console.file.getvalue()  # ...and why

@@ -4,6 +4,7 @@ in-process mode with the loader patched to return the tiny model."""
 from __future__ import annotations
 
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,39 @@ def test_unreachable_server_is_one_line_and_exit_1():
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines == [f"Error: cannot reach http://127.0.0.1:{port} — is `tfserve serve` running?"]
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://", "invalid URL 'http://': no host; use host:port or http(s)://host:port[/v1]"),
+    ("ftp://x", "invalid URL 'ftp://x': use host:port or http(s)://host:port[/v1]"),
+    ("127.0.0.1:99999", "invalid URL '127.0.0.1:99999': the port must be 1-65535"),
+])
+def test_a_url_that_is_no_url_is_a_usage_error_not_an_unreachable_server(url, message):
+    result = invoke(url, input="hello\n")
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [f"Error: {message}"], result.output
+
+
+def test_a_plain_web_server_is_one_line_without_its_html(tmp_path):
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        result = invoke(url, input="hello\n")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [f"Error: {url} does not answer /v1/models as an OpenAI-compatible server (404)"], result.output
 
 
 def test_bad_generation_option_is_a_usage_error():

@@ -3,11 +3,13 @@ each is one line and the chat goes on."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
+from http.server import BaseHTTPRequestHandler
 
 import pytest
-from tiny import MODEL_NAME, LiveServer, run_keys, wait_until_idle
+from tiny import MODEL_NAME, FakeHandler, FakeHTTPServer, LiveServer, run_keys, wait_until_idle
 
 from tfserve.chat.client import ChatError, ConnectionLost, RemoteBackend, ServerError
 from tfserve.chat.conversation import Settings
@@ -152,7 +154,7 @@ def test_api_key_from_the_environment(async_engine, monkeypatch):
     try:
         monkeypatch.delenv("TFSERVE_API_KEY", raising=False)
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-        with pytest.raises(ServerError, match="401: invalid or missing API key"):
+        with pytest.raises(ServerError, match=re.escape(f"{live.url} refused the API key (401): pass --api-key")):
             RemoteBackend(live.url).connect()
         monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
         assert RemoteBackend(live.url).connect().model == MODEL_NAME
@@ -172,10 +174,82 @@ def test_connect_to_nothing_raises_connection_lost():
         RemoteBackend(f"http://127.0.0.1:{port}/v1/").connect()
 
 
-@pytest.mark.parametrize("url", ["localhost:abc", "http://[::1"])
-def test_a_url_that_is_no_url_is_a_chat_error(url):
-    with pytest.raises(ChatError, match="invalid URL"):
+@pytest.mark.parametrize("url, why", [
+    ("localhost:abc", "use host:port or http(s)://host:port[/v1]"), ("http://[::1", "use host:port"),
+    ("ftp://x", "use host:port"), ("http://", "no host"), ("127.0.0.1:99999", "the port must be 1-65535"),
+    ("0", "the port must be 1-65535"),
+])
+def test_a_url_that_is_no_url_is_a_usage_error(url, why):
+    from tfserve.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(f"invalid URL {url!r}: {why}")):
         RemoteBackend(url)
+
+
+class PlainWebServer(FakeHTTPServer):
+    """No OpenAI API: 404 as an HTML page (python -m http.server), or with no body at all."""
+
+    PAGE = (b'<!DOCTYPE HTML>\n<html lang="en">\n<head><title>Error response</title></head>\n<body>\n'
+            b"<h1>Error response</h1>\n<p>Error code: 404</p>\n<p>Message: File not found.</p>\n</body></html>\n")
+
+    def __init__(self, body: bytes = PAGE) -> None:
+        class Handler(FakeHandler, BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send(404, "text/html", body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send(404, "text/html", body)
+
+        super().__init__(Handler)
+
+
+@pytest.mark.parametrize("body", [PlainWebServer.PAGE, b""])
+def test_a_server_that_answers_in_html_is_one_readable_line(console, body):
+    web = PlainWebServer(body)
+    try:
+        with pytest.raises(ServerError) as caught:  # at start: what the CLI prints
+            RemoteBackend(web.url).connect()
+        assert str(caught.value) == f"{web.url} does not answer /v1/models as an OpenAI-compatible server (404)"
+        session = ChatSession(RemoteBackend(web.url, model="m").connect(), console)  # a named model: chat tries
+        assert not session.ask("hello")
+    finally:
+        web.close()
+    out = " ".join(console.file.getvalue().split())
+    assert ("Error: server error 404 (Not Found) from POST /v1/chat/completions: is this an OpenAI-compatible "
+            "server?") in out
+    assert "<" not in out and "Error code" not in out
+
+
+def test_a_web_page_for_every_path_is_one_line():
+    class Handler(FakeHandler, BaseHTTPRequestHandler):  # a single-page app: 200 and its HTML for any path
+        def do_GET(self) -> None:
+            self.send(200, "text/html", b"<!DOCTYPE html><html><body>app</body></html>")
+
+    web = FakeHTTPServer(Handler)
+    try:
+        with pytest.raises(ChatError, match="does not answer /v1/models with a model list"):
+            RemoteBackend(web.url).connect()
+    finally:
+        web.close()
+
+
+def test_a_json_error_message_is_kept():
+    import httpx2
+    import openai
+
+    from tfserve.chat.client import describe
+
+    request = httpx2.Request("POST", "http://h/v1/chat/completions")
+    for body, said in [({"error": {"message": "overloaded, try later"}}, "overloaded, try later"),
+                       ({"detail": "Not Found"}, "Not Found"), ("upstream timed out", "upstream timed out")]:
+        response = httpx2.Response(503, request=request, json=body if isinstance(body, dict) else None,
+                                   text=body if isinstance(body, str) else None)
+        error = describe(openai.APIStatusError("Error code: 503", response=response, body=body))
+        assert str(error) == f"server error 503: {said}" and error.detail == said
+    bare = describe(openai.APIStatusError("Error code: 502", response=httpx2.Response(502, request=request),
+                                          body=None))
+    assert str(bare) == "server error 502 (Bad Gateway) from POST /v1/chat/completions"
 
 
 def test_max_tokens_zero_is_refused_at_once():

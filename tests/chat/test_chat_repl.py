@@ -117,6 +117,8 @@ def test_set_and_settings(session):
     assert "Error: top_p must be in [0, 1]" in out
     assert "Error: temperature must be in [0, 2]" in out  # what servers take: past it every message would fail
     assert "Error: unknown setting 'bogus'" in out
+    keys = re.search(r"unknown setting 'bogus'; one of (.*)", out).group(1)
+    assert "approve" in keys and "tool_choice" in keys  # every key /set takes, as `/set` alone lists them
     assert "Error: max_tokens must be an integer (got 'many')" in out
     assert "Error: usage: /set KEY VALUE" in out
     settings_table = out[out.rindex("model"):]

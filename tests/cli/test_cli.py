@@ -93,13 +93,17 @@ def test_list_never_cuts_a_name(make_fake_model):
     assert result.exit_code == 0 and "a-rather-long-model-name-instruct" in result.output
 
 
-def test_bench_offline_refuses_a_speech_model(make_fake_model):
+def test_bench_offline_serve_and_chat_refuse_a_speech_model_before_loading_it(make_fake_model):
+    """A Whisper model named where a chat model is needed loaded as a text model: a 30-line load report, then a
+    server whose replies were empty. One line each, before anything loads."""
     path = store.model_path("whisper-x")
     make_fake_model(path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "whisper"}))
     assert_one_line_error(invoke("bench", "offline", "-m", "whisper-x", "-n", "1"), "speech-to-text",
                           "bench transcribe")
+    assert_one_line_error(invoke("serve", "-m", "whisper-x", "--port", "1"), "speech-to-text", "--speech-model")
+    assert_one_line_error(invoke("chat", "-m", "whisper-x"), "speech-to-text", "tfserve transcribe")
 
 
 def test_info_table_and_json(make_fake_model):
@@ -119,6 +123,32 @@ def test_info_unknown_name_lists_known_ones():
 
 def test_info_known_but_not_pulled():
     assert_one_line_error(invoke("models", "info", NAME), f"tfserve models pull {NAME}")
+
+
+def test_info_incomplete_store_model_suggests_what_works():
+    """A folder in the store with a config.json only: pulling again fixes a catalog model; any other name is
+    not pullable, so the line says to remove it."""
+    for name in ("fake-model", NAME):
+        store.model_path(name).mkdir(parents=True)
+        (store.model_path(name) / "config.json").write_text("{}")
+    assert_one_line_error(invoke("models", "info", "fake-model"), "'fake-model' is incomplete (no weights in",
+                          "tfserve models rm fake-model")
+    assert "pull fake-model" not in invoke("models", "info", "fake-model").output
+    assert_one_line_error(invoke("models", "info", NAME), f"tfserve models pull {NAME} --force")
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_home_that_is_a_file_is_one_line(tmp_path, monkeypatch, under):
+    """TFSERVE_HOME naming a file (or a path under one) said "No models in FILE/models", exit 0."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    monkeypatch.setenv("TFSERVE_HOME", str(a_file / "home" if under else a_file))
+    for args in (["models", "list"], ["models", "list", "--json"], ["models", "info", NAME], ["models", "pull"],
+                 ["models", "rm", NAME, "--yes"], ["bench", "offline", "-n", "1"]):
+        assert_one_line_error(invoke(*args), f"TFSERVE_HOME {a_file}", "point TFSERVE_HOME at a folder")
+    from tfserve.cli.completion import stored_models
+
+    assert stored_models("") == []  # a TAB offers nothing, quietly
 
 
 def test_info_path_without_model(tmp_path):
@@ -409,3 +439,30 @@ main()
 def test_ctrl_c_while_the_commands_import_exits_130_quietly():
     proc = _tfserve("models", "list", stdout=subprocess.PIPE, code=INTERRUPTED_IMPORT)
     assert proc.returncode == 130 and proc.stderr == "" and proc.stdout == "", proc.stderr
+
+
+INTERRUPTED_LOAD = """
+import os, signal, threading, torch
+from tfserve import cli
+from tfserve.engine.threads import run_in_fresh_thread
+
+def load():  # a model load still inside torch ops when Ctrl-C comes
+    x = torch.randn(1000, 1000)
+    while True:
+        x = (x @ x).clamp_(-1, 1)
+
+def run():
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    run_in_fresh_thread(load)
+
+cli._run = run
+cli.main()
+"""
+
+
+def test_ctrl_c_during_a_model_load_exits_130_not_an_abort():
+    """The interpreter's teardown with a daemon thread inside a torch op aborts the process ("terminate called
+    without an active exception", exit 134: every time with this load); the CLI ends before it."""
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", INTERRUPTED_LOAD], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 130 and "terminate called" not in done.stderr, (done.returncode, done.stderr)

@@ -344,3 +344,34 @@ def test_bad_media_flags_fail_in_one_line(args, message):
     result = invoke("serve", *args)
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_server_stopped_while_its_model_loads_says_it_never_served(monkeypatch):
+    """Ctrl-C during the load: `run.serve` answers False, and `tfserve serve` exits 130, not 0 (a success)."""
+    import asyncio
+    import threading
+
+    from tiny import free_port
+
+    from tfserve.server import run
+    from tfserve.server.app import create_app
+    from tfserve.server.state import ServerState
+
+    released = threading.Event()
+
+    async def main():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.3, stop.set)
+        return await run.serve(create_app(ServerState()), "127.0.0.1", free_port(), load=lambda: released.wait(10),
+                               stop_event=stop, drain_timeout=1)
+
+    try:
+        assert asyncio.run(main()) is False
+    finally:
+        released.set()
+
+    async def stopped_while_loading(app, host, port, **kwargs):
+        return False
+
+    monkeypatch.setattr(run, "serve", stopped_while_loading)
+    assert invoke("serve").exit_code == 130

@@ -27,7 +27,12 @@ def load_file(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise TfserveError(f"dataset {path} not found")
-    raw = path.read_text()
+    try:
+        raw = path.read_text()
+    except OSError as exc:  # a file this user may not read
+        raise TfserveError(f"cannot read dataset {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise TfserveError(f"dataset {path} is not text (JSON or JSONL)") from None
     try:
         items = json.loads(raw) if raw.lstrip().startswith("[") else [json.loads(l) for l in raw.splitlines() if l.strip()]
     except json.JSONDecodeError as exc:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -41,19 +40,6 @@ def check_reachable(base_url: str, launch_hint: bool = True) -> None:
     if _status(root + "/health") is None:
         hint = " (or pass --launch)" if launch_hint else ""
         raise TfserveError(f"cannot reach {root} — is the server running?{hint}")
-
-
-def served_model(base_url: str, api_key: str = "EMPTY") -> str | None:
-    """The first model id the server lists at /v1/models (vLLM names a model by its path, llama.cpp by its
-    file), or None where it lists none or does not answer."""
-    root = server_root(base_url)
-    request = urllib.request.Request(root + "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            models = json.load(response).get("data") or []
-    except (urllib.error.URLError, OSError, ValueError, AttributeError):
-        return None
-    return next((m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)), None)
 
 
 def _status(url: str) -> int | None:

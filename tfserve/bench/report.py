@@ -53,6 +53,9 @@ def flatten(result: dict) -> dict[str, float]:
     return flat
 
 
+_SHORT_KEYS = {"concurrency": "c", "request_rate": "rate"}  # a sweep row's label: "run c=8"
+
+
 def load_runs(path: str | Path) -> list[tuple[str, dict]]:
     """A result file's runs with labels: one run, or every run of a sweep."""
     path = Path(path)
@@ -61,7 +64,7 @@ def load_runs(path: str | Path) -> list[tuple[str, dict]]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TfserveError(f"cannot read benchmark result {path}: {exc}") from None
     if isinstance(data, dict) and "runs" in data:
-        key = {"concurrency": "c", "request_rate": "rate"}.get(data["sweep"], data["sweep"])
+        key = _SHORT_KEYS.get(data["sweep"], data["sweep"])
         return [(f"{path.stem} {key}={v}", run) for v, run in zip(data["values"], data["runs"])]
     if isinstance(data, dict) and "output_throughput" in data:
         return [(path.stem, data)]
@@ -74,30 +77,70 @@ _COMPARE_COLUMNS = (("output_throughput", "output tok/s"), ("ttft_ms.p50", "TTFT
 
 
 def compare_table(runs: list[tuple[str, dict]]) -> Table:
-    """One row per run, the headline metrics across. Each value after the reference also shows its ratio
-    to it (green where better): the reference is the first run at the same sweep point, else the first run."""
+    """One row per run, the headline metrics across. Each value also shows its ratio (green where better) to the
+    first run before it at the same sweep point (`_reference`); the caption says why a run shows none."""
     table = Table(title="Comparison", header_style="bold")
     table.add_column("run", no_wrap=True)
     table.add_column("ok/failed", justify="right")
     for _, name in _COMPARE_COLUMNS:
         table.add_column(name, justify="right")
-    references: dict[str, dict] = {}
-    for label, run in runs:
-        point = label.split(" ", 1)[1] if " " in label else ""
-        flat = flatten(run)
-        reference = references.setdefault(point, flat)
+    unmatched = False
+    for index, (label, run) in enumerate(runs):
+        reference = _reference(runs, index)
+        unmatched |= reference is None and index > 0
+        flat, base_flat = flatten(run), flatten(reference) if reference is not None else {}
         row = [label, f"{run['completed']}/{run['failed']}"]
         for key, _ in _COMPARE_COLUMNS:
-            value, base = flat.get(key), reference.get(key)
+            value, base = flat.get(key), base_flat.get(key)
             cell = _fmt(value)
-            if flat is not reference and isinstance(value, (int, float)) and isinstance(base, (int, float)) \
+            if isinstance(value, (int, float)) and isinstance(base, (int, float)) \
                     and base and not math.isnan(base) and not math.isnan(value):
                 ratio = value / base
                 good = (ratio >= 1) == (key.split(".")[0] in _HIGHER_IS_BETTER)
                 cell += f" [{'green' if good else 'red'}]{ratio:.2f}x[/]"
             row.append(cell)
         table.add_row(*row)
+    if unmatched and len({_source(label) for label, _ in runs}) > 1:
+        table.caption = ("no ratio: no run before it at the same sweep point (a single run is at the "
+                         "concurrency, request rate or max tokens its settings record)")
     return table
+
+
+def _reference(runs: list[tuple[str, dict]], index: int) -> dict | None:
+    """The run that `runs[index]` is compared with: the first before it at the same point. Two single runs are
+    (different engines, the same workload); a sweep's row and another sweep's row of the same value are; a single
+    run and a sweep's row are where the single run's settings record the swept value."""
+    label, run = runs[index]
+    point = _point(label)
+    for earlier_label, earlier in runs[:index]:
+        earlier_point = _point(earlier_label)
+        if point is None and earlier_point is None:
+            return earlier
+        if point is not None and earlier_point is not None:
+            if point == earlier_point:
+                return earlier
+        elif _made_at(earlier if point is not None else run, point or earlier_point):
+            return earlier
+    return None
+
+
+def _point(label: str) -> tuple[str, str] | None:
+    """A sweep row's (key, value), from the label `load_runs` gave it ("run c=8"); None for a single run."""
+    name, _, last = label.rpartition(" ")
+    key, equals, value = last.partition("=")
+    return (key, value) if name and equals and key in (*_SHORT_KEYS.values(), "max_tokens") else None
+
+
+def _source(label: str) -> str:
+    """The file a row came from (its name)."""
+    return label.rpartition(" ")[0] if _point(label) else label
+
+
+def _made_at(run: dict, point: tuple[str, str]) -> bool:
+    """Whether a single run's settings record the sweep point's value (`bench serve -o` writes them)."""
+    key = {short: name for name, short in _SHORT_KEYS.items()}.get(point[0], point[0])
+    settings = run.get("settings")
+    return isinstance(settings, dict) and key in settings and str(settings[key]) == point[1]
 
 
 def plot_sweep(series: list[tuple[str, list[float], list[dict]]], path: str | Path, xlabel: str = "concurrency") -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
-from tfserve.errors import TfserveError
+from tfserve.errors import TfserveError, UsageError
 
 API_KEY_ENVVARS = ("TFSERVE_API_KEY", "OPENAI_API_KEY")
 
@@ -21,9 +23,10 @@ class ChatError(TfserveError):
 class ServerError(ChatError):
     """The server answered with an error body (bad request, unknown model, overloaded...)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.status = status  # the HTTP status; None for an error sent inside a stream
+        self.detail = detail  # the server's own message; None where it sent none (an HTML page, an empty body)
 
 
 class ConnectionLost(ChatError):
@@ -75,10 +78,15 @@ class ChatBackend(Protocol):
     def close(self) -> None: ...
 
 
+URL_FORMS = "use host:port or http(s)://host:port[/v1]"
+
+
 def normalize_url(url: str) -> str:
     """`8000`, `host:port`, `http(s)://host:port[/v1][/chat/completions][/]` -> `http(s)://host:port` (no
-    trailing /v1 nor endpoint)."""
-    url = url.strip()
+    trailing /v1 nor endpoint). What is no such URL (another scheme, no host, a port that is no number in
+    1-65535) is a UsageError in one line: `tfserve chat`, `bench serve --url` and `bench transcribe --url` read
+    their URL here."""
+    given, url = url, url.strip()
     if url.isdigit():
         url = f"localhost:{url}"
     elif url.startswith(":"):
@@ -88,7 +96,25 @@ def normalize_url(url: str) -> str:
     url = url.rstrip("/")
     for endpoint in ("/chat/completions", "/completions", "/responses", "/models"):  # a pasted endpoint URL
         url = url.removesuffix(endpoint)
-    return url.removesuffix("/v1").rstrip("/")
+    url = url.removesuffix("/v1").rstrip("/")
+    _check_url(url, given)
+    return url
+
+
+def _check_url(url: str, given: str) -> None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: no number, or past 65535
+    except ValueError as exc:
+        if "out of range" in str(exc):
+            raise UsageError(f"invalid URL {given!r}: the port must be 1-65535") from None
+        raise UsageError(f"invalid URL {given!r}: {URL_FORMS}") from None
+    if parts.scheme not in ("http", "https") or any(c.isspace() for c in parts.netloc):
+        raise UsageError(f"invalid URL {given!r}: {URL_FORMS}")
+    if not parts.hostname:
+        raise UsageError(f"invalid URL {given!r}: no host; {URL_FORMS}")
+    if port == 0:
+        raise UsageError(f"invalid URL {given!r}: the port must be 1-65535")
 
 
 class RemoteBackend:
@@ -109,27 +135,36 @@ class RemoteBackend:
         except Exception as exc:  # httpx's InvalidURL (a port that is no number, an unclosed [host]), ...
             raise ChatError(f"invalid URL {url!r}: {exc}") from None
 
-    def connect(self) -> RemoteBackend:
-        """Check the server answers and serves the model for chat; without a model, take the first chat model
-        it lists. Raises ChatError."""
+    def connect(self, *, chat: bool = True, need_models: bool = False) -> RemoteBackend:
+        """Check the server answers /v1/models (with the key) and serves the model; without a model, take the
+        first chat model it lists. `chat`: refuse a speech-to-text model; `need_models` (a benchmark's check):
+        refuse a server without /v1/models even for a named model, which a chat may still talk to. Raises
+        ChatError, one line each: a refused key, no OpenAI-compatible server, a model it does not serve."""
         try:
             models = self._models()
         except ServerError as exc:
-            if self.model is None or exc.status != 404:
+            if exc.status in (401, 403):
+                raise ServerError(f"{self.url} refused the API key ({exc.status}): pass --api-key", exc.status,
+                                  exc.detail) from None
+            if exc.status is None or exc.status >= 500:  # it failed: its own words say more
                 raise
-            return self  # it answers, without /v1/models: the named model may still chat
-        chat_models = [model.id for model in models if not _is_speech(model)]
+            if self.model is not None and exc.status == 404 and not need_models:
+                return self  # it answers, without /v1/models: the named model may still chat
+            raise ServerError(f"{self.url} does not answer /v1/models as an OpenAI-compatible server "
+                              f"({exc.status})", exc.status, exc.detail) from None
+        offered = [model.id for model in models if not (chat and _is_speech(model))]
+        kind = "chat models" if chat else "models"
         if self.model is None:
-            if not chat_models:
-                raise ChatError(f"{self.url} lists no chat models; name one with --model")
-            self.model = chat_models[0]
+            if not offered:
+                raise ChatError(f"{self.url} lists no {kind}; name one with --model")
+            self.model = offered[0]
             return self
         # a name the list leaves out may still be served: an alias, or a model the server loads on demand
         model = next((model for model in models if model.id == self.model), None) or self._retrieve(self.model)
-        served = ", ".join(chat_models) or "none"
+        served = ", ".join(offered) or "none"
         if model is None:
-            raise ChatError(f"{self.url} does not serve {self.model!r}; its chat models: {served}")
-        if _is_speech(model):
+            raise ChatError(f"{self.url} does not serve {self.model!r}; its {kind}: {served}")
+        if chat and _is_speech(model):
             raise ChatError(f"{self.model!r} is a speech-to-text model (`tfserve transcribe` takes it), not a chat "
                             f"model; {self.url}'s chat models: {served}")
         return self
@@ -147,6 +182,9 @@ class RemoteBackend:
             raise ConnectionLost(self.unreachable_message) from None
         except openai.APIError as exc:
             raise describe(exc) from None
+        except (AttributeError, TypeError, ValueError):  # a 200 the SDK cannot read as a list (an HTML page)
+            raise ChatError(f"{self.url} does not answer /v1/models with a model list: is it an OpenAI-compatible "
+                            "server?") from None
 
     def _retrieve(self, name: str) -> Any | None:
         """GET /v1/models/NAME: the model, or None where the server does not know it (or has no such route)."""
@@ -266,12 +304,32 @@ def _context_too_short(exc: Any) -> bool:
 
 
 def describe(exc: Any) -> ServerError:
-    """An `openai.APIError` as one line: the status code and the server's own message."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        body = body["error"]
-    message = body.get("message") if isinstance(body, dict) else None
-    message = message or (body if isinstance(body, str) and body else None) or getattr(exc, "message", str(exc))
-    message = " ".join(str(message).split())[:300]  # an HTML error page from a proxy stays one line
+    """An `openai.APIError` as one line: the status code and the server's own message; where it sent none (an
+    HTML page, an empty body), the status's reason and the request instead, never the page."""
     status = getattr(exc, "status_code", None)
-    return ServerError(f"server error {status}: {message}" if status else f"server error: {message}", status)
+    detail = _server_message(getattr(exc, "body", None))
+    if status is None:  # an error sent inside a stream
+        return ServerError(f"server error: {detail or ' '.join(str(exc.message).split())[:300]}")
+    if detail:
+        return ServerError(f"server error {status}: {detail}", status, detail)
+    try:
+        reason = f" ({HTTPStatus(status).phrase})"
+    except ValueError:
+        reason = ""
+    request = getattr(exc, "request", None)
+    where = f" from {request.method} {request.url.path}" if request is not None else ""
+    hint = ": is this an OpenAI-compatible server?" if status in (404, 405, 501) else ""
+    return ServerError(f"server error {status}{reason}{where}{hint}", status)
+
+
+def _server_message(body: Any) -> str | None:
+    """The message of an error body: OpenAI's {"error": {"message"}}, {"detail"} (FastAPI) or short plain text;
+    None for an HTML page (a proxy's, a web server's) or nothing."""
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        message = (error.get("message") or error.get("detail")) if isinstance(error, dict) else error
+    else:
+        message = body
+    if not isinstance(message, str) or not message.strip() or message.lstrip().startswith("<"):
+        return None
+    return " ".join(message.split())[:300]

@@ -133,6 +133,10 @@ def _set(session: ChatSession, arg: str) -> bool:
     if not key or not value.strip():
         session.error(f"usage: /set KEY VALUE; keys: {', '.join(SET_KEYS)}")
         return True
+    key = key.replace("-", "_")
+    if key not in SET_KEYS:
+        session.error(f"unknown setting {key!r}; one of {', '.join(SET_KEYS)}")
+        return True
     if key == "approve":
         return _set_approve(session, value.strip().lower())
     if key == "tool_choice":

@@ -35,6 +35,26 @@ def main() -> None:
         if stdout.failure is None:  # not stdout's: a bug, shown as one
             raise
         _output_failed(stdout.failure)
+    except SystemExit as exc:
+        _end_if_torch_work_abandoned(exc.code)
+        raise
+    _end_if_torch_work_abandoned(0)
+
+
+def _end_if_torch_work_abandoned(code) -> None:
+    """End now, without the interpreter's teardown, where an interrupted model load still runs torch on a thread
+    of its own (`tfserve.engine.threads.abandoned_torch_work`): the teardown would abort the process."""
+    threads = sys.modules.get("tfserve.engine.threads")
+    if threads is None or not threads.abandoned_torch_work():
+        return
+    if isinstance(code, str):  # SystemExit's message, which the teardown would have printed
+        print(code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def _run() -> None:

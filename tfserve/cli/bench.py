@@ -83,6 +83,11 @@ def offline(
 
     if store.is_speech_model(model):
         raise TfserveError(f"{model!r} is a speech-to-text model: benchmark it with `tfserve bench transcribe`")
+    texts = None
+    if dataset is not None:  # read (a missing or bad file is one line) before the model loads
+        from tfserve.bench.datasets import load_file, take
+
+        texts = take(load_file(dataset), num_prompts)
     with step_progress() as progress:
         if engine == "tfserve":  # the engine as `tfserve serve` builds it (weight formats, kernels)
             from tfserve.engine.engine import Engine
@@ -102,10 +107,8 @@ def offline(
                                 progress=progress)
             ran_on = {"device": str(loaded.model.device), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
     tokenizer = loaded.tokenizer
-    if dataset is not None:
-        from tfserve.bench.datasets import load_file, take
-
-        prompts = [tokenizer.encode(p) for p in take(load_file(dataset), num_prompts)]
+    if texts is not None:
+        prompts = [tokenizer.encode(p) for p in texts]
     else:
         low, high = (input_len, input_len) if input_len else (30, 80)
         prompts = bench_offline.random_prompts(num_prompts, low, high, loaded.model.config.get_text_config().vocab_size)
@@ -227,7 +230,8 @@ def serve(
                                                    "are text only), spread evenly.")] = 1.0,
     api_key: Annotated[str, typer.Option("--api-key", envvar="TFSERVE_API_KEY", help="Bearer token.")] = "EMPTY",
     launch: Annotated[str | None, typer.Option("--launch", help="Start this server command first; stop it after.")] = None,
-    launch_timeout: Annotated[float, typer.Option("--launch-timeout", help="Seconds to wait for it.")] = 600.0,
+    launch_timeout: Annotated[float, typer.Option("--launch-timeout", min=0.001,
+                                                  help="Seconds to wait for it.")] = 600.0,
     sweep: Annotated[str | None, typer.Option("--sweep", help="A series, e.g. concurrency=1,8,32.")] = None,
     prompts_per_concurrency: Annotated[int | None, typer.Option(
         "--prompts-per-concurrency", min=1,
@@ -248,7 +252,7 @@ def serve(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tfserve.bench.datasets import builtin_prompts, load_file, random_text_prompts, take
-    from tfserve.bench.launch import check_reachable, launched, served_model
+    from tfserve.bench.launch import check_reachable, launched
     from tfserve.bench.metrics import summarize
     from tfserve.bench.online import OnlineConfig, run_online
     from tfserve.bench.report import plot_sweep
@@ -258,6 +262,8 @@ def serve(
         raise UsageError(f"--endpoint must be chat or completions, not {endpoint!r}")
     writable(output_json, "--output-json")
     writable(plot, "--plot")
+    if plot is not None and not sweep:
+        raise UsageError("--plot needs --sweep (it draws throughput and TTFT across the sweep's values)")
     base_url = _base_url(url)
     extra = _parse_json(extra_body, "--extra-body")
     image_url = _image_data_url(image, endpoint) if image is not None else None
@@ -274,7 +280,7 @@ def serve(
     runs = []
     with launched(launch, base_url, launch_timeout):
         check_reachable(base_url)
-        model = model or served_model(base_url, api_key) or DEFAULT_MODEL
+        model = served_model(base_url, api_key, model)  # a refused key, no such model: one line, no load sent
         for value in sweep_values:
             config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
                                   request_rate=request_rate, endpoint=endpoint, api_key=api_key,
@@ -334,25 +340,31 @@ def compare(
     files: Annotated[list[Path], typer.Argument(help="Result JSON files (runs or sweeps).")],
     plot: Annotated[Path | None, typer.Option("--plot", help="PNG of throughput and TTFT per sweep.")] = None,
 ) -> None:
-    """Show runs side by side, with each run's ratio to the first.
+    """Show runs side by side, each with its ratio to the first run at the same sweep point.
+
+    Single runs compare with the first single run; a sweep's rows with the rows of the same value before them
+    (another sweep's, or a single run made at that value).
 
     [bold]Examples[/bold]
 
       tfserve bench compare tfserve.json transformers.json
+      tfserve bench compare tfserve-sweep.json vllm-sweep.json --plot sweep.png
     """
     from tfserve.bench.report import compare_table, load_runs, plot_sweep
 
-    runs = [run for path in files for run in load_runs(path)]
+    writable(plot, "--plot")
+    runs = [run for path in files for run in load_runs(path)]  # each file read and checked before printing
+    series, sweep_key = [], None
+    for path in files if plot is not None else ():
+        data = json.loads(Path(path).read_text())
+        if "runs" in data:
+            series.append((Path(path).stem, data["values"], data["runs"]))
+            sweep_key = sweep_key or data.get("sweep")
+    if plot is not None and not series:
+        raise UsageError("--plot needs sweep results (tfserve bench serve --sweep ...)")
     console.print(compare_table(runs))
     if plot is not None:
-        series = []
-        for path in files:
-            data = json.loads(Path(path).read_text())
-            if "runs" in data:
-                series.append((Path(path).stem, data["values"], data["runs"]))
-        if not series:
-            raise UsageError("--plot needs sweep results (tfserve bench serve --sweep ...)")
-        plot_sweep(series, plot, json.loads(Path(files[0]).read_text()).get("sweep", "concurrency"))
+        plot_sweep(series, plot, sweep_key or "concurrency")
 
 
 def _show(result: dict, title: str, output_json: Path | None, settings: dict | None = None) -> None:
@@ -366,10 +378,23 @@ def _show(result: dict, title: str, output_json: Path | None, settings: dict | N
 
 def _base_url(url: str) -> str:
     """The OpenAI base URL (`.../v1`) that `--url` names, read as `tfserve chat` reads its URL: a port, host:port,
-    a URL, a pasted endpoint (`.../v1/models`)."""
+    a URL, a pasted endpoint (`.../v1/models`); anything else is a usage error."""
     from tfserve.chat.client import normalize_url
 
     return normalize_url(url) + "/v1"
+
+
+def served_model(base_url: str, api_key: str, model: str | None, chat: bool = True) -> str:
+    """The model to send, checked before any load as `tfserve chat` checks it (GET /v1/models with the key):
+    `model` where the server serves it, else the first chat model it lists. A refused key, a URL that is no
+    OpenAI-compatible server, a model it does not serve (`chat`: or a speech-to-text one) are one line."""
+    from tfserve.chat.client import RemoteBackend
+
+    backend = RemoteBackend(base_url, api_key=api_key, model=model, timeout=30.0)
+    try:
+        return backend.connect(chat=chat, need_models=True).model
+    finally:
+        backend.close()
 
 
 def _parse_json(text: str | None, flag: str) -> dict:

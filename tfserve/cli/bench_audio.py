@@ -66,9 +66,11 @@ def transcribe(
         device = resolve_device(device)  # a device this machine lacks fails now, in one line
     else:
         from tfserve.bench.launch import check_reachable
-        from tfserve.cli.bench import _base_url
+        from tfserve.cli.bench import _base_url, served_model
 
-        check_reachable(_base_url(url), launch_hint=False)  # one line now, not a table of failures
+        url = _base_url(url)
+        check_reachable(url, launch_hint=False)  # one line now, not a table of failures
+        served_model(url, api_key, model, chat=False)
     audio = []
     for path in files:
         try:
@@ -87,7 +89,7 @@ def transcribe(
         runs.append(result)
         _show(result, f"{label} concurrency={level}")
     if output_json is not None:
-        settings = run_settings("transcribe", ctx.params, concurrency=levels)
+        settings = run_settings("transcribe", ctx.params, concurrency=levels, url=url)
         payload = runs[0] if len(runs) == 1 else {"runs": runs}
         write_text(output_json, to_json({**payload, "settings": settings}))
     if all(run["num_failed"] == run["num_requests"] for run in runs):
@@ -119,11 +121,8 @@ def _offline(model: str, backend: AudioBackend, device: str):
     return run
 
 
-def _online(url: str, model: str, api_key: str):
+def _online(base_url: str, model: str, api_key: str):
     from tfserve.bench.audio import run_online, summarize
-    from tfserve.cli.bench import _base_url
-
-    base_url = _base_url(url)
 
     def run(inputs, level: int) -> dict:
         records, wall_s = _with_progress(

@@ -123,8 +123,9 @@ def chat(
 def load_local(spec: str, load_options: dict):
     """Load `spec` with the engine's defaults, as `tfserve serve` does, and chat with it in-process."""
     from tfserve.chat.local import LocalBackend
-    from tfserve.cli.loading import load_engine
+    from tfserve.cli.loading import load_engine, refuse_speech_model
 
+    refuse_speech_model(spec, "`tfserve transcribe` takes it, not `tfserve chat`")
     async_engine = load_engine(spec, load_options)
     return LocalBackend(async_engine.manager, async_engine.engine.model_name)
 

@@ -19,23 +19,32 @@ def chat_models(incomplete: str) -> list[str]:
     """Models in the store that generate text (`serve`, `chat`, `bench offline` load these; speech models no)."""
     from tfserve.models import store
 
-    return [name for name in store.stored_names() if name.startswith(incomplete) and not store.is_speech_model(name)]
+    return [name for name in _stored_names() if name.startswith(incomplete) and not store.is_speech_model(name)]
 
 
 def speech_models(incomplete: str) -> list[str]:
     """Speech models `transcribe` takes by name: those in the store, and the catalog's (pulled on first use)."""
     from tfserve.models import catalog, store
 
-    names = {name for name in store.stored_names() if name.startswith(incomplete) and store.is_speech_model(name)}
+    names = {name for name in _stored_names() if name.startswith(incomplete) and store.is_speech_model(name)}
     names |= {name for name in catalog.known_names() if catalog.get_known(name).task == "speech"}
     return sorted(name for name in names if name.startswith(incomplete))
 
 
 def stored_models(incomplete: str) -> list[str]:
     """Every model in the store (`models info`, `models rm`)."""
+    return [name for name in _stored_names() if name.startswith(incomplete)]
+
+
+def _stored_names() -> list[str]:
+    """The store's names; none where $TFSERVE_HOME is no folder (a TAB offers nothing; the command says why)."""
+    from tfserve.errors import ModelStoreError
     from tfserve.models import store
 
-    return [name for name in store.stored_names() if name.startswith(incomplete)]
+    try:
+        return store.stored_names()
+    except ModelStoreError:
+        return []
 
 
 def known_models(incomplete: str) -> list[str]:

@@ -21,6 +21,16 @@ def engine_config_from_flags(engine_kwargs: dict):
     return config
 
 
+def refuse_speech_model(name: str | None, use: str) -> None:
+    """One line, before anything loads, for a speech-to-text model named where a chat model is needed (it would
+    load as a text model: a 30-line load report, then empty replies)."""
+    from tfserve.errors import TfserveError
+    from tfserve.models import store
+
+    if name and store.is_speech_model(name):
+        raise TfserveError(f"{name!r} is a speech-to-text model: {use}")
+
+
 def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True,
                 data_parallel_size: int = 1, ray_address: str | None = None, scalable: bool = False):
     """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves); with

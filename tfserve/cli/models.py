@@ -106,8 +106,7 @@ def list_(as_json: JsonOpt = False) -> None:
 def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory or cached hub id.", metavar="NAME",
                                               autocompletion=stored_models, show_default=False)],
          as_json: JsonOpt = False) -> None:
-    """Show architecture, layers, heads, context length, vocabulary, dtype, chat template, GGUF blocks, and a
-    vision-language model's vision tower and image tokens.
+    """Show a model's architecture, sizes, dtype, chat template, GGUF blocks and vision tower.
 
     NAME is a store name, the path of a Hugging Face model directory, or a hub id in the local HF cache.
 

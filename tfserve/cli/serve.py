@@ -16,7 +16,7 @@ import typer
 
 from tfserve.cli import serve_compat as compat
 from tfserve.cli.completion import chat_models
-from tfserve.cli.loading import engine_config_from_flags, load_engine
+from tfserve.cli.loading import engine_config_from_flags, load_engine, refuse_speech_model
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
                                  Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt,
                                  CudaGraphOpt)
@@ -309,6 +309,8 @@ def serve(
     spec = force_model or model
     if spec != DEFAULT_MODEL:
         resolve_model(spec)  # a wrong name fails now, before the port is bound
+        refuse_speech_model(spec, "serve a chat model; /v1/audio/transcriptions loads it on demand (or give it "
+                                  "as --speech-model)")
     engine_kwargs = {
         "max_batch_tokens": _same(ctx, "max_batch_tokens", max_batch_tokens, cb_max_batch_tokens),
         "max_num_seqs": max_num_seqs, "long_prefill_token_threshold": long_prefill_token_threshold,
@@ -384,15 +386,18 @@ def serve(
             raise TfserveError("--ray needs Ray: pip install ray") from None
         # on this, the main thread: a local cluster's processes end with the thread that starts them
         connect(ray)
+    served = None
     try:
-        asyncio.run(run_server(app, host, port, drain_timeout=drain_timeout, load=load, on_ready=on_ready,
-                               autoscale=autoscale))
+        served = asyncio.run(run_server(app, host, port, drain_timeout=drain_timeout, load=load,
+                                        on_ready=on_ready, autoscale=autoscale))
     except OSError as exc:
         raise TfserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:
         pass
     if state.failure is not None:
         raise TfserveError(state.failure)
+    if served is False:  # stopped (Ctrl-C, a signal) while the model loaded: not a success
+        raise typer.Exit(130)
 
 
 def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target: int, data_parallel_size: int):

@@ -36,12 +36,40 @@ def run_in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         except BaseException as exc:  # raised again on the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=target, name="tfserve-work", daemon=True)
-    thread.start()
-    thread.join()
+    start_daemon(target, "tfserve-work").join()
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+_unfinished: set[threading.Thread] = set()  # start_daemon's threads whose work has not returned
+_unfinished_lock = threading.Lock()
+
+
+def start_daemon(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start `target` on a daemon thread, counted as unfinished until it returns (`abandoned_torch_work`)."""
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _unfinished_lock:
+                _unfinished.discard(thread)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _unfinished_lock:
+        _unfinished.add(thread)
+    thread.start()
+    return thread
+
+
+def abandoned_torch_work() -> bool:
+    """Whether work of `start_daemon`'s threads still runs that nobody waits for any more (a model load the user
+    interrupted; counted by the work's own end: a join that Ctrl-C interrupts marks a running thread as not
+    alive). The process must then end without the interpreter's teardown: a daemon thread inside a torch op
+    while it runs aborts the process ("terminate called without an active exception", exit 134)."""
+    current = threading.current_thread()
+    with _unfinished_lock:
+        return any(thread is not current for thread in _unfinished)
 
 
 _started: weakref.WeakSet[WorkThread] = weakref.WeakSet()

@@ -67,7 +67,12 @@ def _resolve(spec: str) -> ResolvedModel:
     if store.is_store_name(spec) and store.model_path(spec).is_dir():
         path = store.model_path(spec)
         if not store.is_complete(path):
-            raise ModelNotFoundError(f"store model {spec!r} is incomplete; run `tfserve models pull {spec} --force`")
+            if get_known(spec) is not None:  # what a pull made, a pull makes again
+                raise ModelNotFoundError(f"store model {spec!r} is incomplete; run `tfserve models pull {spec} "
+                                         "--force`")
+            missing = "weights" if (path / "config.json").is_file() else "config.json"
+            raise ModelNotFoundError(f"store model {spec!r} is incomplete (no {missing} in {path}): not a model "
+                                     f"`tfserve models pull` knows; remove it with `tfserve models rm {spec}`")
         return ResolvedModel("store", path, spec)
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -65,8 +65,18 @@ class ModelInfo:
 
 
 def home() -> Path:
-    """The tfserve home: `$TFSERVE_HOME`, default `~/.cache/tfserve`."""
-    return Path(os.environ.get("TFSERVE_HOME") or Path.home() / ".cache" / "tfserve").expanduser()
+    """The tfserve home: `$TFSERVE_HOME`, default `~/.cache/tfserve` (made when first written). One that is a
+    file, or lies under one, is a ModelStoreError: every command says so in one line, not "no models"."""
+    path = Path(os.environ.get("TFSERVE_HOME") or Path.home() / ".cache" / "tfserve").expanduser()
+    try:
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    except OSError:  # a folder this user may not look into: what reads or writes the home says so
+        return path
+    if existing is not None and not existing.is_dir():
+        name = "TFSERVE_HOME" if os.environ.get("TFSERVE_HOME") else "tfserve's home"
+        where = "is a file" if existing == path else f"is under a file, {existing}"
+        raise ModelStoreError(f"{name} {path} {where}: point TFSERVE_HOME at a folder")
+    return path
 
 
 def models_dir() -> Path:

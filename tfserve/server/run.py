@@ -25,10 +25,10 @@ logger = logging.getLogger("tfserve.server")
 
 async def serve(app: web.Application, host: str, port: int, *, drain_timeout: float = 30.0,
                 load: Callable[[], AsyncEngine] | None = None, on_ready: Callable[[], None] | None = None,
-                stop_event: asyncio.Event | None = None, autoscale=None) -> None:
+                stop_event: asyncio.Event | None = None, autoscale=None) -> bool:
     """Serve `app` on host:port. `load()` (run on a thread while /health answers 503) returns the
     started engine to serve; `on_ready()` runs once the model serves (the CLI's banner). `autoscale`: an
-    AutoscalePolicy the engine's replicas follow while it serves."""
+    AutoscalePolicy the engine's replicas follow while it serves. False when stopped before the model served."""
     state: ServerState = app[STATE]
     stop, hurry = stop_event or asyncio.Event(), asyncio.Event()
     state.request_stop = stop.set  # the engine failed for good: stop serving
@@ -50,13 +50,14 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
     try:
         await web.TCPSite(runner, host, port).start()
         if load is not None and not await _load(state, load, stop):
-            return
+            return False
         if autoscale is not None:
             scaling = asyncio.ensure_future(state.async_engine.autoscale(autoscale))
         if on_ready is not None:
             on_ready()
         await stop.wait()
         await drain(state, drain_timeout, hurry)
+        return True
     finally:
         if scaling is not None:
             scaling.cancel()

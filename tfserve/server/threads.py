@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from tfserve.engine.threads import start_daemon
 
 
 async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
@@ -30,5 +31,5 @@ async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
         else:
             loop.call_soon_threadsafe(settle, result, None)
 
-    threading.Thread(target=target, name="tfserve-load", daemon=True).start()
+    start_daemon(target, "tfserve-load")
     return await future
