@@ -460,3 +460,17 @@ def test_cli_compare_a_single_run_with_a_sweep(tmp_path):
     assert "200.0 2.00x" in rows["sw c=8"] and "0.44x" in rows["sw c=8"]  # its TPOT too
     assert "x" not in rows["sw c=1"].replace("sw c=1", "")  # no run at c=1 before it: no ratio...
     assert "no ratio: no run before it at the same sweep point" in console.file.getvalue()  # ...and why
+
+
+def test_a_server_still_loading_its_model_is_waited_for(monkeypatch):
+    """/health 503 (the model loads): every request sent now would fail, so the run waits for it, up to a bound."""
+    from tfserve.bench import launch
+    from tfserve.errors import TfserveError
+
+    answers = iter([503, 503, 200])
+    monkeypatch.setattr(launch, "_status", lambda url: next(answers))
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    launch.check_reachable("http://127.0.0.1:9/v1")  # returns once /health says 200
+    monkeypatch.setattr(launch, "_status", lambda url: 503)
+    with pytest.raises(TfserveError, match="still loading its model after 0 s"):
+        launch.check_reachable("http://127.0.0.1:9/v1", loading_timeout_s=0.01)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,13 +34,26 @@ def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen 
     raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s")
 
 
-def check_reachable(base_url: str, launch_hint: bool = True) -> None:
+def check_reachable(base_url: str, launch_hint: bool = True, loading_timeout_s: float = 600.0) -> None:
     """One readable line when nothing answers at `base_url` (any HTTP status counts as an answer); it suggests
-    --launch where the command has it."""
+    --launch where the command has it. A server whose /health says 503 (tfserve, vLLM, llama.cpp while their
+    model loads) is waited for, up to `loading_timeout_s`: every request sent meanwhile would fail."""
     root = server_root(base_url)
-    if _status(root + "/health") is None:
+    status = _status(root + "/health")
+    if status is None:
         hint = " (or pass --launch)" if launch_hint else ""
         raise TfserveError(f"cannot reach {root} — is the server running?{hint}")
+    if status != 503:
+        return
+    print(f"{root} is loading its model; waiting for it (up to {loading_timeout_s:.0f} s)", file=sys.stderr)
+    deadline = time.monotonic() + loading_timeout_s
+    while status == 503 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        status = _status(root + "/health")
+    if status == 503:
+        raise TfserveError(f"{root} was still loading its model after {loading_timeout_s:.0f} s")
+    if status is None:
+        raise TfserveError(f"{root} stopped answering while its model loaded")
 
 
 def _status(url: str) -> int | None:

@@ -279,7 +279,7 @@ def serve(
 
     runs = []
     with launched(launch, base_url, launch_timeout):
-        check_reachable(base_url)
+        check_reachable(base_url, loading_timeout_s=launch_timeout)
         model = served_model(base_url, api_key, model)  # a refused key, no such model: one line, no load sent
         for value in sweep_values:
             config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
