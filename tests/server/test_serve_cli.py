@@ -100,6 +100,8 @@ def test_banner(async_engine, monkeypatch):
         assert part in text, part
     assert "paged" in text and "Weights" not in text
     assert "Speculative" not in text and "CUDA graphs" not in text  # graphs: on a CUDA device only
+    ops = engine.runner.cpu_ops  # the attention that runs: the kernels' where they are, not "SDPA" regardless
+    assert (f"paged, CPU kernel ({ops.isa})" if ops is not None else "SDPA over the KV blocks") in text
 
 
 def test_banner_names_the_draft_model(tokenizer, monkeypatch):

@@ -423,6 +423,17 @@ def _init_method(given: str | None) -> str | None:
     return given or ("env://" if torchrun_rank() is not None else None)
 
 
+def attention_label(runner) -> str:
+    """How the engine attends over its paged KV cache: flash-attn, the CPU kernels' paged kernel (where its vector
+    path takes the cache: float32 caches), or SDPA over the blocks."""
+    if runner.flash_attention:
+        return "flash-attn over the paged KV cache"
+    cache = runner.kv_caches[0][0] if getattr(runner, "kv_caches", None) else None
+    if runner.cpu_ops is not None and cache is not None and str(cache.dtype) == "torch.float32":
+        return f"paged, CPU kernel ({runner.cpu_ops.isa})"
+    return "paged (SDPA over the KV blocks)"
+
+
 def print_banner(state, url: str, has_api_key: bool) -> None:
     """Model, dtype, device, KV cache and URL, once the server is ready."""
     from rich.filesize import decimal
@@ -442,8 +453,7 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     else:
         table.add_row("Dtype", dtype)
     table.add_row("Device", str(engine.device))
-    table.add_row("Attention", "flash-attn over the paged KV cache" if engine.runner.flash_attention
-                  else "paged (SDPA over the KV blocks)")
+    table.add_row("Attention", attention_label(engine.runner))
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
     table.add_row("Context", f"{engine.max_model_len} tokens")
