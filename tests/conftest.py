@@ -146,3 +146,21 @@ def fake_convert(monkeypatch):
 def make_fake_model():
     """`make_fake_model(path, architecture=..., chat_template=...)` writes a torch-free fake model dir."""
     return write_fake_model
+
+
+@pytest.fixture
+def plain_web_server(tmp_path):
+    """A plain web server (python -m http.server): no OpenAI API, 404 pages in HTML. Yields "127.0.0.1:PORT"."""
+    import threading
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()

@@ -326,23 +326,6 @@ def test_url_is_read_as_chat_reads_it(url):
     assert _base_url(url) == "http://localhost:8000/v1"
 
 
-@pytest.fixture
-def web_server(tmp_path):
-    """A plain web server (python -m http.server): no OpenAI API, 404 pages in HTML."""
-    from functools import partial
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
-    class Quiet(SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(tmp_path)))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-
-
 def _one_line(result) -> str:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in result.output, result.output
@@ -372,10 +355,10 @@ def test_cli_serve_with_the_servers_key_runs(fake_server):
     assert fake_server.apps[0][SEEN_MODELS] == ["/models/served-one"] * 2
 
 
-def test_cli_serve_against_a_plain_web_server_is_one_line(web_server):
-    result = CliRunner().invoke(app, ["bench", "serve", "--url", web_server, "-n", "2"])
+def test_cli_serve_against_a_plain_plain_web_server_is_one_line(plain_web_server):
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", plain_web_server, "-n", "2"])
     assert result.exit_code == 1
-    assert _one_line(result) == (f"Error: http://{web_server} does not answer /v1/models as an OpenAI-compatible "
+    assert _one_line(result) == (f"Error: http://{plain_web_server} does not answer /v1/models as an OpenAI-compatible "
                                  "server (404)")
 
 

@@ -4,7 +4,6 @@ in-process mode with the loader patched to return the tiny model."""
 from __future__ import annotations
 
 import socket
-import threading
 from pathlib import Path
 
 import pytest
@@ -74,22 +73,9 @@ def test_a_url_that_is_no_url_is_a_usage_error_not_an_unreachable_server(url, me
     assert lines == [f"Error: {message}"], result.output
 
 
-def test_a_plain_web_server_is_one_line_without_its_html(tmp_path):
-    from functools import partial
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
-    class Quiet(SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(tmp_path)))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    try:
-        result = invoke(url, input="hello\n")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+def test_a_plain_web_server_is_one_line_without_its_html(plain_web_server):
+    url = f"http://{plain_web_server}"
+    result = invoke(url, input="hello\n")
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines == [f"Error: {url} does not answer /v1/models as an OpenAI-compatible server (404)"], result.output
