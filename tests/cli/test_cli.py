@@ -466,3 +466,23 @@ def test_ctrl_c_during_a_model_load_exits_130_not_an_abort():
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", INTERRUPTED_LOAD], capture_output=True, text=True, timeout=60)
         assert done.returncode == 130 and "terminate called" not in done.stderr, (done.returncode, done.stderr)
+
+
+INTERRUPTED_TEARDOWN = """
+import atexit, os, signal, time
+from tfserve import cli
+
+def slow():  # an exit-time handler, as torch's are: a second Ctrl-C after a server's drain lands in one
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+
+atexit.register(slow)
+cli._run = lambda: None
+cli.main()
+"""
+
+
+def test_ctrl_c_during_the_exit_teardown_ends_quietly():
+    """It printed "Exception ignored in atexit callback" and a KeyboardInterrupt traceback."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_TEARDOWN], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr)

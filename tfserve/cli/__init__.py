@@ -37,8 +37,30 @@ def main() -> None:
         _output_failed(stdout.failure)
     except SystemExit as exc:
         _end_if_torch_work_abandoned(exc.code)
+        _end_at_once_on_ctrl_c()
         raise
     _end_if_torch_work_abandoned(0)
+    _end_at_once_on_ctrl_c()
+
+
+def _end_at_once_on_ctrl_c() -> None:
+    """What follows is the interpreter's teardown (atexit handlers: torch's, the work threads' stop): a Ctrl-C
+    there (a second one after a server's drain) printed a KeyboardInterrupt traceback from whichever handler ran.
+    It now ends the process at once, quietly."""
+    import signal
+
+    def end(*_) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+
+    try:
+        signal.signal(signal.SIGINT, end)
+    except ValueError:  # not the main thread (an embedding caller): its own business
+        pass
 
 
 def _end_if_torch_work_abandoned(code) -> None:
