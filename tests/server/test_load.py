@@ -214,7 +214,7 @@ def test_a_long_prompt_renders_off_the_event_loop(server, monkeypatch, path, bod
 
     tokenizer = server.state.engine.tokenizer
     # as for a model whose context takes the prompt (the tiny one's 512 tokens cannot: refused before rendering)
-    monkeypatch.setitem(generation._LONGEST_ENTRY, id(tokenizer), 0)
+    monkeypatch.setitem(generation._LONGEST_ENTRY, tokenizer, 0)
     monkeypatch.setattr(chat_template, "render_chat", slowly(chat_template.render_chat))
     monkeypatch.setattr(tokenizer, "encode", slowly(tokenizer.encode))
     long_request = threading.Thread(target=server.request, args=("POST", path, {"model": MODEL_NAME, **body}))

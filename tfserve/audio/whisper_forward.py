@@ -56,13 +56,12 @@ class WhisperSlots:
         linears = [model.proj_out] + [module for layer in self.decoder.layers for module in layer.modules()
                                       if isinstance(module, torch.nn.Linear) and id(module) not in elsewhere]
         # float32 on a CPU with the kernels, and small enough for a second copy of its linears (as the chat engine)
-        weights = "float32" if can_pack(model, ops) else "torch"
-        self._linears = {id(m): EngineLinear(m, ops if weights != "torch" else None, "float32") for m in linears}
+        self.kernels = can_pack(model, ops)
+        packed = ops if self.kernels else None
+        self._linears = {id(m): EngineLinear(m, packed, "float32") for m in linears}
         # each layer's q, k and v projections stacked: one multiply reads them (k has no bias: zeros there)
-        self._qkv = [EngineLinear(_stacked(*_projections(layer.self_attn)), ops if weights != "torch" else None,
-                                  "float32")
+        self._qkv = [EngineLinear(_stacked(*_projections(layer.self_attn)), packed, "float32")
                      for layer in self.decoder.layers]
-        self.kernels = weights != "torch"
         # the encoder's linears through the kernels too (where they are: 2.2x torch's GEMM at its shapes), with
         # its attention (2.2x torch's CPU flash attention at 1500 frames; not in a build without a vector path,
         # where torch's is far faster), and each window's cross-attention keys and values stacked in one multiply;
@@ -79,7 +78,7 @@ class WhisperSlots:
             if ops.isa != "scalar":
                 self._encoder_attention = ops.full_attention
         # the engine's paged decode attention over the caches (float32 only: its vector path), SDPA without it
-        self._attention_ops = ops if self.kernels else None
+        self._attention_ops = packed
         # SDPA reads keys in multiples of this: on a GPU a few shapes, not a new one each step (its attention plans
         # per shape); on a CPU exactly as many as the longest row reads (its time follows the keys read)
         self.key_bucket = 1 if self.device.type == "cpu" else KEY_BUCKET

@@ -49,16 +49,8 @@ def _end_at_once_on_ctrl_c() -> None:
     It now ends the process at once, quietly."""
     import signal
 
-    def end(*_) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(130)
-
     try:
-        signal.signal(signal.SIGINT, end)
+        signal.signal(signal.SIGINT, lambda *_: _exit_now(130))
     except ValueError:  # not the main thread (an embedding caller): its own business
         pass
 
@@ -71,12 +63,17 @@ def _end_if_torch_work_abandoned(code) -> None:
         return
     if isinstance(code, str):  # SystemExit's message, which the teardown would have printed
         print(code, file=sys.stderr)
+    _exit_now(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code` without the interpreter's teardown, what was printed flushed first."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    os._exit(code)
 
 
 def _run() -> None:

@@ -72,17 +72,14 @@ def offline(
     from tfserve.bench import offline as bench_offline
     from tfserve.bench.metrics import summarize
     from tfserve.bench.settings import run_settings
-    from tfserve.cli.loading import engine_config_from_flags
+    from tfserve.cli.loading import engine_config_from_flags, refuse_speech_model
     from tfserve.cli.progress import step_progress
     from tfserve.models.loading import load_model
 
     if engine not in ("tfserve", "transformers", "transformers-static"):
         raise UsageError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
     writable(output_json, "--output-json")
-    from tfserve.models import store
-
-    if store.is_speech_model(model):
-        raise TfserveError(f"{model!r} is a speech-to-text model: benchmark it with `tfserve bench transcribe`")
+    refuse_speech_model(model, "benchmark it with `tfserve bench transcribe`")
     texts = None
     if dataset is not None:  # read (a missing or bad file is one line) before the model loads
         from tfserve.bench.datasets import load_file, take
@@ -159,14 +156,12 @@ def roofline(
     """
     from tfserve.bench.roofline import measure
     from tfserve.bench.settings import run_settings
-    from tfserve.cli.loading import engine_config_from_flags
+    from tfserve.cli.loading import engine_config_from_flags, refuse_speech_model
     from tfserve.cli.progress import step_progress
     from tfserve.engine.engine import Engine
-    from tfserve.models import store
 
     writable(output_json, "--output-json")
-    if store.is_speech_model(model):
-        raise TfserveError(f"{model!r} is a speech-to-text model: benchmark it with `tfserve bench transcribe`")
+    refuse_speech_model(model, "benchmark it with `tfserve bench transcribe`")
     with step_progress() as progress:
         config = engine_config_from_flags({"max_num_seqs": batch, "max_batch_tokens": max(512, batch)})
         engine = Engine.from_pretrained(model, config, dtype=dtype.value, device="cpu", progress=progress)

@@ -12,7 +12,8 @@ from aiohttp import web
 from tfserve.server import chat_functions
 from tfserve.server.body import loads
 from tfserve.server.chat_mcp import chat_with_mcp
-from tfserve.server.chat_prompt import parse_tools, render_chat, render_multimodal, render_options, template_kwargs
+from tfserve.server.chat_prompt import (parse_tools, render_chat, render_multimodal, render_options, template_kwargs,
+                                        text_chars)
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, check_text_fits, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown, top_count
@@ -56,7 +57,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if num_prompt_top is not None:
         kwargs["prompt_logprobs"] = num_prompt_top
     variables, options = template_kwargs(state, body), render_options(body)
-    check_text_fits(state, sum(len(str(message.get("content") or "")) for message in messages), "messages")
+    check_text_fits(state, text_chars(messages), "messages")
     images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
     if images:
         prompt_ids, mm = await render_multimodal(state, messages, images, tools, variables, **options)

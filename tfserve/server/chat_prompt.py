@@ -131,6 +131,11 @@ def render_options(body: dict[str, Any]) -> dict[str, bool]:
 INLINE_PROMPT_CHARS = 32_000
 
 
+def text_chars(messages: list[dict]) -> int:
+    """Characters of the messages' contents (a list of parts counted as written)."""
+    return sum(len(str(message.get("content") or "")) for message in messages)
+
+
 async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
                       template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
                       continue_final_message: bool = False, param: str = "messages") -> list[int]:
@@ -148,7 +153,7 @@ async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param) from None
 
-    if sum(len(str(message.get("content") or "")) for message in messages) < INLINE_PROMPT_CHARS:
+    if text_chars(messages) < INLINE_PROMPT_CHARS:
         return render()
     return await in_daemon_thread(render)
 

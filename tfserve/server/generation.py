@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,16 +103,17 @@ def check_text_fits(state: ServerState, num_chars: int, param: str) -> None:
         # (litellm, LangChain) tell an overflow by them
 
 
-_LONGEST_ENTRY: dict[int, int] = {}  # by tokenizer id: characters of its longest vocabulary entry
+# characters of each tokenizer's longest vocabulary entry, while it lives (a model loaded on demand brings its own)
+_LONGEST_ENTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _longest_entry(tokenizer: Any) -> int:
-    if id(tokenizer) not in _LONGEST_ENTRY:
+    if tokenizer not in _LONGEST_ENTRY:
         try:
-            _LONGEST_ENTRY[id(tokenizer)] = max(map(len, tokenizer.get_vocab()), default=0)
+            _LONGEST_ENTRY[tokenizer] = max(map(len, tokenizer.get_vocab()), default=0)
         except Exception:  # a tokenizer without a vocabulary to list: no bound (tokenized as before)
-            _LONGEST_ENTRY[id(tokenizer)] = 0
-    return _LONGEST_ENTRY[id(tokenizer)]
+            _LONGEST_ENTRY[tokenizer] = 0
+    return _LONGEST_ENTRY[tokenizer]
 
 
 async def run_choices(state: ServerState, usage: Usage, requests: list[Any],

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from aiohttp import web
 
 from tfserve.server import conversations, mcp_tools
+from tfserve.server.chat_prompt import text_chars
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import check_text_fits
 from tfserve.server.logprobs import top_count
@@ -68,7 +69,7 @@ async def conversation(request: web.Request, body: dict) -> Conversation:
     history = earlier + new_messages
     # instructions are not carried over to the next response (as OpenAI): they lead this turn only, unstored
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
-    check_text_fits(state, sum(len(str(message.get("content") or "")) for message in messages), "input")
+    check_text_fits(state, text_chars(messages), "input")
     image_refs = earlier_images + new_images
     functions, specs = mcp_tools.split_tools(parse_tools(body))
     max_tool_calls = max_tool_calls_of(body)
