@@ -25,11 +25,13 @@ async def in_daemon_thread(fn: Callable, *args: Any) -> Any:
 
     def target() -> None:
         try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the loop, raised there
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            result, exc = fn(*args), None
+        except BaseException as error:  # handed to the loop, raised there
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop has closed (the server stopped during a load): no one waits for it
+            pass
 
     start_daemon(target, "tfserve-load")
     return await future
