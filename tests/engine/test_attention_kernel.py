@@ -8,10 +8,11 @@ torch = pytest.importorskip("torch")
 from tfserve.engine.attention import AttentionGroup, _group_attention  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=["native", pytest.param("x86-64", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["native", pytest.param("x86-64", marks=pytest.mark.slow),
+                                        pytest.param("x86-64-v3", marks=pytest.mark.slow)])
 def ops(request):
     """This CPU's build (its widest vector path), and on x86 the plain C++ one that CPUs without a vector
-    path run (built for baseline x86-64)."""
+    path run (built for baseline x86-64) and, on an AVX-512 CPU, the AVX2 one."""
     return kernel_build(request.param)
 
 
@@ -123,6 +124,101 @@ def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_win
     assert torch.equal(attention._row_attention(counted, rows, k_cache, v_cache, group(), scale,
                                                 sliding_window or -1, 0.0), got)
     assert len(calls) > 3
+
+
+def _prompt_case(gen, num_heads, num_kv_heads, head_dim, block_size, chunks, num_blocks=160):
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    tables = [torch.randperm(num_blocks, generator=gen)[: -(-(s + n) // block_size)].tolist() for s, n in chunks]
+    q = torch.randn(num_heads, sum(n for _, n in chunks), head_dim, generator=gen)
+    return k_cache, v_cache, tables, q
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (6, 2, 64, 16), (9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 128, 16), (4, 2, 32, 32), (2, 1, 256, 16)])
+def test_prompt_tiles_give_each_row_the_decode_kernels_bits(ops, num_heads, num_kv_heads, head_dim, block_size):
+    """Prompt rows through the tiles (a sequence's rows sharing each key's loads): the torch path's result
+    within rounding, and every row bit for bit what the decode kernel gives that position alone: so a prompt's
+    bits do not depend on how it was chunked, on the other sequences of its step or on a cached prefix, and a
+    reply's rows computed as decodes are the rows a later prompt containing it computes."""
+    if head_dim // ops.vec_width not in (1, 2, 4, 8, 16):
+        pytest.skip(f"a head of {head_dim} is not 1-16 vectors of {ops.vec_width}: neither kernel's vector path")
+    gen = torch.Generator().manual_seed(2)
+    # (first position, new tokens): a cached prefix, one token, partitions' edges (128), a short tile
+    chunks = [(0, 7), (130, 170), (3, 1), (0, 290), (128, 128), (0, 129), (250, 13)]
+    k_cache, v_cache, tables, q = _prompt_case(gen, num_heads, num_kv_heads, head_dim, block_size, chunks)
+    group = AttentionGroup.prefills(chunks, tables)
+    rows = q.transpose(0, 1).contiguous()
+    scale = head_dim**-0.5
+    got = ops.paged_prompt_attention(rows, k_cache, v_cache, group.block_tables, group.key_lens, group.query_lens(),
+                                     scale)
+    expected = _group_attention(q, k_cache, v_cache, AttentionGroup.prefills(chunks, tables),
+                                num_heads // num_kv_heads, scale, None, block_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    token = 0
+    for row, (start, n) in enumerate(chunks):
+        for i in range(n):
+            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, torch.tensor([tables[row]]),
+                                               torch.tensor([start + i + 1]), scale, -1, 0.0)
+            assert torch.equal(got[token], alone[0]), (row, i)
+            token += 1
+    # the 290-token prompt again in three chunks, each alone: the same bits
+    first = sum(n for _, n in chunks[:3])
+    for a, b in ((0, 100), (100, 101), (101, 290)):
+        part = ops.paged_prompt_attention(rows[first + a:first + b], k_cache, v_cache, torch.tensor([tables[3]]),
+                                          torch.tensor([b]), torch.tensor([b - a]), scale)
+        assert torch.equal(part, got[first + a:first + b])
+
+
+def test_prompt_tiles_refuse_what_they_cannot_read(ops):
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables, q = _prompt_case(gen, 4, 2, 64, 16, [(0, 20)], num_blocks=8)
+    rows = q.transpose(0, 1).contiguous()
+    args = dict(block_tables=torch.tensor(tables), key_lens=torch.tensor([20]), q_lens=torch.tensor([20]), scale=0.1)
+    with pytest.raises(RuntimeError, match="sum of q_lens"):
+        ops.paged_prompt_attention(rows[:19], k_cache, v_cache, **args)
+    with pytest.raises(RuntimeError, match="rows, keys and tables"):
+        ops.paged_prompt_attention(rows, k_cache, v_cache, **{**args, "key_lens": torch.tensor([19])})
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_prompt_attention(rows, k_cache, v_cache, **{**args, "block_tables": torch.tensor([[0, 99]])})
+    odd = torch.randn(20, 4, 3 * ops.vec_width)  # three vectors a head: not a width the kernels take
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.paged_prompt_attention(odd, torch.zeros(8, 16, 2, 3 * ops.vec_width), torch.zeros(8, 16, 2, 3 * ops.vec_width),
+                                   **args)
+
+
+@pytest.mark.parametrize("sliding_window,softcap,tiles", [(None, None, True), (37, None, False), (None, 30.0, False)])
+def test_a_prefill_group_goes_through_the_tiles_where_they_apply(ops, sliding_window, softcap, tiles):
+    """The attention layer sends a prefill group through the prompt tiles, and through the decode kernel row by
+    row in layers with a sliding window or capped scores (which the tiles do not take): the torch path's result
+    either way."""
+    from tfserve.engine import attention
+
+    gen = torch.Generator().manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    chunks = [(0, 40), (20, 30)]
+    k_cache, v_cache, tables, q = _prompt_case(gen, num_heads, num_kv_heads, head_dim, block_size, chunks)
+    group = AttentionGroup.prefills(chunks, tables)
+    keys = torch.randn(1, num_kv_heads, 70, head_dim, generator=gen)
+    values = torch.randn(1, num_kv_heads, 70, head_dim, generator=gen)
+    slots = torch.cat([torch.tensor([tables[i][t // block_size] * block_size + t % block_size
+                                     for t in range(s, s + n)]) for i, (s, n) in enumerate(chunks)])
+    calls = []
+
+    class Counted:
+        vec_width = ops.vec_width
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    meta = attention.AttentionMetadata(slot_mapping=slots, groups=[group], kv_caches=[(k_cache, v_cache)],
+                                       block_size=block_size, cpu_ops=Counted())
+    got = attention._paged_attention(meta, 0, q[None], keys, values, head_dim**-0.5, sliding_window, softcap)[0]
+    assert ("paged_prompt_attention" in calls) is tiles and ("paged_decode_attention" in calls) is not tiles
+    expected = _group_attention(q, k_cache, v_cache, AttentionGroup.prefills(chunks, tables),
+                                num_heads // num_kv_heads, head_dim**-0.5, sliding_window, block_size, softcap)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def _sdpa_full(q, k, v, t_len, heads, scale):

@@ -4,9 +4,11 @@ The runner packs every scheduled sequence's new tokens into one row (`[1, num_to
 sets an `AttentionMetadata` for the step and calls the model. Each attention layer then:
 1. writes the step's new keys and values into their cache slots (`slot_mapping`), then
 2. attends, per group. There are at most two groups: decodes (one query each) and prefills (several
-   queries each). With the CPU kernels each group is one call of the decode kernel, which reads keys in
-   place through the block tables and computes every query row on its own (a prompt's rows each as the
-   decode at that position), so no row depends on the rest of the step. Without them (or for Gemma 3's image
+   queries each). With the CPU kernels each group is one kernel call that reads keys in place through the
+   block tables: decodes through the decode kernel, prompt rows through tiles that share each key's loads
+   among a sequence's rows and compute every row in the decode kernel's arithmetic (a prompt's rows each the
+   same bits as the decode at that position), so no row depends on the rest of the step, its chunk or a
+   cached prefix. Without them (or for Gemma 3's image
    tokens, which attend both ways) each group is one batched `scaled_dot_product_attention` over keys
    gathered from the cache, prefills padded to the longest. No Python loop over sequences.
 Grouped-query attention folds the query heads sharing a KV head into the query-length axis, so keys and
@@ -44,6 +46,7 @@ class AttentionGroup:
     # per sequence, runs [start, end) of image tokens that attend to each other both ways (Gemma 3), or None
     image_runs: list[list[tuple[int, int]]] | None = None
     rows: tuple[torch.Tensor, torch.Tensor] | None = None  # see query_rows
+    lens: torch.Tensor | None = None  # see query_lens
 
     def query_rows(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(table_rows, key_lens), one per packed query: the block table each query reads (None: its own row,
@@ -54,6 +57,12 @@ class AttentionGroup:
             self.rows = (torch.div(self.unpad_index, self.max_q, rounding_mode="floor"),
                          self.query_positions.reshape(-1).index_select(0, self.unpad_index) + 1)
         return self.rows
+
+    def query_lens(self) -> torch.Tensor:
+        """[num_seqs] int64: each sequence's new tokens (queries) this step."""
+        if self.lens is None:
+            self.lens = self.key_lens - self.query_positions[:, 0]
+        return self.lens
 
     @classmethod
     def prefills(cls, chunks: list[tuple[int, int]], tables: list[list[int]], token_start: int = 0, device=None,
@@ -227,9 +236,15 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
         if meta.cpu_ops is not None and (group.pad_index is None or _rows_apply(meta.cpu_ops, query, k_cache, group)):
+            scale = head_dim**-0.5 if scaling is None else scaling
+            if group.pad_index is not None and not sliding_window and not softcap:  # prompt rows: the tiles
+                out[group.start : group.end] = meta.cpu_ops.paged_prompt_attention(
+                    q.transpose(0, 1).contiguous(), k_cache, v_cache, group.block_tables, group.key_lens,
+                    group.query_lens(), scale)
+                continue
             out[group.start : group.end] = _row_attention(
-                meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group,
-                head_dim**-0.5 if scaling is None else scaling, sliding_window or -1, softcap or 0.0)
+                meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group, scale, sliding_window or -1,
+                softcap or 0.0)
             continue
         out[group.start : group.end] = _group_attention(
             q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
@@ -238,9 +253,10 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
 
 
 def _rows_apply(ops, query: torch.Tensor, k_cache: torch.Tensor, group: AttentionGroup) -> bool:
-    """Prompt rows go through the decode kernel where its vector path runs (float32, a head of 1, 2, 4, 8 or 16
-    vectors); elsewhere (16-bit caches, other head sizes, Gemma 3's image tokens that attend both ways) through
-    SDPA."""
+    """Prompt rows go through the kernels where the decode kernel's vector path runs (float32, a head of 1, 2, 4,
+    8 or 16 vectors): the prompt tiles, or the decode kernel row by row in layers with a sliding window or a cap
+    on the scores (which the tiles do not take); elsewhere (16-bit caches, other head sizes, Gemma 3's image tokens
+    that attend both ways) through SDPA."""
     vectors, rest = divmod(query.shape[-1], ops.vec_width)
     return (group.image_runs is None and query.dtype == torch.float32 and k_cache.dtype == torch.float32
             and not rest and vectors in (1, 2, 4, 8, 16))
@@ -256,7 +272,7 @@ def _row_attention(ops, q: torch.Tensor, k_cache, v_cache, group: AttentionGroup
     """q [group_tokens, num_heads, head_dim] through the decode kernel, every query on its own over its keys:
     a row's result depends on its own query and keys alone, not on the other rows of the step, its prompt's
     length, the chunk it came in or a cached prefix (SDPA's CPU kernel tiles by the padded shapes, so its rows
-    differ in the last bits with them)."""
+    differ in the last bits with them). Decodes, and prompt rows in layers the prompt tiles do not take."""
     table_rows, key_lens = group.query_rows()
     if table_rows is None:  # decodes: one row per sequence, partials bounded by the batch
         return ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables, key_lens, scale, window, softcap)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "full_attention.h"
 
 // The first token a sequence of `ctx` tokens attends to: all of them, or the last `sliding_window`.
 static inline int64_t window_start(int64_t ctx, int64_t sliding_window) {
@@ -101,16 +102,14 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   });
 }
 
-// Tokens per partition: the float32 kernel's unit of work is one KV head of one partition of a sequence's
-// context (flash-decoding's split), so one long sequence keeps every thread busy, and partitions are cut at
-// fixed positions, so a sequence's result does not depend on its batch or on the thread count.
-constexpr int64_t kPartition = 128;
-
-// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON). Per work item (a sequence, a partition
-// of its context, a KV head), two passes over its rows: the scores of Vec::N tokens at a time for each query
-// head of the KV head (Vec::N independent dot products, summed across lanes at once: no dependent chain of
-// multiply-adds per token), an exact softmax over the partition, then the values weighted in registers.
-// A sequence of several partitions has them merged in order at the end (log-sum-exp). V = head_dim / Vec::N.
+// The float32 kernel in vector registers (vec.h: AVX-512, AVX2, NEON), in the arithmetic every float32 attention
+// row shares (full_attention.h: the prompt tiles compute the same bits). The unit of work is one KV head of one
+// partition of a sequence's context (flash-decoding's split: one long sequence keeps every thread busy; cut at
+// fixed positions, so a sequence's result does not depend on its batch or on the thread count), in two passes
+// over its rows: the scores of Vec::N tokens at a time for each query head of the KV head (Vec::N independent
+// dot products, summed across lanes at once: no dependent chain of multiply-adds per token), the partition's
+// softmax, then the values weighted in registers. A sequence of several partitions has them merged in order at
+// the end. V = head_dim / Vec::N.
 template <int V>
 static void decode_kernel_vec(const float* q, const float* k_cache, const float* v_cache,
                               const int64_t* block_tables, const int64_t* context_lens, const int64_t* table_rows,
@@ -120,14 +119,13 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   using tfs::Vec;
   constexpr int64_t L = Vec::N;  // tokens per chunk
   constexpr int64_t D = V * L;
-  constexpr int64_t P = kPartition;
+  constexpr int64_t P = tfs::kPartition;
   static_assert(P % L == 0, "partitions are whole chunks");
   constexpr int64_t kAhead = 2 * L;  // tokens between the chunk computed and the rows asked for
   constexpr int64_t kLines = (D * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // cache lines per head row
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Partitions: the ones of sequence s are [part_begin[s], part_begin[s + 1]); part_seq maps back.
   std::vector<int64_t> part_begin(num_seqs + 1, 0), part_seq;
@@ -192,18 +190,8 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
       float* s = scores + g * P;
       if (softcap > 0)
         for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
-      std::fill(s + n, s + padded, neg_inf);
-      Vec mv = Vec::set1(neg_inf);
-      for (int64_t i = 0; i < padded; i += L) mv = max(mv, Vec::load(s + i));
-      const float mx = mv.max();
-      Vec lv = Vec::zero();
-      for (int64_t i = 0; i < padded; i += L) {
-        const Vec e = tfs::exp(Vec::load(s + i) - Vec::set1(mx));
-        e.store(s + i);
-      }
-      std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
-      for (int64_t i = 0; i < padded; i += L) lv = lv + Vec::load(s + i);
-      const float l = lv.sum();
+      const float mx = tfs::row_max(s, n, padded);
+      const float l = tfs::exp_sum(s, n, padded, mx);
       const bool alone = part_begin[seq + 1] - part_begin[seq] == 1;
       float* o = alone ? out + (seq * num_heads + h) * D : part_acc.get() + (part * num_heads + h) * D;
       const float inv = alone ? 1.f / l : 1.f;
@@ -235,21 +223,10 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t p0 = part_begin[seq], p1 = part_begin[seq + 1];
     if (p1 - p0 < 2) continue;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float mx = neg_inf;
-      for (int64_t p = p0; p < p1; ++p) mx = std::max(mx, part_m[p * num_heads + h]);
-      float l = 0.f;
-      Vec acc[V];
-      for (int j = 0; j < V; ++j) acc[j] = Vec::zero();
-      for (int64_t p = p0; p < p1; ++p) {
-        const float w = std::exp(part_m[p * num_heads + h] - mx);
-        l += w * part_l[p * num_heads + h];
-        const float* pa = part_acc.get() + (p * num_heads + h) * D;
-        for (int j = 0; j < V; ++j) acc[j] = fma(Vec::set1(w), Vec::load(pa + L * j), acc[j]);
-      }
-      float* o = out + (seq * num_heads + h) * D;
-      for (int j = 0; j < V; ++j) (acc[j] * Vec::set1(1.f / l)).store(o + L * j);
-    }
+    for (int64_t h = 0; h < num_heads; ++h)
+      tfs::merge_partitions(part_m.get() + p0 * num_heads + h, part_l.get() + p0 * num_heads + h, num_heads,
+                            part_acc.get() + (p0 * num_heads + h) * D, num_heads * D, p1 - p0, D,
+                            out + (seq * num_heads + h) * D);
   }
 }
 
@@ -335,8 +312,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-#include "linear.h"
-#include "full_attention.h"
 #include "quant.h"
 #include "shm.h"
 
@@ -652,6 +627,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("new_k") = py::none(), py::arg("new_v") = py::none(),
         py::arg("slots") = py::none(), py::arg("table_rows") = py::none());
+  m.def("paged_prompt_attention", &paged_prompt_attention,
+        "Prompt rows of several sequences through tiles, each row the decode kernel's bits (CPU)", nogil, py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("key_lens"), py::arg("q_lens"),
+        py::arg("scale"));
   m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)", nogil,
         py::arg("weight"), py::arg("dtype") = py::none());
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),

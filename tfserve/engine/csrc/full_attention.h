@@ -32,6 +32,59 @@ inline void pack_head(const float* k, const float* v, int64_t ld, int64_t t_len,
   }
 }
 
+// A row of attention over a paged cache, computed the same way by the decode kernel (one query a sequence,
+// cpu_ops.cpp) and by the prompt tiles below (many queries of a sequence at once), so a row's bits depend on its
+// query and its keys alone, whichever kernel computed it, whatever its batch, chunk or cached prefix:
+// - the score of key t: lane-wise products of q and k, Vec::N dimensions at a time (q * k for the first vector,
+//   then multiply-adds in order), the lanes summed by `sums` (vec.h) Vec::N keys at a time, times the scale;
+// - per partition of kPartition positions (at multiples of kPartition; a sliding window's first one starts at
+//   its first key): m_p = its largest score, e_t = exp(s_t - m_p), l_p = the sum of the lane-wise sums of its
+//   e's (Vec::N positions at a time from its start), A_p = one chain of multiply-adds e_t * v_t over its
+//   positions in order, from 0 (lanes across dimensions);
+// - one partition: out = A_0 * (1 / l_0); several: merged in order (merge_partitions, flash-decoding's rescaling).
+// Partitions are the decode kernel's unit of work (one long sequence keeps every thread busy); the tiles keep
+// them as the order of the sums.
+constexpr int64_t kPartition = 128;
+
+// The largest of s[0, n); s[n, padded) becomes -inf. padded: n up to whole vectors.
+inline float row_max(float* s, int64_t n, int64_t padded) {
+  std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
+  Vec mv = Vec::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < padded; i += Vec::N) mv = max(mv, Vec::load(s + i));
+  return mv.max();
+}
+
+// A partition's e's in place (s[n, padded) to 0), from its max; returns l_p.
+inline float exp_sum(float* s, int64_t n, int64_t padded, float mx) {
+  std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < padded; i += Vec::N) exp(Vec::load(s + i) - Vec::set1(mx)).store(s + i);
+  std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
+  Vec lv = Vec::zero();
+  for (int64_t i = 0; i < padded; i += Vec::N) lv = lv + Vec::load(s + i);
+  return lv.sum();
+}
+
+// out[0, d) = sum_p w_p A_p / sum_p w_p l_p with w_p = exp(m_p - max m), partitions in order. m_p, l_p at
+// m[p * ml_stride], l[p * ml_stride]; A_p at acc + p * acc_stride. d: whole vectors.
+inline void merge_partitions(const float* m, const float* l, int64_t ml_stride, const float* acc, int64_t acc_stride,
+                             int64_t parts, int64_t d, float* out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[p * ml_stride]);
+  float w[64], sum = 0.f;
+  std::unique_ptr<float[]> more(parts > 64 ? new float[parts] : nullptr);
+  float* ws = more ? more.get() : w;
+  for (int64_t p = 0; p < parts; ++p) {
+    ws[p] = std::exp(m[p * ml_stride] - mx);
+    sum += ws[p] * l[p * ml_stride];
+  }
+  const Vec inv = Vec::set1(1.f / sum);
+  for (int64_t i = 0; i < d; i += Vec::N) {
+    Vec a = Vec::zero();
+    for (int64_t p = 0; p < parts; ++p) a = fma(Vec::set1(ws[p]), Vec::load(acc + p * acc_stride + i), a);
+    (a * inv).store(out + i);
+  }
+}
+
 // q, k, v: [windows * t_len, ld] rows (head h at columns h * d ...), out: [windows * t_len, heads * d].
 inline void full_attention(const float* q, const float* k, const float* v, int64_t ld, float* out,
                            int64_t windows, int64_t t_len, int64_t heads, int64_t d, float scale) {
@@ -108,5 +161,196 @@ torch::Tensor full_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   auto out = torch::empty({q.size(0), q.size(1)}, q.options());
   tfs::full_attention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q.stride(0),
                       out.data_ptr<float>(), q.size(0) / t_len, t_len, heads, d, static_cast<float>(scale));
+  return out;
+}
+
+namespace tfs {
+
+// The scores of R queries (q[r]) against Vec::N keys (k[i]), V = head_dim / Vec::N, each (query, key) as the
+// decode kernel computes it: lane-wise products over the dimensions (q * k, then multiply-adds in order), the
+// lanes summed by `sums`, times the scale. C keys at a time for the R queries: R * C chains in registers, each
+// vector of the queries and keys loaded once for them.
+template <int V, int R, int C>
+inline void tile_scores(const float* const* q, const float* const* k, float scale, float* const* out) {
+  static_assert(Vec::N % C == 0, "whole groups of keys");
+  Vec dots[R][Vec::N];
+  for (int c0 = 0; c0 < Vec::N; c0 += C) {
+    Vec acc[R][C];
+    for (int j = 0; j < V; ++j) {
+      Vec qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = Vec::load(q[r] + Vec::N * j);
+      for (int c = 0; c < C; ++c) {
+        const Vec kv = Vec::load(k[c0 + c] + Vec::N * j);
+        for (int r = 0; r < R; ++r) acc[r][c] = j == 0 ? qv[r] * kv : fma(qv[r], kv, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dots[r][c0 + c] = acc[r][c];
+  }
+  for (int r = 0; r < R; ++r) (sums(dots[r]) * Vec::set1(scale)).store(out[r]);
+}
+
+// Prompt rows of several sequences, causal, through tiles: sequence i has q_lens[i] rows (packed in order) at
+// positions key_lens[i] - q_lens[i] ..., over its paged keys up to its last row. Per (sequence, KV head) the
+// values are packed into panels once for the call; each tile of kTileRows rows of a head reads its keys in place
+// a chunk at a time for all its rows (tile_scores), takes each row's partitions' softmax as above, then each
+// partition's weighted values from the linear kernel's tile (a row's later keys in the tile weigh exactly 0,
+// adding nothing to its chains). V = head_dim / Vec::N.
+template <int V>
+inline void prompt_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                             int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens, int64_t num_seqs,
+                             int64_t block_size, int64_t num_kv_heads, float* out, int64_t heads, float scale) {
+  constexpr int64_t P = kPanelCols, T = kPartition, L = Vec::N, d = V * L;
+#if TFS_AVX512 || TFS_NEON
+  constexpr int kRowsAtOnce = 4;  // 32 vector registers: 16 chains, 4 keys, a query
+#else
+  constexpr int kRowsAtOnce = 2;  // 16: 8 chains
+#endif
+  static_assert(T % P == 0 && P % L == 0, "partitions are whole panels, panels whole vectors");
+  const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * d, value_panels = (d + P - 1) / P;
+  // per sequence: its first row, its keys padded to panels, where its packed values start, its first item
+  std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
+  std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    row0[s + 1] = row0[s] + q_lens[s];
+    tp[s] = (key_lens[s] + P - 1) / P * P;
+    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * value_panels * tp[s] * P : 0);
+    tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
+    pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
+  }
+  // each sequence's keys' offsets in the caches, worked out once (a division per key for every tile cost more
+  // than its multiply-adds)
+  std::vector<int64_t> slots_at(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
+  std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t* table = tables + s * max_blocks;
+    for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
+      slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+  }
+  auto slot = [&](int64_t s, int64_t t) { return slot_offsets[slots_at[s] + t]; };
+  std::unique_ptr<float[]> packed(new float[std::max<int64_t>(packed_at[num_seqs], 1)]);
+  parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {
+    const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
+    const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
+    float* vp = packed.get() + packed_at[s] + kvh * value_panels * tp[s] * P;
+    for (int64_t t = p * P; t < (p + 1) * P; ++t)
+      for (int64_t j = 0; j < value_panels; ++j) {
+        float* dst = vp + (j * tp[s] + t) * P;
+        const int64_t cols = t < key_lens[s] ? std::min(P, d - j * P) : 0;
+        if (cols) std::memcpy(dst, v_cache + slot(s, t) + kvh * d + j * P, cols * sizeof(float));
+        std::fill(dst + cols, dst + P, 0.f);
+      }
+  });
+  constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
+  parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
+    std::vector<float> scores, partials, ml;  // ml: (m_p, l_p) per partition and row
+    for (int64_t item = claim(); item >= 0; item = claim()) {
+      const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
+      const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
+      const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
+      const int64_t kvh = h / group;
+      const float* vp = packed.get() + packed_at[s] + kvh * value_panels * tp[s] * P;
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
+      const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
+      const int64_t parts = (keys + T - 1) / T, ldo = value_panels * P;
+      scores.resize(kTileRows * width);
+      partials.resize(parts * kTileRows * ldo);
+      ml.resize(parts * kTileRows * 2);
+      for (int64_t t0 = 0; t0 < keys; t0 += L) {  // scores, a chunk of keys for the rows that see any of it
+        const float* k[L];
+        for (int64_t i = 0; i < L; ++i) k[i] = k_cache + slot(s, std::min(t0 + i, keys - 1)) + kvh * d;
+        const int first = static_cast<int>(std::max<int64_t>(0, t0 - p0 - r0));  // rows before it see none of it
+        for (int r = first; r < rows; r += kRowsAtOnce) {
+          const float* qr[kRowsAtOnce];
+          float* o[kRowsAtOnce];
+          const int m = std::min(kRowsAtOnce, rows - r);
+          for (int i = 0; i < kRowsAtOnce; ++i) {  // a short group repeats its last row (its scores written twice)
+            const int ri = r + std::min(i, m - 1);
+            qr[i] = q + ((row0[s] + r0 + ri) * heads + h) * d;
+            o[i] = scores.data() + ri * width + t0;
+          }
+          tile_scores<V, kRowsAtOnce, 4>(qr, k, scale, o);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {  // per partition of the row's own keys: m_p, its e's and l_p; later keys 0
+        float* sr = scores.data() + r * width;
+        const int64_t own = p0 + r0 + r + 1;
+        for (int64_t a = 0, p = 0; a < own; a += T, ++p) {
+          const int64_t n_p = std::min(own - a, T), padded = (n_p + L - 1) / L * L;
+          ml[(p * kTileRows + r) * 2] = row_max(sr + a, n_p, padded);
+          ml[(p * kTileRows + r) * 2 + 1] = exp_sum(sr + a, n_p, padded, ml[(p * kTileRows + r) * 2]);
+        }
+        std::fill(sr + (own + L - 1) / L * L, sr + width, 0.f);
+      }
+      for (int64_t p = 0; p < parts; ++p) {  // A_p of every row of the tile, per panel of dimensions
+        const int64_t a = p * T, len = std::min(T, width - a);
+        for (int64_t j = 0; j < value_panels; ++j)
+          linear_tile_of<float, 1>(rows, seq, scores.data() + a, len, vp + (j * tp[s] + a) * P, nullptr,
+                                   partials.data() + p * kTileRows * ldo + j * P, ldo, P, width);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int64_t own = p0 + r0 + r + 1, own_parts = (own + T - 1) / T;
+        float* o = out + ((row0[s] + r0 + r) * heads + h) * d;
+        if (own_parts == 1) {
+          const Vec inv = Vec::set1(1.f / ml[r * 2 + 1]);
+          for (int64_t i = 0; i < d; i += L) (Vec::load(partials.data() + r * ldo + i) * inv).store(o + i);
+        } else {
+          merge_partitions(ml.data() + r * 2, ml.data() + r * 2 + 1, kTileRows * 2, partials.data() + r * ldo,
+                           kTileRows * ldo, own_parts, d, o);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tfs
+
+// Prompt rows through the tiles, causal: q [rows, heads, head_dim] float32, sequence i's q_lens[i] rows packed in
+// order, at positions key_lens[i] - q_lens[i] ... over the caches [num_blocks, block_size, kv_heads, head_dim]
+// through block_tables[i] (their keys and values already written) -> [rows, heads, head_dim]. Each row is the
+// same bits as the decode kernel's at its position (the shared arithmetic above). head_dim: Vec::N times 1, 2, 4,
+// 8 or 16 (as the decode kernel's vector path).
+torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor key_lens, torch::Tensor q_lens,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: float32 [rows, heads, d]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
+              v_cache.scalar_type() == torch::kFloat32, "caches: float32, contiguous");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "heads and head_dim of q and caches");
+  const int64_t vectors = q.size(2) / tfs::Vec::N;
+  TORCH_CHECK(q.size(2) % tfs::Vec::N == 0 && (vectors & (vectors - 1)) == 0 && vectors <= 16,
+              "head_dim: the vector width times 1, 2, 4, 8 or 16");
+  auto bt = block_tables.to(torch::kInt64).contiguous();
+  auto kl = key_lens.to(torch::kInt64).contiguous();
+  auto ql = q_lens.to(torch::kInt64).contiguous();
+  const int64_t num_seqs = ql.numel(), block_size = k_cache.size(1);
+  TORCH_CHECK(kl.numel() == num_seqs && bt.dim() == 2 && bt.size(0) == num_seqs, "one table, key and row count a sequence");
+  int64_t rows = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = ql.data_ptr<int64_t>()[s], keys = kl.data_ptr<int64_t>()[s];
+    TORCH_CHECK(n >= 0 && keys >= n && (keys + block_size - 1) / block_size <= bt.size(1), "rows, keys and tables");
+    for (int64_t b = 0; b < (keys + block_size - 1) / block_size; ++b) {
+      const int64_t blk = bt.data_ptr<int64_t>()[s * bt.size(1) + b];
+      TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "block id out of range");
+    }
+    rows += n;
+  }
+  TORCH_CHECK(rows == q.size(0), "q's rows: the sum of q_lens");
+  auto out = torch::empty_like(q);
+  if (rows == 0) return out;
+  auto run = [&](auto v) {
+    tfs::prompt_attention<decltype(v)::value>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                              bt.data_ptr<int64_t>(), bt.size(1), kl.data_ptr<int64_t>(),
+                                              ql.data_ptr<int64_t>(), num_seqs, block_size, k_cache.size(2),
+                                              out.data_ptr<float>(), q.size(1), static_cast<float>(scale));
+  };
+  switch (vectors) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    default: run(std::integral_constant<int, 16>{}); break;
+  }
   return out;
 }

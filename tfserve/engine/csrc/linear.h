@@ -39,12 +39,13 @@ static void pack_panels(const W* src, W* dst, int64_t n, int64_t k) {
 }
 
 // y[r, :] = x[r] @ panels + bias for R rows and NP consecutive panels (the last one may be cut to `cols`).
-// x: [R, k] (row stride k); y: row stride ldy. Few rows take several panels at once so that enough
+// x: [R, k] (row stride ldx, or k where it is 0); y: row stride ldy. Few rows take several panels at once so that enough
 // independent multiply-adds are in flight (one row of one panel would wait on each FMA's latency); each
 // column still sums over k in order, so its result does not depend on R or NP.
 template <int R, int NP, typename W>
 static inline void linear_tile(const float* x, int64_t k, const W* panel, const float* bias, float* y,
-                               int64_t ldy, int64_t cols) {
+                               int64_t ldy, int64_t cols, int64_t ldx = 0) {
+  if (ldx == 0) ldx = k;
   constexpr int64_t P = kPanelCols;
   constexpr int V = kPanelVecs;
   const int64_t panel_stride = k * P;
@@ -69,7 +70,7 @@ static inline void linear_tile(const float* x, int64_t k, const W* panel, const 
       for (int j = 0; j < V; ++j) w[p * V + j] = Vec::load(row + j * Vec::N);
     }
     for (int r = 0; r < R; ++r) {
-      const Vec a = Vec::set1(x[r * k + i]);
+      const Vec a = Vec::set1(x[r * ldx + i]);
       for (int j = 0; j < NP * V; ++j) acc[r][j] = fma(a, w[j], acc[r][j]);
     }
   }
@@ -87,8 +88,8 @@ static inline void linear_tile(const float* x, int64_t k, const W* panel, const 
 
 template <typename W, int NP, int... Rs>
 static void linear_tile_of(int rows, std::integer_sequence<int, Rs...>, const float* x, int64_t k,
-                           const W* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
-  ((rows == Rs + 1 ? (linear_tile<Rs + 1, NP, W>(x, k, panel, bias, y, ldy, cols), true) : false) || ...);
+                           const W* panel, const float* bias, float* y, int64_t ldy, int64_t cols, int64_t ldx = 0) {
+  ((rows == Rs + 1 ? (linear_tile<Rs + 1, NP, W>(x, k, panel, bias, y, ldy, cols, ldx), true) : false) || ...);
 }
 
 template <typename W>
