@@ -231,24 +231,27 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
 
     if meta.flash:
         return _flash_attention(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
-    out = query.new_empty(num_tokens, num_heads, head_dim)
     group_size = num_heads // num_kv_heads
+    outs = []
     for group in meta.groups:  # at most two: decodes, prefills
         q = query[0, :, group.start : group.end]  # [num_heads, group_tokens, head_dim]
         if meta.cpu_ops is not None and (group.pad_index is None or _rows_apply(meta.cpu_ops, query, k_cache, group)):
             scale = head_dim**-0.5 if scaling is None else scaling
             if group.pad_index is not None and not sliding_window and not softcap:  # prompt rows: the tiles
-                out[group.start : group.end] = meta.cpu_ops.paged_prompt_attention(
-                    q.transpose(0, 1).contiguous(), k_cache, v_cache, group.block_tables, group.key_lens,
-                    group.query_lens(), scale)
-                continue
-            out[group.start : group.end] = _row_attention(
-                meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group, scale, sliding_window or -1,
-                softcap or 0.0)
-            continue
-        out[group.start : group.end] = _group_attention(
-            q, k_cache, v_cache, group, group_size, scaling, sliding_window, meta.block_size, softcap
-        )
+                outs.append(meta.cpu_ops.paged_prompt_attention(q.transpose(0, 1).contiguous(), k_cache, v_cache,
+                                                                group.block_tables, group.key_lens,
+                                                                group.query_lens(), scale))
+            else:
+                outs.append(_row_attention(meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group,
+                                           scale, sliding_window or -1, softcap or 0.0))
+        else:
+            outs.append(_group_attention(q, k_cache, v_cache, group, group_size, scaling, sliding_window,
+                                         meta.block_size, softcap))
+    if len(outs) == 1 and outs[0].shape[0] == num_tokens:  # one group: its rows are the step's
+        return outs[0].unsqueeze(0)
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    for group, rows in zip(meta.groups, outs):
+        out[group.start : group.end] = rows
     return out.unsqueeze(0)
 
 

@@ -407,12 +407,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* u = g + width;
       float* o = op + r * width;
       int64_t d = 0;
-      for (; d + tfs::Vec::N <= width; d += tfs::Vec::N) {  // g / (1 + exp(-g)) * u
+      for (; d + tfs::Vec::N <= width; d += tfs::Vec::N) {  // g / (1 + exp(-g)) * u, every op rounded as below
         const tfs::Vec gv = tfs::Vec::load(g + d);
-        alignas(64) float e[tfs::Vec::N], gs[tfs::Vec::N];
-        tfs::exp(tfs::Vec::zero() - max(gv, tfs::Vec::set1(-80.f))).store(e);  // exp(-g), g >= -80 (below, silu is ~0)
-        gv.store(gs);
-        for (int i = 0; i < tfs::Vec::N; ++i) o[d + i] = gs[i] / (1.f + e[i]) * u[d + i];
+        const tfs::Vec e = tfs::exp(tfs::Vec::zero() - max(gv, tfs::Vec::set1(-80.f)));  // exp(-g), g >= -80
+        (gv / (tfs::Vec::set1(1.f) + e) * tfs::Vec::load(u + d)).store(o + d);
       }
       for (; d < width; ++d) o[d] = g[d] / (1.f + std::exp(-std::max(g[d], -80.f))) * u[d];
     }
@@ -433,23 +431,29 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
   float* sq = squares.data_ptr<float>();
   const float* res = residual ? residual->data_ptr<float>() : nullptr;
   if (res) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual: like x");
-  for (int64_t i = 0; i < rows * hidden; ++i) {
-    if (res) xp[i] = xp[i] + res[i];
-    sq[i] = xp[i] * xp[i];
-  }
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(hidden, 1));  // a prompt's rows in parallel
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin * hidden; i < end * hidden; ++i) {
+      if (res) xp[i] = xp[i] + res[i];
+      sq[i] = xp[i] * xp[i];
+    }
+  });
   const auto sums = squares.sum(-1);  // [rows]
   const float* sp = sums.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   auto out = torch::empty_like(x);
   float* op = out.data_ptr<float>();
   const float n = static_cast<float>(hidden), e = static_cast<float>(eps);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / std::sqrt(sp[r] / n + e);
-    const float* xr = xp + r * hidden;
-    float* o = op + r * hidden;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float inv = 1.f / std::sqrt(sp[r] / n + e);
+      const float* xr = xp + r * hidden;
+      float* o = op + r * hidden;
 #pragma omp simd
-    for (int64_t d = 0; d < hidden; ++d) o[d] = w[d] * (xr[d] * inv);
-  }
+      for (int64_t d = 0; d < hidden; ++d) o[d] = w[d] * (xr[d] * inv);
+    }
+  });
   return out;
 }
 

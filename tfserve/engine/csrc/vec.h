@@ -40,6 +40,7 @@ struct Vec {
   friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
   float max() const { return _mm512_reduce_max_ps(v); }
@@ -68,6 +69,7 @@ struct Vec {
   friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -102,6 +104,7 @@ struct Vec {
   friend Vec operator*(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
+  friend Vec operator/(Vec a, Vec b) { return {vdivq_f32(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
   float sum() const { return vaddvq_f32(v); }
   float max() const { return vmaxvq_f32(v); }
@@ -124,6 +127,7 @@ struct Vec {  // plain C++; the compiler vectorises what it can
   friend Vec operator*(Vec a, Vec b) { for (int i = 0; i < N; ++i) a.v[i] *= b.v[i]; return a; }
   friend Vec operator+(Vec a, Vec b) { for (int i = 0; i < N; ++i) a.v[i] += b.v[i]; return a; }
   friend Vec operator-(Vec a, Vec b) { for (int i = 0; i < N; ++i) a.v[i] -= b.v[i]; return a; }
+  friend Vec operator/(Vec a, Vec b) { for (int i = 0; i < N; ++i) a.v[i] /= b.v[i]; return a; }
   friend Vec max(Vec a, Vec b) { for (int i = 0; i < N; ++i) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
   float sum() const { float s = 0.f; for (float f : v) s += f; return s; }
   float max() const { float m = v[0]; for (float f : v) m = std::max(m, f); return m; }
