@@ -166,46 +166,56 @@ torch::Tensor full_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
 
 namespace tfs {
 
-// The scores of R queries (q[r]) against Vec::N keys (k[i]), V = head_dim / Vec::N, each (query, key) as the
-// decode kernel computes it: lane-wise products over the dimensions (q * k, then multiply-adds in order), the
-// lanes summed by `sums`, times the scale. C keys at a time for the R queries: R * C chains in registers, each
-// vector of the queries and keys loaded once for them.
-template <int V, int R, int C>
-inline void tile_scores(const float* const* q, const float* const* k, float scale, float* const* out) {
-  static_assert(Vec::N % C == 0, "whole groups of keys");
-  Vec dots[R][Vec::N];
-  for (int c0 = 0; c0 < Vec::N; c0 += C) {
-    Vec acc[R][C];
-    for (int j = 0; j < V; ++j) {
-      Vec qv[R];
-      for (int r = 0; r < R; ++r) qv[r] = Vec::load(q[r] + Vec::N * j);
-      for (int c = 0; c < C; ++c) {
-        const Vec kv = Vec::load(k[c0 + c] + Vec::N * j);
-        for (int r = 0; r < R; ++r) acc[r][c] = j == 0 ? qv[r] * kv : fma(qv[r], kv, acc[r][c]);
-      }
-    }
+// The scores of R queries (q[r]) against NP panels of kPanelCols keys packed [head_dim][kPanelCols] each (lanes
+// across keys), each (query, key) the decode kernel's bits: its lane l sums the products of dimensions l, l + N,
+// ... in order (q * k, then multiply-adds), here one chain per l with lanes across keys, and `fold` adds the
+// lanes' partials as `sums` does. V = head_dim / Vec::N; the queries' dimensions are broadcast once per l for
+// the NP panels, each key vector loaded once for the R queries.
+template <int V, int R, int NP>
+inline void panel_scores(const float* const* q, const float* kp, int64_t d, float scale, float* const* out) {
+  constexpr int L = Vec::N, KV = NP * kPanelVecs;
+  constexpr int64_t P = kPanelCols;
+  Vec part[R][KV][L];
+  for (int l = 0; l < L; ++l) {
+    Vec bq[R][V];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dots[r][c0 + c] = acc[r][c];
+      for (int j = 0; j < V; ++j) bq[r][j] = Vec::set1(q[r][L * j + l]);
+    for (int v = 0; v < KV; ++v) {
+      const float* panel = kp + (v / kPanelVecs) * d * P + (v % kPanelVecs) * L;
+      Vec acc[R];
+      Vec k0 = Vec::load(panel + l * P);
+      in_register(k0);
+      for (int r = 0; r < R; ++r) acc[r] = bq[r][0] * k0;
+      for (int j = 1; j < V; ++j) {
+        Vec kj = Vec::load(panel + (L * j + l) * P);
+        in_register(kj);
+        for (int r = 0; r < R; ++r) acc[r] = fma(bq[r][j], kj, acc[r]);
+      }
+      for (int r = 0; r < R; ++r) part[r][v][l] = acc[r];
+    }
   }
-  for (int r = 0; r < R; ++r) (sums(dots[r]) * Vec::set1(scale)).store(out[r]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < KV; ++v) (fold(part[r][v]) * Vec::set1(scale)).store(out[r] + v * L);
 }
 
 // Prompt rows of several sequences, causal, through tiles: sequence i has q_lens[i] rows (packed in order) at
-// positions key_lens[i] - q_lens[i] ..., over its paged keys up to its last row. Per (sequence, KV head) the
-// values are packed into panels once for the call; each tile of kTileRows rows of a head reads its keys in place
-// a chunk at a time for all its rows (tile_scores), takes each row's partitions' softmax as above, then each
-// partition's weighted values from the linear kernel's tile (a row's later keys in the tile weigh exactly 0,
-// adding nothing to its chains). V = head_dim / Vec::N.
+// positions key_lens[i] - q_lens[i] ..., over its paged keys up to its last row. Per (sequence, KV head) the keys
+// and values are packed into panels once for the call; each tile of kTileRows rows of a head gets its scores a
+// panel of keys at a time (panel_scores), each row's partitions' softmax as above, then each partition's weighted
+// values from the linear kernel's tile (a row's later keys in the tile weigh exactly 0, adding nothing to its
+// chains). V = head_dim / Vec::N.
 template <int V>
 inline void prompt_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                              int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens, int64_t num_seqs,
                              int64_t block_size, int64_t num_kv_heads, float* out, int64_t heads, float scale) {
   constexpr int64_t P = kPanelCols, T = kPartition, L = Vec::N, d = V * L;
+  // queries whose dimensions stay broadcast in registers while a panel's keys stream past (half the registers)
 #if TFS_AVX512 || TFS_NEON
-  constexpr int kRowsAtOnce = 4;  // 32 vector registers: 16 chains, 4 keys, a query
+  constexpr int kRegs = 32;
 #else
-  constexpr int kRowsAtOnce = 2;  // 16: 8 chains
+  constexpr int kRegs = 16;
 #endif
+  constexpr int kRowsAtOnce = std::max(1, std::min(8, kRegs / 2 / V));
   static_assert(T % P == 0 && P % L == 0, "partitions are whole panels, panels whole vectors");
   const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * d, value_panels = (d + P - 1) / P;
   // per sequence: its first row, its keys padded to panels, where its packed values start, its first item
@@ -214,7 +224,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   for (int64_t s = 0; s < num_seqs; ++s) {
     row0[s + 1] = row0[s] + q_lens[s];
     tp[s] = (key_lens[s] + P - 1) / P * P;
-    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * value_panels * tp[s] * P : 0);
+    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] * d + value_panels * tp[s] * P) : 0);
     tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
     pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
   }
@@ -230,17 +240,28 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   }
   auto slot = [&](int64_t s, int64_t t) { return slot_offsets[slots_at[s] + t]; };
   std::unique_ptr<float[]> packed(new float[std::max<int64_t>(packed_at[num_seqs], 1)]);
+  // per (sequence, KV head): keys [panels][d][P] (the scores' panels), then values [value_panels][tp][P]
+  auto packed_keys = [&](int64_t s, int64_t kvh) {
+    return packed.get() + packed_at[s] + kvh * (tp[s] * d + value_panels * tp[s] * P);
+  };
   parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {
     const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
     const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
-    float* vp = packed.get() + packed_at[s] + kvh * value_panels * tp[s] * P;
-    for (int64_t t = p * P; t < (p + 1) * P; ++t)
+    float* kp = packed_keys(s, kvh) + p * d * P;
+    float* vp = packed_keys(s, kvh) + tp[s] * d;
+    std::fill(kp, kp + d * P, 0.f);
+    for (int64_t c = 0; c < P; ++c) {
+      const int64_t t = p * P + c;
       for (int64_t j = 0; j < value_panels; ++j) {
         float* dst = vp + (j * tp[s] + t) * P;
         const int64_t cols = t < key_lens[s] ? std::min(P, d - j * P) : 0;
         if (cols) std::memcpy(dst, v_cache + slot(s, t) + kvh * d + j * P, cols * sizeof(float));
         std::fill(dst + cols, dst + P, 0.f);
       }
+      if (t >= key_lens[s]) continue;
+      const float* kr = k_cache + slot(s, t) + kvh * d;
+      for (int64_t i = 0; i < d; ++i) kp[i * P + c] = kr[i];
+    }
   });
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
   parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
@@ -249,18 +270,17 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
       const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
       const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
       const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
-      const int64_t kvh = h / group;
-      const float* vp = packed.get() + packed_at[s] + kvh * value_panels * tp[s] * P;
+      const float* kp = packed_keys(s, h / group);
+      const float* vp = kp + tp[s] * d;
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
       const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
       const int64_t parts = (keys + T - 1) / T, ldo = value_panels * P;
       scores.resize(kTileRows * width);
       partials.resize(parts * kTileRows * ldo);
       ml.resize(parts * kTileRows * 2);
-      for (int64_t t0 = 0; t0 < keys; t0 += L) {  // scores, a chunk of keys for the rows that see any of it
-        const float* k[L];
-        for (int64_t i = 0; i < L; ++i) k[i] = k_cache + slot(s, std::min(t0 + i, keys - 1)) + kvh * d;
-        const int first = static_cast<int>(std::max<int64_t>(0, t0 - p0 - r0));  // rows before it see none of it
+      for (int64_t t0 = 0; t0 < width; t0 += 2 * P) {  // scores, two panels of keys (or the last one) at a time
+        const int first = static_cast<int>(std::max<int64_t>(0, t0 - p0 - r0));  // rows before them see none
+        const bool two = t0 + P < width;
         for (int r = first; r < rows; r += kRowsAtOnce) {
           const float* qr[kRowsAtOnce];
           float* o[kRowsAtOnce];
@@ -270,7 +290,8 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
             qr[i] = q + ((row0[s] + r0 + ri) * heads + h) * d;
             o[i] = scores.data() + ri * width + t0;
           }
-          tile_scores<V, kRowsAtOnce, 4>(qr, k, scale, o);
+          if (two) panel_scores<V, kRowsAtOnce, 2>(qr, kp + t0 * d, d, scale, o);
+          else panel_scores<V, kRowsAtOnce, 1>(qr, kp + t0 * d, d, scale, o);
         }
       }
       for (int r = 0; r < rows; ++r) {  // per partition of the row's own keys: m_p, its e's and l_p; later keys 0

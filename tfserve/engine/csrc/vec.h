@@ -136,6 +136,18 @@ struct Vec {  // plain C++; the compiler vectorises what it can
 };
 #endif
 
+// Keeps a loaded vector in a register for its several uses: the compiler would otherwise fold the load into
+// each multiply-add, and a core that loads one 512-bit vector a cycle then waits on its loads, not its FMAs.
+inline void in_register(Vec& v) {
+#if TFS_AVX512 || TFS_AVX2
+  asm("" : "+v"(v.v));
+#elif TFS_NEON
+  asm("" : "+w"(v.v));
+#else
+  (void)v;
+#endif
+}
+
 // Lane i of the result is a[i].sum(), for Vec::N vectors: the scores of Vec::N tokens from their dot
 // products' partial sums, in a few shuffles where the ISA has pairwise adds (each lane's order is fixed).
 inline Vec sums(const Vec* a) {
@@ -166,6 +178,26 @@ inline Vec sums(const Vec* a) {
   alignas(64) float s[Vec::N];
   for (int i = 0; i < Vec::N; ++i) s[i] = a[i].sum();
   return Vec::load(s);
+#endif
+}
+
+// The sums of `sums`, for partials turned: p[l] holds lane l's partial of Vec::N rows, one row per lane of the
+// result; lane c of the result is row c's sum in the very pairing `sums` adds it (vertical adds only), so a
+// prompt's tiles, whose lanes run across keys, give each score the decode kernel's bits.
+inline Vec fold(const Vec* p) {
+#if TFS_AVX512  // sums: halves (l + 8), quarters (l + 4), pairs (l + 2), then the last two
+  Vec e[8], f[4];
+  for (int l = 0; l < 8; ++l) e[l] = p[l] + p[l + 8];
+  for (int l = 0; l < 4; ++l) f[l] = e[l] + e[l + 4];
+  return (f[0] + f[2]) + (f[1] + f[3]);
+#elif TFS_AVX2  // sums: neighbours, then pairs of them, then the two halves
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+#elif TFS_NEON
+  return (p[0] + p[1]) + (p[2] + p[3]);
+#else  // sums: each lane's Vec::sum, in order from 0
+  Vec s = Vec::zero();
+  for (int l = 0; l < Vec::N; ++l) s = s + p[l];
+  return s;
 #endif
 }
 
