@@ -54,13 +54,23 @@ inline float row_max(float* s, int64_t n, int64_t padded) {
   return mv.max();
 }
 
-// A partition's e's in place (s[n, padded) to 0), from its max; returns l_p.
+// A partition's e's in place (s[n, padded) to 0), from its max; returns l_p. One pass: each vector's e's are
+// summed as they are stored; the last, part-filled one with its lanes from n on as 0.
 inline float exp_sum(float* s, int64_t n, int64_t padded, float mx) {
-  std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < padded; i += Vec::N) exp(Vec::load(s + i) - Vec::set1(mx)).store(s + i);
-  std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
+  const Vec m = Vec::set1(mx);
   Vec lv = Vec::zero();
-  for (int64_t i = 0; i < padded; i += Vec::N) lv = lv + Vec::load(s + i);
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) {
+    const Vec e = exp(Vec::load(s + i) - m);
+    e.store(s + i);
+    lv = lv + e;
+  }
+  if (i < padded) {
+    std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
+    exp(Vec::load(s + i) - m).store(s + i);
+    std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
+    lv = lv + Vec::load(s + i);
+  }
   return lv.sum();
 }
 
