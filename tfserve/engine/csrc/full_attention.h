@@ -1,10 +1,12 @@
-// Attention of every query over every key of its window, no mask: Whisper's encoder (1500 frames, 6-20 heads of
-// 64), which torch's CPU flash attention ran at about half the speed of our GEMM tiles. A window's head is packed
-// once into panels (its keys as the "weight" of the scores, its values as the weight of the output), then each
-// tile of kTileRows queries computes its scores against every key with the linear kernel's tile (linear.h), an
-// exact softmax over the whole row (one row of 1500 scores stays in L1/L2: no online rescaling), and the
-// weighted values with the same tile. Rows are independent: a query's result does not depend on the thread or
-// on the other windows.
+// Attention on the linear kernel's tiles (linear.h). Two kernels:
+// - full_attention: every query over every key of its window, no mask: Whisper's encoder (1500 frames, 6-20 heads
+//   of 64), which torch's CPU flash attention ran at about half the speed. A window's head is packed once into
+//   panels (its keys as the "weight" of the scores, its values as the weight of the output), then each tile of
+//   kTileRows queries computes its scores against every key with the linear kernel's tile, an exact softmax over
+//   the whole row (one row of 1500 scores stays in L1/L2: no online rescaling), and the weighted values with the
+//   same tile. Rows are independent: a query's result does not depend on the thread or on the other windows.
+// - prompt_attention: a prompt's rows, causal over the paged cache, each row in the decode kernel's arithmetic
+//   (written down below, before the helpers both kernels share), so that it is the same bits as that row's decode.
 #pragma once
 #include "torch_api.h"
 #include <limits>
@@ -228,7 +230,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
 #endif
   static_assert(T % P == 0 && P % L == 0, "partitions are whole panels, panels whole vectors");
   const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * d, value_panels = (d + P - 1) / P;
-  // per sequence: its first row, its keys padded to panels, where its packed values start, its first item
+  // per sequence: its first row, its keys padded to panels, where its packed keys and values start, its first item
   std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
   std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -238,8 +240,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
     tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
     pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
   }
-  // each sequence's keys' offsets in the caches, worked out once (a division per key for every tile cost more
-  // than its multiply-adds)
+  // each sequence's keys' offsets in the caches, worked out once for all its KV heads
   std::vector<int64_t> slots_at(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
   std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
@@ -356,7 +357,8 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto kl = key_lens.to(torch::kInt64).contiguous();
   auto ql = q_lens.to(torch::kInt64).contiguous();
   const int64_t num_seqs = ql.numel(), block_size = k_cache.size(1);
-  TORCH_CHECK(kl.numel() == num_seqs && bt.dim() == 2 && bt.size(0) == num_seqs, "one table, key and row count a sequence");
+  TORCH_CHECK(kl.numel() == num_seqs && bt.dim() == 2 && bt.size(0) == num_seqs,
+              "one table, key and row count a sequence");
   int64_t rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t n = ql.data_ptr<int64_t>()[s], keys = kl.data_ptr<int64_t>()[s];

@@ -39,9 +39,9 @@ static void pack_panels(const W* src, W* dst, int64_t n, int64_t k) {
 }
 
 // y[r, :] = x[r] @ panels + bias for R rows and NP consecutive panels (the last one may be cut to `cols`).
-// x: [R, k] (row stride ldx, or k where it is 0); y: row stride ldy. Few rows take several panels at once so that enough
-// independent multiply-adds are in flight (one row of one panel would wait on each FMA's latency); each
-// column still sums over k in order, so its result does not depend on R or NP.
+// x: [R, k] (row stride ldx, or k where it is 0); y: row stride ldy. Few rows take several panels at once so
+// that enough independent multiply-adds are in flight (one row of one panel would wait on each FMA's latency);
+// each column still sums over k in order, so its result does not depend on R or NP.
 template <int R, int NP, typename W>
 static inline void linear_tile(const float* x, int64_t k, const W* panel, const float* bias, float* y,
                                int64_t ldy, int64_t cols, int64_t ldx = 0) {
