@@ -170,6 +170,26 @@ def test_prompt_tiles_give_each_row_the_decode_kernels_bits(ops, num_heads, num_
         assert torch.equal(part, got[first + a:first + b])
 
 
+def test_prompt_tiles_over_a_long_context(ops):
+    """Rows at the end of a 33,000-key context (258 partitions, more than the merge keeps on the stack): each
+    the decode kernel's bits, and the torch path's result within rounding."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_dim, block_size = 2, 1, ops.vec_width, 64
+    chunks = [(33_000 - 3, 3)]
+    k_cache, v_cache, tables, q = _prompt_case(gen, num_heads, num_kv_heads, head_dim, block_size, chunks,
+                                               num_blocks=520)
+    group = AttentionGroup.prefills(chunks, tables)
+    rows = q.transpose(0, 1).contiguous()
+    got = ops.paged_prompt_attention(rows, k_cache, v_cache, group.block_tables, group.key_lens, group.query_lens(),
+                                     0.25)
+    for i in range(3):
+        alone = ops.paged_decode_attention(rows[i:i + 1], k_cache, v_cache, group.block_tables,
+                                           torch.tensor([chunks[0][0] + i + 1]), 0.25, -1, 0.0)
+        assert torch.equal(got[i], alone[0])
+    expected = _group_attention(q, k_cache, v_cache, group, num_heads // num_kv_heads, 0.25, None, block_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_prompt_tiles_refuse_what_they_cannot_read(ops):
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache, tables, q = _prompt_case(gen, 4, 2, 64, 16, [(0, 20)], num_blocks=8)

@@ -82,8 +82,8 @@ inline void merge_partitions(const float* m, const float* l, int64_t ml_stride, 
                              int64_t parts, int64_t d, float* out) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[p * ml_stride]);
-  float w[64], sum = 0.f;
-  std::unique_ptr<float[]> more(parts > 64 ? new float[parts] : nullptr);
+  float w[256], sum = 0.f;  // 32768 keys; longer contexts take the heap
+  std::unique_ptr<float[]> more(parts > 256 ? new float[parts] : nullptr);
   float* ws = more ? more.get() : w;
   for (int64_t p = 0; p < parts; ++p) {
     ws[p] = std::exp(m[p * ml_stride] - mx);
