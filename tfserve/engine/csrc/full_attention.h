@@ -68,9 +68,8 @@ inline float exp_sum(float* s, int64_t n, int64_t padded, float mx) {
     lv = lv + e;
   }
   if (i < padded) {
-    std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
     exp(Vec::load(s + i) - m).store(s + i);
-    std::fill(s + n, s + padded, 0.f);  // exp's far tail is tiny, not 0
+    std::fill(s + n, s + padded, 0.f);  // the lanes past n, whatever exp made of them
     lv = lv + Vec::load(s + i);
   }
   return lv.sum();
@@ -233,10 +232,12 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   // per sequence: its first row, its keys padded to panels, where its packed keys and values start, its first item
   std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
   std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
+  // per (sequence, KV head): keys [panels][d][P] (the scores' panels), then values [value_panels][tp][P]
+  auto head_floats = [&](int64_t s) { return tp[s] * d + value_panels * tp[s] * P; };
   for (int64_t s = 0; s < num_seqs; ++s) {
     row0[s + 1] = row0[s] + q_lens[s];
     tp[s] = (key_lens[s] + P - 1) / P * P;
-    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] * d + value_panels * tp[s] * P) : 0);
+    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * head_floats(s) : 0);
     tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
     pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
   }
@@ -251,15 +252,12 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   }
   auto slot = [&](int64_t s, int64_t t) { return slot_offsets[slots_at[s] + t]; };
   std::unique_ptr<float[]> packed(new float[std::max<int64_t>(packed_at[num_seqs], 1)]);
-  // per (sequence, KV head): keys [panels][d][P] (the scores' panels), then values [value_panels][tp][P]
-  auto packed_keys = [&](int64_t s, int64_t kvh) {
-    return packed.get() + packed_at[s] + kvh * (tp[s] * d + value_panels * tp[s] * P);
-  };
+  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + packed_at[s] + kvh * head_floats(s); };
   parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {
     const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
     const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
-    float* kp = packed_keys(s, kvh) + p * d * P;
     float* vp = packed_keys(s, kvh) + tp[s] * d;
+    float* kp = packed_keys(s, kvh) + p * d * P;
     std::fill(kp, kp + d * P, 0.f);
     for (int64_t c = 0; c < P; ++c) {
       const int64_t t = p * P + c;
