@@ -83,6 +83,17 @@ def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
     torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
 
 
+def _assert_rows_are_decodes(ops, got, rows, k_cache, v_cache, chunks, tables, scale, window=-1):
+    """Every packed prompt row of `got` is bit for bit what the decode kernel gives that position alone."""
+    token = 0
+    for row, (start, n) in enumerate(chunks):
+        for i in range(n):
+            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, torch.tensor([tables[row]]),
+                                               torch.tensor([start + i + 1]), scale, window, 0.0)
+            assert torch.equal(got[token], alone[0]), (row, i)
+            token += 1
+
+
 @pytest.mark.parametrize("sliding_window", [None, 37])
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_window, head_dim):
@@ -110,13 +121,7 @@ def test_prompt_rows_attend_as_decodes_of_each_row(ops, monkeypatch, sliding_win
                                 block_size)
     got = attention._row_attention(ops, rows, k_cache, v_cache, group(), scale, sliding_window or -1, 0.0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    token = 0
-    for row, (start, n) in enumerate(chunks):
-        for i in range(n):
-            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, torch.tensor([tables[row]]),
-                                               torch.tensor([start + i + 1]), scale, sliding_window or -1, 0.0)
-            assert torch.equal(got[token], alone[0]), (row, i)
-            token += 1
+    _assert_rows_are_decodes(ops, got, rows, k_cache, v_cache, chunks, tables, scale, sliding_window or -1)
     monkeypatch.setattr(attention, "ROW_ATTENTION_BYTES", 4 * num_heads * (head_dim + 2) * 50)  # ~50 partitions
     calls = []
     counted = type("Counted", (), {"paged_decode_attention": lambda self, *a, **k: calls.append(1)
@@ -155,13 +160,7 @@ def test_prompt_tiles_give_each_row_the_decode_kernels_bits(ops, num_heads, num_
     expected = _group_attention(q, k_cache, v_cache, AttentionGroup.prefills(chunks, tables),
                                 num_heads // num_kv_heads, scale, None, block_size)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    token = 0
-    for row, (start, n) in enumerate(chunks):
-        for i in range(n):
-            alone = ops.paged_decode_attention(rows[token:token + 1], k_cache, v_cache, torch.tensor([tables[row]]),
-                                               torch.tensor([start + i + 1]), scale, -1, 0.0)
-            assert torch.equal(got[token], alone[0]), (row, i)
-            token += 1
+    _assert_rows_are_decodes(ops, got, rows, k_cache, v_cache, chunks, tables, scale)
     # the 290-token prompt again in three chunks, each alone: the same bits
     first = sum(n for _, n in chunks[:3])
     for a, b in ((0, 100), (100, 101), (101, 290)):
@@ -182,10 +181,7 @@ def test_prompt_tiles_over_a_long_context(ops):
     rows = q.transpose(0, 1).contiguous()
     got = ops.paged_prompt_attention(rows, k_cache, v_cache, group.block_tables, group.key_lens, group.query_lens(),
                                      0.25)
-    for i in range(3):
-        alone = ops.paged_decode_attention(rows[i:i + 1], k_cache, v_cache, group.block_tables,
-                                           torch.tensor([chunks[0][0] + i + 1]), 0.25, -1, 0.0)
-        assert torch.equal(got[i], alone[0])
+    _assert_rows_are_decodes(ops, got, rows, k_cache, v_cache, chunks, tables, 0.25)
     expected = _group_attention(q, k_cache, v_cache, group, num_heads // num_kv_heads, 0.25, None, block_size)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
