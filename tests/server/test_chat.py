@@ -28,6 +28,18 @@ def test_chat_completion_and_true_usage(server, tokenizer):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
 
 
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server):
+    """prompt_tokens_details.cached_tokens, as OpenAI reports it (LangChain and litellm read it for costs)."""
+    messages = [{"role": "user", "content": "cached prefix " * 40 + "end"}]
+    first = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    again = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    scored = server.client().completions.create(model=MODEL_NAME, prompt="cached prefix " * 40, max_tokens=1,
+                                                 n=3, seed=0, temperature=1)
+    assert 0 <= scored.usage.prompt_tokens_details.cached_tokens <= scored.usage.prompt_tokens
+
+
 def test_stream_chunks_are_shaped_as_openai_sends_them(server):
     body = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -279,3 +291,33 @@ def test_assistant_tool_calls_and_tool_results_render(server):
     ]
     reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=2)
     assert reply.usage.completion_tokens <= 2
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Pa', '["Paris"]', "Paris"])
+def test_past_calls_whose_arguments_are_not_an_object_go_back_as_written(server, tokenizer, arguments):
+    """A call max_tokens cut short (or a model's malformed JSON) is sent back as the reply gave it: OpenAI takes
+    any string, and the template shows the model what it wrote."""
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "user", "content": "try again"},
+    ]
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=2)
+    rendered = [*messages[:1], {**messages[1], "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        messages[2]]
+    assert reply.usage.prompt_tokens == prompt_len(tokenizer, rendered, TOOLS)
+    status, _, error = server.request("POST", "/v1/chat/completions", {
+        "model": MODEL_NAME, "max_tokens": 2, "messages": [messages[0], {**messages[1], "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": 7}}]}]})
+    assert status == 400 and error["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_an_assistant_refusal_in_the_history_is_what_it_said(server, tokenizer):
+    messages = [{"role": "user", "content": "help me"},
+                {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+                {"role": "user", "content": "ok"}]
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    rendered = [messages[0], {"role": "assistant", "content": "I can't help with that."}, messages[2]]
+    assert reply.usage.prompt_tokens == prompt_len(tokenizer, rendered)

@@ -45,12 +45,35 @@ def test_completion_legacy_logprobs(server):
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 10
     assert "".join(logprobs.tokens) == reply.choices[0].text or "\ufffd" in reply.choices[0].text
-    assert all(len(top) <= 2 and max(top.values()) >= lp for top, lp in zip(logprobs.top_logprobs,
-                                                                                logprobs.token_logprobs))
+    # the sampled token is always among them (OpenAI's legacy rule: up to logprobs + 1 entries)
+    assert all(len(top) <= 3 and top[token] >= lp for token, top, lp in zip(logprobs.tokens, logprobs.top_logprobs,
+                                                                               logprobs.token_logprobs))
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
     streamed = client.completions.create(model=MODEL_NAME, prompt="hello world", logprobs=2, stream=True, **GREEDY)
     tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert tokens == logprobs.tokens
+
+
+def test_completion_with_max_tokens_0_reads_the_prompt_only(server):
+    """OpenAI's minimum is 0: an empty completion, as vLLM gives, echo or not."""
+    reply = server.client().completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=0)
+    assert reply.choices[0].text == "" and reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens > 0
+
+
+def test_completion_legacy_logprobs_show_the_sampled_token(server):
+    """logprobs=0 shows the sampled token alone; a hot draw outside the top one shows beside it."""
+    client = server.client()
+    reply = client.completions.create(model=MODEL_NAME, prompt="My favourite animal is the", logprobs=0,
+                                      max_tokens=8, temperature=1.5, seed=3)
+    logprobs = reply.choices[0].logprobs
+    assert [list(top) for top in logprobs.top_logprobs] == [[token] for token in logprobs.tokens]
+    reply = client.completions.create(model=MODEL_NAME, prompt="My favourite animal is the", logprobs=1,
+                                      max_tokens=16, temperature=1.5, seed=3)
+    logprobs = reply.choices[0].logprobs
+    tops = logprobs.top_logprobs
+    assert all(list(top)[-1] == token for token, top in zip(logprobs.tokens, tops))
+    assert any(len(top) == 2 for top in tops)  # a token that was not the likeliest: the likeliest, then it
 
 
 def test_responses_whole(server, tokenizer):
@@ -60,6 +83,11 @@ def test_responses_whole(server, tokenizer):
     assert reply.object == "response" and reply.status == "incomplete"
     assert reply.incomplete_details.reason == "max_output_tokens"
     assert reply.instructions == "be brief" and reply.metadata == {"trace": "abc"}
+    assert reply.user is None and reply.service_tier == "default"
+    echoed = client.responses.create(model=MODEL_NAME, input="hello", max_output_tokens=1, user="u1",
+                                     safety_identifier="s1", prompt_cache_key="k1", top_logprobs=2)
+    assert (echoed.user, echoed.safety_identifier, echoed.prompt_cache_key, echoed.top_logprobs) == ("u1", "s1",
+                                                                                                     "k1", 2)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     expected = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
     assert reply.usage.input_tokens == expected and reply.usage.output_tokens == 6
@@ -76,6 +104,17 @@ def test_responses_message_list_input(server):
     assert reply.output[0].role == "assistant" and reply.usage.output_tokens <= 3
 
 
+def test_every_answer_carries_a_request_id(server):
+    """x-request-id, as OpenAI's answers do (the SDK's `_request_id`): the client's own when it sends one."""
+    reply = server.client().chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert reply.headers["x-request-id"].startswith("req_") and reply.parse().choices
+    status, headers, _ = server.request("GET", "/v1/models", headers={"X-Request-Id": "trace-42"})
+    assert status == 200 and headers["x-request-id"] == "trace-42"
+    status, headers, _ = server.request("GET", "/v1/nope", headers={"X-Request-Id": "bad id\twith tab"})
+    assert status == 404 and headers["x-request-id"].startswith("req_")
+
+
 def test_stored_responses_are_retrieved_listed_and_deleted(server):
     client = server.client()
     reply = client.responses.create(
@@ -83,6 +122,8 @@ def test_stored_responses_are_retrieved_listed_and_deleted(server):
         input=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "again"}]}])
     assert client.responses.retrieve(reply.id).model_dump() == reply.model_dump()
+    status, _, error = server.request("GET", f"/v1/responses/{reply.id}?stream=true")  # no background runs here
+    assert status == 400 and error["error"]["param"] == "stream"
     items = client.responses.input_items.list(reply.id, order="asc")
     assert [item.role for item in items.data] == ["user", "assistant", "user"]
     assert items.data[0].content[0].text == "hi" and len({item.id for item in items.data}) == 3

@@ -75,6 +75,28 @@ def test_named_tool_choice_in_the_responses_shape(server):
     assert item.name == "get_time" and json.loads(item.arguments) == {"zone": "UTC"}
 
 
+def test_allowed_tools_choice_calls_only_the_listed_tools(server, tokenizer):
+    """Both tools reach the template; a call must be of the allowed one, on /v1/responses and on chat."""
+    other = {**TOOL, "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}},
+                                                        "required": ["zone"]}}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    client = server.client()
+    for seed in range(3):
+        response = client.responses.create(**{**FORCED, "tools": [TOOL, other], "tool_choice": choice,
+                                              "extra_body": {"seed": seed}})
+        assert [item.name for item in response.output] == ["get_time"]
+    both = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in (TOOL, other)]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=both, max_tokens=80,
+        parallel_tool_calls=False, seed=1, temperature=0.9,
+        tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "get_time"}}]}})
+    assert [call.function.name for call in reply.choices[0].message.tool_calls] == ["get_time"]
+    assert reply.usage.prompt_tokens == len(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris?"}], tools=both, add_generation_prompt=True,
+        tokenize=True)["input_ids"])
+
+
 def test_text_format_json_schema_through_the_parse_helper(server):
     response = server.client().responses.parse(model=MODEL_NAME, input="Is it sunny?", text_format=Answer,
                                                temperature=0.7, extra_body={"seed": 1}, max_output_tokens=60)

@@ -15,8 +15,8 @@ from tfserve.server.errors import ApiError
 from tfserve.engine.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
 from tfserve.engine.structured import GrammarError, StructuredOutputs
 from tfserve.sampling_params import Grammar
-from tfserve.server.tool_choice import (apply_constraint, forced_tools, needs_special_tokens, text_or_calls,
-                                        tool_call_grammar)
+from tfserve.server.tool_choice import (after_first_turn, apply_constraint, callable_tools, forced_tools,
+                                        needs_special_tokens, text_or_calls, tool_call_grammar)
 from tiny import build_llama, build_tokenizer
 
 FUNCTIONS = [
@@ -180,6 +180,44 @@ def test_forced_tools_by_choice():
     with pytest.raises(ApiError) as error:
         forced_tools(tools, {"type": "function", "function": {"name": "nope"}})
     assert error.value.param == "tool_choice.function.name" and "get_weather" in error.value.message
+
+
+def test_allowed_tools_restrict_the_calls_in_both_shapes():
+    """OpenAI's allowed_tools: every tool stays offered (in the prompt), only the listed ones may be called;
+    "required" forces a call of one of them."""
+    tools = [{"type": "function", "function": f} for f in FUNCTIONS]
+    chat = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "ping"}}]}}
+    assert [f["name"] for f in forced_tools(tools, chat)] == ["ping"]
+    assert [f["name"] for f in callable_tools(tools, chat)] == ["ping"]
+    flat = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+    assert forced_tools(FUNCTIONS, flat) is None
+    assert [f["name"] for f in callable_tools(FUNCTIONS, flat)] == ["get_weather"]
+    assert callable_tools(tools, "none") == [] and len(callable_tools(tools, "auto")) == 2
+    later = after_first_turn({**flat, "mode": "required"})
+    assert later["mode"] == "auto" and forced_tools(FUNCTIONS, later) is None and after_first_turn("required") == "auto"
+    mcp = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp", "server_label": "wiki"}]}
+    assert [f["name"] for f in callable_tools(FUNCTIONS, mcp, lambda entry: ["ping"])] == ["ping"]
+
+
+@pytest.mark.parametrize("choice, param", [
+    ({"type": "allowed_tools", "mode": "sometimes", "tools": [{"type": "function", "name": "ping"}]},
+     "tool_choice.mode"),
+    ({"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice.tools"),
+    ({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function"}]}, "tool_choice.tools[0].name"),
+    ({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]},
+     "tool_choice.tools[0].name"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "web_search"}]}},
+     "tool_choice.allowed_tools.tools[0]"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "nope"}}]}}, "tool_choice.allowed_tools.tools[0].function.name"),
+    ({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp", "server_label": "x"}]},
+     "tool_choice.tools[0]"),
+])
+def test_a_wrong_allowed_tools_choice_names_its_field(choice, param):
+    with pytest.raises(ApiError) as error:
+        callable_tools(FUNCTIONS, choice)
+    assert error.value.status == 400 and error.value.param == param
 
 
 def test_a_calls_grammar_that_fails_whole_keeps_the_engines_first_line():

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
+import uuid
 from collections.abc import Sequence
 from http import HTTPStatus
 
@@ -47,6 +49,7 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     )
     app[STATE] = state
     app[API_KEY] = api_key
+    app.on_response_prepare.append(_request_id)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/responses", responses.create_response)
@@ -70,6 +73,16 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
         for route in list(app.router.routes()):
             cors.add(route)
     return app
+
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's own X-Request-Id: printable ASCII, kept short
+
+
+async def _request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer carries `x-request-id` (as OpenAI's do; the SDK shows it as `_request_id`): the client's own
+    X-Request-Id where it sent a sane one (vLLM's rule), else a new one."""
+    given = request.headers.get("X-Request-Id", "")
+    response.headers["x-request-id"] = given if _REQUEST_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
 
 
 def json_errors(runner: web.AppRunner) -> None:

@@ -10,10 +10,9 @@ from typing import Any
 from aiohttp import web
 
 from tfserve.server import chat_functions
-from tfserve.server.body import loads
 from tfserve.server.chat_mcp import chat_with_mcp
 from tfserve.server.chat_prompt import (parse_tools, render_chat, render_multimodal, render_options, template_kwargs,
-                                        text_chars)
+                                        template_arguments, text_chars)
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, check_text_fits, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown, top_count
@@ -25,7 +24,7 @@ from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.response_format import requested_grammar
 from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, cut_short, detect_format, merge
-from tfserve.server.tool_choice import apply_constraint, forced_tools, reply_constraint
+from tfserve.server.tool_choice import apply_constraint, callable_tools, forced_tools, reply_constraint
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: a legacy call's result
 
@@ -98,6 +97,8 @@ def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Ima
             field(message, "name", str, required=True, param=f"{where}.name")
             role = "tool"
         content = message.get("content")
+        if content is None and role == "assistant":  # a refusal's message: what the model said is its refusal
+            content = field(message, "refusal", str, param=f"{where}.refusal")
         if content is None and not tool_calls:
             raise bad_request(f"{where}.content is required", f"{where}.content")
         if content == []:  # as OpenAI: a list of parts holds at least one
@@ -123,12 +124,7 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
         raise bad_request(f"{where} must be an object with a function", where)
     function = call["function"]
     name = field(function, "name", str, required=True, param=f"{where}.function.name")
-    arguments = function.get("arguments") or "{}"
-    if isinstance(arguments, str):
-        arguments = loads(arguments, f"{where}.function.arguments")
-    if not isinstance(arguments, dict):
-        raise bad_request(f"{where}.function.arguments must be a JSON object string",
-                          f"{where}.function.arguments")
+    arguments = template_arguments(function.get("arguments") or "{}", f"{where}.function.arguments")
     return {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -150,7 +146,7 @@ async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_f
     forced = forced_tools(tools, tool_choice) if tools else None
     parallel = field(body, "parallel_tool_calls", bool, True)
     tokenizer = state.engine.tokenizer
-    offered = forced_tools(tools, "required") if tools and tool_choice != "none" else []
+    offered = callable_tools(tools, tool_choice) if tools else []
     constraint = reply_constraint(constraint, tool_format, offered, forced, parallel, tokenizer)
     await apply_constraint(state.engine, kwargs, constraint, forced, tools, tool_format, tokenizer)
 

@@ -5,6 +5,7 @@ the client's function `tools`, the template variables, and the prompt ids throug
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any
 
@@ -61,10 +62,25 @@ def refuse_tool_choice_without_tools(body: dict[str, Any], mcp: bool = False) ->
     tools is theirs to check."""
     tool_choice = tool_choice_of(body)
     if tool_choice in (None, "auto", "none") or (mcp and (tool_choice == "required" or (
-            isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp"))):
+            isinstance(tool_choice, dict) and tool_choice.get("type") in ("mcp", "allowed_tools")))):
         return
     raise bad_request("tool_choice asks for a tool call but the request has no tools: it is only allowed when "
                       "tools are specified", "tool_choice")
+
+
+def template_arguments(arguments: Any, where: str) -> Any:
+    """A past tool call's `arguments` (field `where`) as chat templates take them: the object its JSON string
+    holds (HF's convention), else the string as sent, which OpenAI takes back too (a call that max_tokens cut
+    short, a model's malformed JSON): the template writes it as the model wrote it."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str):
+        raise bad_request(f"{where} must be a string, not {type(arguments).__name__}", where)
+    try:
+        value = json.loads(arguments or "{}")
+    except (ValueError, RecursionError):
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 _SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}

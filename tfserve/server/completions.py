@@ -33,8 +33,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
         prompts = await in_daemon_thread(parse_prompts, *args)
     echo = field(body, "echo", bool, False)
-    # echo with max_tokens 0 scores the prompt (lm-eval-harness's loglikelihood): one token is generated, unseen
-    score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    # max_tokens 0 (OpenAI's minimum) only reads the prompt: with echo and logprobs, it scores the prompt
+    # (lm-eval-harness's loglikelihood); one token is generated to finish it, unseen
+    score_only = type(body.get("max_tokens")) is int and body["max_tokens"] == 0
     kwargs = sampling_kwargs({**body, "max_tokens": 1} if score_only else body, default_max_tokens=16)
     constraint = requested_grammar(body)  # vLLM takes response_format and structured_outputs here too
     if constraint is not None:
@@ -189,7 +190,7 @@ class _Reply(Reply):
 
 
 async def _prompt_only(outputs, usage):
-    """The outputs of a prompt scoring (echo, max_tokens 0), without the one token generated to finish it."""
+    """The outputs of a prompt read alone (max_tokens 0), without the one token generated to finish it."""
     async for index, output in outputs:
         if output.finished:
             usage.completion_tokens -= len(output.generated_tokens)

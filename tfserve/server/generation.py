@@ -36,9 +36,15 @@ class Usage:
     started: float = field(default_factory=time.perf_counter)
     outputs: list[Any] = field(default_factory=list)  # each sequence's final RequestOutput (for telemetry)
 
-    def to_openai(self) -> dict[str, int]:
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt tokens read from the prefix cache (n sequences of one prompt count it once)."""
+        return min(self.num_cached_tokens, self.prompt_tokens)
+
+    def to_openai(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 USAGE = web.RequestKey("tfserve_usage", Usage)  # request[USAGE]: what the access logger prints

@@ -101,10 +101,7 @@ def completion_logprobs(entries: list[dict], texts: TokenTexts, text_offset: int
         token, _ = texts(entry["token_id"])
         result["tokens"].append(token)
         result["token_logprobs"].append(_finite(entry["logprob"]))
-        top: dict[str, float] = {}
-        for token_id, logprob in entry["top"]:  # two tokens may show as the same string: keep the likelier
-            top.setdefault(texts(token_id)[0], _finite(logprob))
-        result["top_logprobs"].append(top)
+        result["top_logprobs"].append(_legacy_top(token, entry, texts))
         result["text_offset"].append(text_offset)
         text_offset += len(token)
     return result
@@ -166,11 +163,18 @@ def echo_logprobs(prompt_ids: list[int], entries: list[dict | None], texts: Toke
             result["top_logprobs"].append(None)
             continue
         result["token_logprobs"].append(_finite(entry["logprob"]))
-        top: dict[str, float] = {}
-        for token_id, logprob in entry["top"][:num_top]:  # as completion_logprobs: the likelier of equal strings
-            top.setdefault(texts(token_id)[0], _finite(logprob))
-        result["top_logprobs"].append(top)
+        result["top_logprobs"].append(_legacy_top(token, entry, texts, num_top))
     return result
+
+
+def _legacy_top(token: str, entry: dict, texts: TokenTexts, num_top: int | None = None) -> dict[str, float]:
+    """A legacy `top_logprobs` entry: string -> logprob of the `num_top` likeliest tokens (of two that show as the
+    same string, the likelier), then the token itself, which OpenAI always adds (up to logprobs + 1 entries)."""
+    top: dict[str, float] = {}
+    for token_id, logprob in entry["top"][:num_top]:
+        top.setdefault(texts(token_id)[0], _finite(logprob))
+    top.setdefault(token, _finite(entry["logprob"]))
+    return top
 
 
 def _finite(logprob: float) -> float:

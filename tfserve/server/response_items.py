@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-from tfserve.server.body import loads
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
-from tfserve.server.chat_prompt import check_function_names, check_schema, refuse_tool_choice_without_tools
+from tfserve.server.chat_prompt import (check_function_names, check_schema, refuse_tool_choice_without_tools,
+                                         template_arguments)
 from tfserve.server.protocol import field, one_of, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -92,10 +92,7 @@ def _template_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     name = field(item, "name", str, required=True, param=f"{where}.name")
     call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
     raw = field(item, "arguments", str, "{}", param=f"{where}.arguments")
-    arguments = loads(raw or "{}", f"{where}.arguments")
-    if not isinstance(arguments, dict):
-        raise bad_request(f"{where}.arguments must be a JSON object string", f"{where}.arguments")
-    # chat templates take arguments as a mapping (HF convention)
+    arguments = template_arguments(raw, f"{where}.arguments")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -8,11 +8,11 @@ OpenAI's event (output_item.added, its deltas, output_item.done ...), every even
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
+from tfserve.server.chat_prompt import template_arguments
 from tfserve.server.logprobs import chat_logprobs, shown
 from tfserve.server.mcp_tools import McpOffer, error_text
 from tfserve.server.reasoning import Reasoning
@@ -326,6 +326,11 @@ class ResponseOutput:
             "tool_choice": body.get("tool_choice", "auto"), "tools": echo_tools(body.get("tools") or []),
             "top_p": self.params.top_p, "truncation": body.get("truncation") or "disabled",
             "metadata": body.get("metadata") or {},
+            # as the request gave them (service_tier: the tier it ran on, which here is the one there is; the
+            # schema has `user`, deprecated, as a string only: absent when not given)
+            "safety_identifier": body.get("safety_identifier"), "prompt_cache_key": body.get("prompt_cache_key"),
+            "top_logprobs": body.get("top_logprobs"), "service_tier": "default",
+            **({"user": body["user"]} if body.get("user") is not None else {}),
             "completed_at": int(time.time()) if status == "completed" else None,
             # OpenAI's schema types usage as an object: absent, not null, until there is one
             **({"usage": _usage(usage, self.num_reasoning_tokens)} if final is not None else {}),
@@ -336,13 +341,9 @@ CALL_TYPES = ("function_call", "mcp_call", "mcp_approval_request")
 
 
 def _chat_call(call_id: str, name: str, arguments: str) -> dict:
-    """A call as chat templates read it: arguments as a mapping (HF convention), not OpenAI's JSON string."""
-    try:
-        value = json.loads(arguments or "{}")
-    except (ValueError, RecursionError):
-        value = {}
+    """A call as chat templates read it (`template_arguments`: the arguments' object, HF's convention)."""
     return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": value if isinstance(value, dict) else {}}}
+            "function": {"name": name, "arguments": template_arguments(arguments, "arguments")}}
 
 
 def _text_part(text: str) -> dict:
@@ -351,8 +352,7 @@ def _text_part(text: str) -> dict:
 
 def _usage(usage: Any, num_reasoning_tokens: int) -> dict:
     # the prompt tokens not read from the prefix cache were computed and written to it
-    details = {"cached_tokens": usage.num_cached_tokens,
-               "cache_write_tokens": usage.prompt_tokens - usage.num_cached_tokens}
+    details = {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens}
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": details,
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},

@@ -138,7 +138,11 @@ async def count_input_tokens(request: web.Request) -> web.Response:
 
 
 async def get_response(request: web.Request) -> web.Response:
-    """GET /v1/responses/{id}: a stored response as it was returned."""
+    """GET /v1/responses/{id}: a stored response as it was returned. `?stream=true` (OpenAI's replay of a
+    background response's events) is a 400: no response runs in the background here, so none has events left."""
+    if request.query.get("stream", "false").lower() not in ("false", "0"):
+        raise bad_request("stream is only for background responses, which this server does not run: retrieve the "
+                          "response without stream", "stream")
     return web.json_response(request.app[STATE].responses.find(request.match_info["response_id"]).response)
 
 

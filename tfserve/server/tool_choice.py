@@ -11,13 +11,14 @@ from typing import Any
 from tfserve.engine.structured import JSON_OPTIONS
 from tfserve.sampling_params import Grammar
 from tfserve.server.errors import ApiError, bad_request
-from tfserve.server.protocol import field
+from tfserve.server.protocol import field, one_of
 from tfserve.server.response_format import compile_grammar
 from tfserve.engine.tool_calls import ToolCallFormat
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # the 400 for a tool_choice of no shape this server takes
-_SHAPES = '{where} must be none, auto, required or {{"type": "function", "function": {{"name": ...}}}}'
+_SHAPES = ('{where} must be none, auto, required, a function\'s object ({{"type": "function", ...}}), an MCP '
+           'server\'s ({{"type": "mcp", ...}}) or {{"type": "allowed_tools", ...}}')
 
 
 def tool_choice_of(body: dict[str, Any]) -> str | dict | None:
@@ -34,9 +35,12 @@ def _check_shape(tool_choice: str | dict | None, where: str) -> None:
     (`{"type": "mcp", ...}`, which mcp_tools checks)."""
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         return
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("function", "mcp"):
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("function", "mcp", "allowed_tools"):
         raise bad_request(_SHAPES.format(where=where), where)
     if tool_choice["type"] == "mcp":
+        return
+    if tool_choice["type"] == "allowed_tools":
+        allowed_tools(tool_choice, where)
         return
     named = tool_choice.get("function", tool_choice)
     if not isinstance(named, dict):
@@ -45,27 +49,92 @@ def _check_shape(tool_choice: str | dict | None, where: str) -> None:
           param=f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
 
 
-def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, where: str = "tool_choice"
-                 ) -> list[dict[str, Any]] | None:
-    """The function definitions a reply must call one of: all for "required", the named one for
-    `{"type": "function", "function": {"name": ...}}` (or the Responses API's `{"type": "function", "name": ...}`),
-    None when the model may answer freely ("auto", "none", absent). 400 for a name not in `tools`."""
-    if tool_choice is None or tool_choice in ("auto", "none"):
-        return None
+def allowed_tools(tool_choice: dict[str, Any], where: str = "tool_choice") -> tuple[str, list[tuple[str, dict]]]:
+    """OpenAI's `{"type": "allowed_tools", ...}` choice, checked: its mode ("auto" or "required") and its tools,
+    each with its field. Chat nests them (`{"allowed_tools": {"mode", "tools": [{"type": "function", "function":
+    {"name"}}]}}`); the Responses API does not (`{"mode", "tools": [{"type": "function", "name"}, {"type": "mcp",
+    "server_label", "name"?}]}`)."""
+    inner, base = tool_choice, where
+    if "allowed_tools" in tool_choice:
+        base = f"{where}.allowed_tools"
+        inner = field(tool_choice, "allowed_tools", dict, required=True, param=base)
+    mode = one_of(field(inner, "mode", str, required=True, param=f"{base}.mode"), ("auto", "required"),
+                  f"{base}.mode")
+    entries = field(inner, "tools", list, required=True, param=f"{base}.tools")
+    if not entries:
+        raise bad_request(f"{base}.tools must list at least one tool", f"{base}.tools")
+    checked = []
+    for i, entry in enumerate(entries):
+        at = f"{base}.tools[{i}]"
+        if not isinstance(entry, dict) or entry.get("type") not in ("function", "mcp"):
+            raise bad_request(f'{at} must be {{"type": "function", "name": ...}} or {{"type": "mcp", ...}}', at)
+        if entry["type"] == "function":
+            named = entry["function"] if isinstance(entry.get("function"), dict) else entry
+            field(named, "name", str, required=True,
+                  param=f"{at}.function.name" if named is not entry else f"{at}.name")
+        checked.append((at, entry))
+    return mode, checked
+
+
+def callable_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, mcp_names: Any = None
+                   ) -> list[dict[str, Any]]:
+    """The function definitions a reply may call: none under "none"; the listed ones under an `allowed_tools`
+    choice (the others stay in the prompt, as on OpenAI, but a call of them cannot be sampled); else all.
+    `mcp_names(entry)`: the tool names an allowed `mcp` entry stands for (the Responses API's MCP servers)."""
+    if tool_choice == "none":
+        return []
     # chat's tools nest the function; the Responses API's are flat (where a stray "function" key means nothing)
     functions = [tool["function"] if isinstance(tool.get("function"), dict) else tool for tool in tools]
-    if tool_choice == "required":
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "allowed_tools":
         return functions
-    _check_shape(tool_choice, where)
-    if tool_choice.get("type") != "function":  # an MCP server's choice, on a request without mcp tools
-        raise bad_request(_SHAPES.format(where=where), where)
-    name = tool_choice.get("function", tool_choice)["name"]
+    names: set[str] = set()
+    for at, entry in allowed_tools(tool_choice)[1]:
+        if entry["type"] == "mcp":
+            if mcp_names is None:
+                raise bad_request(f"{at} names an MCP server, but the request has no mcp tools", at)
+            names.update(mcp_names(entry))
+            continue
+        names.add(_named(functions, entry, at)[0]["name"])
+    return [f for f in functions if f.get("name") in names]
+
+
+def _named(functions: list[dict[str, Any]], choice: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The function `choice` names (`{"function": {"name"}}` or a flat `{"name"}`), from `functions`; 400 naming
+    the field `where` holds when there is none."""
+    nested = isinstance(choice.get("function"), dict)
+    name = (choice["function"] if nested else choice)["name"]
     chosen = [f for f in functions if f.get("name") == name]
     if not chosen:
         known = ", ".join(repr(f.get("name")) for f in functions) or "none"
         raise bad_request(f"{where} names the function {name!r}, which is not in tools (tools: {known})",
-                          f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
+                          f"{where}.function.name" if nested else f"{where}.name")
     return chosen
+
+
+def after_first_turn(tool_choice: str | dict | None) -> str | dict:
+    """The choice of a tool loop's later turns: "auto" (a forced call is made once), within the allowed tools."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        return {"type": "allowed_tools", "mode": "auto", "tools": [entry for _, entry in allowed_tools(tool_choice)[1]]}
+    return "auto"
+
+
+def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, where: str = "tool_choice",
+                 mcp_names: Any = None) -> list[dict[str, Any]] | None:
+    """The function definitions a reply must call one of: all for "required", the named one for
+    `{"type": "function", "function": {"name": ...}}` (or the Responses API's `{"type": "function", "name": ...}`),
+    the listed ones for an `allowed_tools` choice of mode "required", None when the model may answer freely
+    ("auto", "none", absent, `allowed_tools` of mode "auto"). 400 for a name not in `tools`."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    functions = callable_tools(tools, tool_choice, mcp_names)
+    if tool_choice == "required":
+        return functions
+    _check_shape(tool_choice, where)
+    if tool_choice.get("type") == "allowed_tools":
+        return functions if allowed_tools(tool_choice, where)[0] == "required" else None
+    if tool_choice.get("type") != "function":  # an MCP server's choice, on a request without mcp tools
+        raise bad_request(_SHAPES.format(where=where), where)
+    return _named(functions, tool_choice, where)
 
 
 def tool_call_grammar(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any) -> Grammar:

@@ -5,6 +5,7 @@ output's business (response_output, chat_mcp)."""
 
 from __future__ import annotations
 
+import functools
 from contextlib import aclosing
 from typing import Any
 
@@ -17,7 +18,8 @@ from tfserve.server.reasoning import reasoning_for
 from tfserve.server.response_items import chat_tools
 from tfserve.server.sse import EventStream
 from tfserve.engine.tool_calls import detect_format
-from tfserve.server.tool_choice import apply_constraint, forced_tools, reply_constraint
+from tfserve.server.tool_choice import (after_first_turn, apply_constraint, callable_tools, forced_tools,
+                                        reply_constraint)
 
 
 def max_tool_calls_of(body: dict[str, Any]) -> int:
@@ -54,23 +56,25 @@ class Turns:
 
     def tools(self, first: bool, tools_left: int) -> list[dict]:
         """The tools a turn offers the model (Responses-shaped): none under tool_choice "none"."""
-        tool_choice = self.tool_choice if first else "auto"
+        tool_choice = self.tool_choice if first else after_first_turn(self.tool_choice)
         # MCP tools count against max_tool_calls (OpenAI's rule for its built-in tools); a client's functions do not
         tools = self.functions + (self.offer.function_tools() if tools_left > 0 else [])
         return tools if tool_choice != "none" else []
 
     async def _kwargs(self, first: bool, tools_left: int) -> dict:
-        tool_choice = self.tool_choice if first else "auto"
+        tool_choice = self.tool_choice if first else after_first_turn(self.tool_choice)
         self.offered = self.tools(first, tools_left)
         kwargs = dict(self.kwargs)
         constraint = self.constraint
+        mcp_names = functools.partial(mcp_tools.mcp_choice, offer=self.offer)
         if isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp":
-            names = mcp_tools.mcp_choice(tool_choice, self.offer)
+            names = mcp_names(tool_choice)
             forced = [tool for tool in self.offered if tool["name"] in names]
         else:
-            forced = forced_tools(self.offered, tool_choice) if self.offered else None
+            forced = forced_tools(self.offered, tool_choice, mcp_names=mcp_names) if self.offered else None
+        callable_ = callable_tools(self.offered, tool_choice, mcp_names) if self.offered else []
         parallel = field(self.body, "parallel_tool_calls", bool, True)
-        constraint = reply_constraint(constraint, self.tool_format, self.offered, forced, parallel, self.tokenizer)
+        constraint = reply_constraint(constraint, self.tool_format, callable_, forced, parallel, self.tokenizer)
         await apply_constraint(self.state.engine, kwargs, constraint, forced, self.offered, self.tool_format,
                                self.tokenizer, field(self.body, "tools", list, []))
         return kwargs
