@@ -86,6 +86,10 @@ def test_a_named_function_call_is_enforced(server):
     ({"functions": []}, "functions"),
     ({"functions": ["get_weather"]}, "functions[0]"),
     ({"functions": {"name": "x"}}, "functions"),
+    # what the functions become (tools) is checked in the client's terms
+    ({"functions": [{}]}, "functions[0].name"),
+    ({"functions": [{"name": "a b"}]}, "functions[0].name"),
+    ({"functions": [{"name": "f", "parameters": {"type": "objekt"}}]}, "functions[0].parameters.type"),
     ({"messages": [*MESSAGES, {"role": "function", "content": "sunny"}]}, "messages[1].name"),
     ({"messages": [*MESSAGES, {"role": "assistant", "function_call": "x"}]}, "messages[1].function_call"),
 ])

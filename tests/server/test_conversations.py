@@ -75,6 +75,26 @@ def test_bad_conversation_requests_are_400s(server):
     assert server.request("GET", f"/v1/conversations/{conversation['id']}/items/nope")[0] == 404
 
 
+def test_item_ids_are_strings_and_unique(server):
+    """An id the client gives is a string, once per conversation (as OpenAI's "Duplicate item found"); an
+    item_reference is for a response's input, and the 400 here does not offer it."""
+    status, _, error = server.request("POST", "/v1/conversations", {"items": [
+        {"type": "message", "role": "user", "content": "a", "id": 5}]})
+    assert status == 400 and error["error"]["param"] == "items[0].id"
+    note = {"type": "message", "role": "user", "content": "a", "id": "note"}
+    status, _, error = server.request("POST", "/v1/conversations", {"items": [note, note]})
+    assert status == 400 and error["error"]["param"] == "items[1].id"
+    status, _, conversation = server.request("POST", "/v1/conversations", {"items": [note]})
+    path = f"/v1/conversations/{conversation['id']}/items"
+    status, _, error = server.request("POST", path, {"items": [{**note, "content": "again"}]})
+    assert status == 400 and error["error"]["param"] == "items[0].id"
+    assert server.request("GET", f"{path}/note")[2]["content"] == [{"type": "input_text", "text": "a"}]
+    status, _, error = server.request("POST", path, {"items": [{"type": "item_reference", "id": "note"}]})
+    assert status == 400 and "item_reference" not in error["error"]["message"].split("send")[1]
+    status, _, error = server.request("POST", "/v1/responses", {"model": MODEL_NAME, "input": [note, note]})
+    assert status == 400 and error["error"]["param"] == "input[1].id"
+
+
 def test_a_request_adds_at_most_20_items(server):
     """OpenAI's cap, on creating a conversation and on adding to one."""
     items = [{"type": "message", "role": "user", "content": f"note {i}"} for i in range(21)]

@@ -165,6 +165,21 @@ DEEP = "[" * 5000
     (CHAT, {"structured_outputs": {"json": DEEP}}, "structured_outputs.json"),
     (RESPONSES, {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 7}]},
      "input[0].arguments"),
+    # what OpenAI refuses too: a strict that is no boolean, a format name it does not take, a past call's odd
+    # id or type, an output modality that does not exist, metadata past its limits
+    (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "strict": "x"}}]}, "tools[0].function.strict"),
+    (RESPONSES, {"tools": [{**FLAT_TOOL, "strict": 1}]}, "tools[0].strict"),
+    (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "a.b", "schema": {}}}}, "text.format.name"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b!", "schema": {}}}},
+     "response_format.json_schema.name"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": 1, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls[0].id"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "zzz", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[1].tool_calls[0].type"),
+    (CHAT, {"modalities": [1, "a"]}, "modalities[0]"),
+    (CHAT, {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    (RESPONSES, {"metadata": {"k": "v" * 513}}, "metadata.k"),
 ])
 def test_odd_tool_and_schema_shapes_are_a_400(server, path, body, param):
     assert_400(server, path, {**BASE[path], **body}, param)

@@ -98,11 +98,13 @@ def test_tool_calls_whole_and_streamed(start_server):
         check("CreateChatCompletionStreamResponse", chunk)
 
 
-@pytest.mark.parametrize("extra", [{}, {"n": 2}, {"echo": True}, {"logprobs": 2}, {"prompt": ["a b", "c d"]}],
-                         ids=["plain", "n2", "echo", "logprobs", "two-prompts"])
+@pytest.mark.parametrize("extra", [{}, {"n": 2}, {"echo": True}, {"logprobs": 2}, {"prompt": ["a b", "c d"]},
+                                   {"stream_options": {"include_usage": True}}],
+                         ids=["plain", "n2", "echo", "logprobs", "two-prompts", "usage"])
 def test_completion_whole_and_streamed(server, extra):
     body = {**SHORT, "prompt": "hello world", **extra}
-    check("CreateCompletionResponse", post(server, "/v1/completions", body))
+    whole = {k: v for k, v in body.items() if k != "stream_options"}
+    check("CreateCompletionResponse", post(server, "/v1/completions", whole))
     for chunk in stream(server, "/v1/completions", body):
         # OpenAI streams the same object, finish_reason null until a choice's last chunk, which its published
         # schema (written for the whole object) does not allow for: check everything else

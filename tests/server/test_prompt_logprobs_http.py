@@ -75,11 +75,11 @@ def test_completion_prompt_logprobs_score_the_prompt_as_the_model_scores_its_out
                                       extra_body={"prompt_logprobs": 5})
     entries = reply.choices[0].model_extra["prompt_logprobs"]
     assert len(entries) == len(prompt_ids) + 1 and entries[0] is None
-    top = {}
-    for entry in sorted(entries[-1].values(), key=lambda e: e["rank"])[:5]:
-        top.setdefault(entry["decoded_token"], entry["logprob"])
+    # (the legacy field writes a token that is part of a character as "bytes:\\x..", vLLM's as U+FFFD: compare
+    # the logprobs, in rank order)
+    top = [entry["logprob"] for entry in sorted(entries[-1].values(), key=lambda e: e["rank"])[:5]]
     expected = sampled.choices[0].logprobs.top_logprobs[0]
-    assert list(top) == list(expected) and list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+    assert top == pytest.approx(list(expected.values()), abs=1e-4)
     for token_id, entry in zip(prompt_ids[1:] + [next_id], entries[1:]):
         own = entry[str(token_id)]  # the prompt's own token first, then the top 5 (6 keys when it is not among them)
         assert list(entry)[0] == str(token_id) and len(entry) in (5, 6)
@@ -131,3 +131,25 @@ def test_chat_without_generation_prompt(server, tokenizer):
                                                     extra_body={"add_generation_prompt": False})
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)["input_ids"]
     assert reply.usage.prompt_tokens == len(expected)
+
+
+def test_offsets_count_the_texts_characters_where_tokens_split_them(server, tokenizer):
+    """Byte-level tokens that hold part of a character (an emoji, CJK) show as OpenAI's legacy API writes them,
+    `bytes:\\x..`, and start where their character does: the offsets index the text, streamed or whole."""
+    client = server.client()
+    prompt = "Hello \u2603 world \U0001f31e!"
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    logprobs = scored.choices[0].logprobs
+    assert any(token.startswith("bytes:\\x") for token in logprobs.tokens)
+    world = logprobs.tokens.index(next(t for t in logprobs.tokens if "world" in t))
+    assert logprobs.text_offset[world] + logprobs.tokens[world].index("world") == prompt.index("world")
+    assert logprobs.text_offset[-1] == len(prompt) - 1  # "!"
+    # a random model's draws over a byte-level vocabulary: characters split across tokens, and bytes no character
+    body = dict(model=MODEL_NAME, prompt="x", logprobs=1, max_tokens=24, temperature=1.5, seed=5)
+    whole = client.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    streamed = {key: [v for c in chunks if c.logprobs for v in getattr(c.logprobs, key)]
+                for key in ("tokens", "text_offset", "token_logprobs")}
+    assert streamed["tokens"] == whole.logprobs.tokens and streamed["text_offset"] == whole.logprobs.text_offset
+    offsets = whole.logprobs.text_offset
+    assert offsets == sorted(offsets) and all(offset <= len(whole.text) for offset in offsets)

@@ -170,6 +170,18 @@ def test_a_schema_no_finite_value_matches_says_so(server, body, param):
                                        "large to compile)")
 
 
+@pytest.mark.parametrize("body, what", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "the schema"),
+    ({"response_format": {"type": "regex", "regex": "[^\\s\\S]"}}, "the regex"),
+])
+def test_a_constraint_nothing_matches_says_so(server, body, what):
+    """Not llguidance's "NoExtensionBias <state> Tokens: ⟦⟧": a schema that only refers to itself, an empty set."""
+    status, _, raw = server.request("POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, **body})
+    assert status == 400 and raw["error"]["param"] == "response_format"
+    assert raw["error"]["message"] == f"response_format: {what} matches no output at all: no token can start one"
+
+
 def check_call(call, tools) -> dict:
     function = {t["function"]["name"]: t["function"] for t in tools}[call.function.name]
     arguments = json.loads(call.function.arguments)

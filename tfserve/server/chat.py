@@ -43,14 +43,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if any(isinstance(t, dict) and t.get("type") == "mcp" for t in field(body, "tools", list, [])):
         # the server runs those tools' calls: a loop of turns
         return await chat_with_mcp(request, state, body, model, messages, image_refs)
-    tools = parse_tools(body)
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
     num_top = parse_logprobs(body)
     if num_top is not None:
         kwargs["logprobs"] = num_top
     tool_format = detect_format(state.engine.tokenizer)
-    await constrain(state, body, tools, tool_format, kwargs)
+    try:
+        tools = parse_tools(body)
+        await constrain(state, body, tools, tool_format, kwargs)
+    except ApiError as error:
+        raise chat_functions.in_legacy_terms(error) if legacy else error from None
     stream, include_usage = stream_options(body)
     num_prompt_top = requested_prompt_logprobs(body, stream)
     if num_prompt_top is not None:
@@ -123,6 +126,8 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise bad_request(f"{where} must be an object with a function", where)
     function = call["function"]
+    field(call, "id", str, param=f"{where}.id")
+    one_of(field(call, "type", str, param=f"{where}.type"), ("function",), f"{where}.type")
     name = field(function, "name", str, required=True, param=f"{where}.function.name")
     arguments = template_arguments(function.get("arguments") or "{}", f"{where}.function.arguments")
     return {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}

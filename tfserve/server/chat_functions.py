@@ -6,9 +6,10 @@ goes back in the legacy shape: `message.function_call`, `delta.function_call`, `
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from tfserve.server.errors import bad_request
+from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.protocol import field
 
 
@@ -44,6 +45,17 @@ def as_tools(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     rest = {key: value for key, value in body.items() if key not in ("functions", "function_call")}
     tools = [{"type": "function", "function": function} for function in functions]
     return {**rest, "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": False}, True
+
+
+def in_legacy_terms(error: ApiError) -> ApiError:
+    """An error about the `tools` a legacy request's `functions` became, naming the fields the client sent:
+    `tools[i].function.x` -> `functions[i].x`, `tool_choice` -> `function_call`."""
+    def rename(text: str) -> str:
+        text = re.sub(r"tools\[(\d+)\](\.function)?", r"functions[\1]", text)
+        return re.sub(r"tool_choice(\.function)?", "function_call", text)
+
+    return ApiError(error.status, rename(error.message), param=error.param and rename(error.param), code=error.code,
+                    type=error.type, headers=error.headers)
 
 
 def call_of(message: dict[str, Any], index: int) -> dict[str, Any]:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from typing import Any
 
 from tfserve.engine import chat_template
 from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.errors import bad_request
 from tfserve.server.media import no_images, takes_images
-from tfserve.server.protocol import field, shorten
+from tfserve.server.protocol import check_name, field
 from tfserve.server.threads import in_daemon_thread
 from tfserve.server.tool_choice import tool_choice_of
 
@@ -33,14 +32,11 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
         where = f"tools[{i}].function.name"
         names.append((field(tool["function"], "name", str, required=True, param=where), where))
+        field(tool["function"], "strict", bool, param=f"tools[{i}].function.strict")
         where = f"tools[{i}].function.parameters"
         check_schema(field(tool["function"], "parameters", dict, param=where), where)
     check_function_names(names)
     return None if tool_choice == "none" else tools
-
-
-# OpenAI's rule for function names
-_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def check_function_names(names: list[tuple[str, str]]) -> None:
@@ -48,9 +44,7 @@ def check_function_names(names: list[tuple[str, str]]) -> None:
     (name, its field) of the request's function tools."""
     seen = set()
     for name, where in names:
-        if not _FUNCTION_NAME.fullmatch(name):
-            raise bad_request(f"{where} must be 1 to 64 letters, digits, underscores or dashes (got {shorten(name)})",
-                              where)
+        check_name(name, where)
         if name in seen:
             raise bad_request(f"{where}: the function {name!r} is defined twice; tool names must be unique", where)
         seen.add(name)

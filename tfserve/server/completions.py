@@ -12,8 +12,8 @@ from aiohttp import web
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, check_sequences, check_text_fits, run_choices
-from tfserve.server.logprobs import (completion_logprobs, echo_logprobs, prompt_logprobs, requested_prompt_logprobs,
-                                     shown, top_count)
+from tfserve.server.logprobs import (TextOffsets, completion_logprobs, echo_logprobs, prompt_logprobs,
+                                     requested_prompt_logprobs, shown, top_count)
 from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
                                      stream_options, use_model)
 from tfserve.server.response_format import compile_grammar, requested_grammar
@@ -114,6 +114,7 @@ def _check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
 
 class _Reply(Reply):
     chunk_object = "text_completion"
+    null_usage = False
     num_prompt_top: int | None = None  # vLLM's prompt_logprobs: the top tokens shown per prompt token
 
     def __init__(self, state: Any, model: str, num_top: int | None, echo_texts: list[str] | None, n: int) -> None:
@@ -123,10 +124,10 @@ class _Reply(Reply):
     def _echo(self, index: int) -> str:
         return self.echo_texts[index // self.n] if self.echo_texts is not None else ""
 
-    def _logprobs(self, entries: list[dict] | None, offset: int) -> dict | None:
+    def _logprobs(self, entries: list[dict] | None, offsets: TextOffsets) -> dict | None:
         if self.num_top is None:
             return None
-        return completion_logprobs(entries or [], self.state.token_texts, offset)
+        return completion_logprobs(entries or [], self.state.token_texts, offsets)
 
     def _echo_logprobs(self, output: Any) -> dict | None:
         """The echoed prompt's logprobs (`echo` with `logprobs`), or None."""
@@ -136,7 +137,7 @@ class _Reply(Reply):
 
     def _choice_logprobs(self, index: int, output: Any) -> dict | None:
         """A whole choice's `logprobs`: the echoed prompt's tokens, then the generated ones."""
-        generated = self._logprobs(shown(output.logprobs, output), len(self._echo(index)))
+        generated = self._logprobs(shown(output.logprobs, output), TextOffsets(len(self._echo(index))))
         echoed = self._echo_logprobs(output)
         if generated is None or echoed is None:
             return generated
@@ -162,11 +163,11 @@ class _Reply(Reply):
 
     async def stream(self, request: web.Request, outputs, usage, include_usage: bool) -> web.StreamResponse:
         sse = EventStream(request)
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextOffsets] = {}
         try:
             async for index, output in outputs:
-                if index not in offsets:
-                    offsets[index] = len(self._echo(index))  # text_offset counts in the choice's whole text
+                if index not in offsets:  # text_offset counts in the choice's whole text
+                    offsets[index] = TextOffsets(len(self._echo(index)))
                     if self.echo_texts is not None:
                         await sse.send(self.chunk([{"index": index, "text": self._echo(index),
                                                      "logprobs": self._echo_logprobs(output),
@@ -174,7 +175,6 @@ class _Reply(Reply):
                 entries = shown(output.delta_logprobs, output)
                 if output.delta_text or entries:
                     logprobs = self._logprobs(entries, offsets[index])
-                    offsets[index] += len(output.delta_text)
                     await sse.send(self.chunk([{"index": index, "text": output.delta_text, "logprobs": logprobs,
                                                  "finish_reason": None}], include_usage))
                 if output.finished:

@@ -20,12 +20,11 @@ from aiohttp import web
 
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.protocol import field as body_field
-from tfserve.server.protocol import read_json
-from tfserve.server.response_items import (ConversationStore, StoredConversation, input_items, listing, page,
-                                           parse_input)
+from tfserve.server.protocol import check_metadata, read_json
+from tfserve.server.response_items import (ConversationStore, StoredConversation, check_item_id, input_items,
+                                           listing, page, parse_input)
 from tfserve.server.state import STATE
 
-MAX_METADATA = 16  # OpenAI's limit: keys of at most 64 characters, values of at most 512
 MAX_ITEMS = 20  # OpenAI's limit on the items one request adds
 
 
@@ -57,12 +56,7 @@ def checked_items(body: dict[str, Any], required: bool) -> list[dict[str, Any]]:
 
 def _metadata(body: dict[str, Any]) -> dict[str, str]:
     metadata = body_field(body, "metadata", dict, {}) or {}
-    if len(metadata) > MAX_METADATA:
-        raise bad_request(f"metadata takes at most {MAX_METADATA} keys", "metadata")
-    for key, value in metadata.items():
-        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
-            raise bad_request("metadata maps keys of at most 64 characters to strings of at most 512",
-                              f"metadata.{key}")
+    check_metadata(metadata)
     return metadata
 
 
@@ -103,6 +97,9 @@ async def list_items(request: web.Request) -> web.Response:
 async def add_items(request: web.Request) -> web.Response:
     stored = _store(request).find(request.match_info["conversation_id"])
     items = checked_items(await read_json(request), required=True)
+    taken = {item["id"] for item in stored.items}
+    for i, item in enumerate(items):
+        check_item_id(item, f"items[{i}]", taken)
     stored.items += items
     return web.json_response(listing(items))
 

@@ -217,6 +217,9 @@ class Reply:
     choices (`chat.completion`, `text_completion` and their stream chunks)."""
 
     chunk_object = ""  # the `object` of a stream chunk
+    # with include_usage, chat's chunks say `"usage": null` until the last (as OpenAI's do); a completion chunk's
+    # schema types usage as an object only, so there it is left out until the last
+    null_usage = True
 
     def __init__(self, model: str, id_prefix: str) -> None:
         self.model = model
@@ -229,6 +232,6 @@ class Reply:
 
     def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
         body = self.envelope(self.chunk_object, choices)
-        if include_usage:
+        if include_usage and (usage is not None or self.null_usage):
             body["usage"] = usage
         return body

@@ -8,6 +8,7 @@ U+FFFD, as OpenAI's do); `bytes` are the true bytes, so a client can join them b
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from functools import lru_cache
@@ -94,16 +95,41 @@ def chat_logprobs(entries: list[dict], texts: TokenTexts, num_top: int) -> list[
     return items
 
 
-def completion_logprobs(entries: list[dict], texts: TokenTexts, text_offset: int) -> dict[str, list]:
-    """Engine logprob entries -> a legacy completion choice's `logprobs` (offsets count from `text_offset`)."""
+class TextOffsets:
+    """Where each token of a legacy completion starts in the choice's text (`text_offset`), in the text's own
+    characters: the tokens' bytes are decoded incrementally, so the tokens of one character that byte-level BPE
+    splits (an emoji, CJK) all start where it does, and a stream's chunks count as the whole response does."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.position = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of the token whose bytes are `raw`; moves past it."""
+        offset = self.position
+        self.position += len(self._decoder.decode(raw))
+        return offset
+
+
+def legacy_token(texts: TokenTexts, token_id: int) -> str:
+    """A token as OpenAI's legacy API writes it: its text, or, for bytes that are no whole UTF-8 (part of a
+    character), `bytes:\\xe2\\x98` (so two such tokens never show as the same U+FFFD)."""
+    token, raw = texts(token_id)
+    if "\ufffd" in token and token.encode() != raw:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+    return token
+
+
+def completion_logprobs(entries: list[dict], texts: TokenTexts, offsets: TextOffsets) -> dict[str, list]:
+    """Engine logprob entries -> a legacy completion choice's `logprobs` (`offsets` carried across a stream's
+    chunks)."""
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for entry in entries:
-        token, _ = texts(entry["token_id"])
+        token = legacy_token(texts, entry["token_id"])
         result["tokens"].append(token)
         result["token_logprobs"].append(_finite(entry["logprob"]))
         result["top_logprobs"].append(_legacy_top(token, entry, texts))
-        result["text_offset"].append(text_offset)
-        text_offset += len(token)
+        result["text_offset"].append(offsets.advance(texts(entry["token_id"])[1]))
     return result
 
 
@@ -152,12 +178,11 @@ def echo_logprobs(prompt_ids: list[int], entries: list[dict | None], texts: Toke
     """A legacy completion's `logprobs` for its echoed prompt, as OpenAI's API gave them: the first token's
     logprob and top logprobs null, offsets from 0."""
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    text_offset = 0
+    offsets = TextOffsets()
     for token_id, entry in zip(prompt_ids, entries):
-        token, _ = texts(token_id)
+        token = legacy_token(texts, token_id)
         result["tokens"].append(token)
-        result["text_offset"].append(text_offset)
-        text_offset += len(token)
+        result["text_offset"].append(offsets.advance(texts(token_id)[1]))
         if entry is None:
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -172,7 +197,7 @@ def _legacy_top(token: str, entry: dict, texts: TokenTexts, num_top: int | None 
     same string, the likelier), then the token itself, which OpenAI always adds (up to logprobs + 1 entries)."""
     top: dict[str, float] = {}
     for token_id, logprob in entry["top"][:num_top]:
-        top.setdefault(texts(token_id)[0], _finite(logprob))
+        top.setdefault(legacy_token(texts, token_id), _finite(logprob))
     top.setdefault(token, _finite(entry["logprob"]))
     return top
 

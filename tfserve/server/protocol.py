@@ -5,6 +5,8 @@ OpenAI semantics: a field sent as `null` means "use the default"; numbers are ne
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from aiohttp import web
@@ -91,9 +93,37 @@ def check_fields(body: dict[str, Any], kinds: dict[str, type]) -> None:
         if key not in _REASONING_CHOICES:
             raise bad_request(f"reasoning.{key} is not a field of reasoning", f"reasoning.{key}")
         one_of(value, _REASONING_CHOICES[key], f"reasoning.{key}")
-    for key, value in (body.get("metadata") or {}).items():
+    check_metadata(body.get("metadata") or {})
+    for i, modality in enumerate(body.get("modalities") or ()) if kinds.get("modalities") is list else ():
+        one_of(modality if isinstance(modality, str) else repr(modality), ("text", "audio"), f"modalities[{i}]")
+
+
+# OpenAI's rule for the names of functions and response formats
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_name(name: str, where: str) -> str:
+    """400 unless `name` is 1 to 64 letters, digits, underscores or dashes (OpenAI's rule for a function's or a
+    response format's name)."""
+    if not _NAME.fullmatch(name):
+        raise bad_request(f"{where} must be 1 to 64 letters, digits, underscores or dashes (got {shorten(name)})",
+                          where)
+    return name
+
+
+MAX_METADATA = 16  # OpenAI's limits: 16 keys of at most 64 characters, values of at most 512
+
+
+def check_metadata(metadata: dict[str, Any]) -> None:
+    """400 for `metadata` past OpenAI's limits (16 keys of at most 64 characters, each a string of at most 512)."""
+    if len(metadata) > MAX_METADATA:
+        raise bad_request(f"metadata takes at most {MAX_METADATA} keys (got {len(metadata)})", "metadata")
+    for key, value in metadata.items():
         if not isinstance(value, str):
-            raise bad_request(f"metadata.{key} must be a string, not {_json_type(value)}", f"metadata.{key}")
+            raise bad_request(f"metadata.{shorten(key)} must be a string, not {_json_type(value)}", f"metadata.{key}")
+        if len(key) > 64 or len(value) > 512:
+            raise bad_request("metadata maps keys of at most 64 characters to strings of at most 512",
+                              f"metadata.{key}")
 
 
 def _is_a(value: Any, kind: type | tuple[type, ...]) -> bool:

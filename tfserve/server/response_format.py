@@ -16,7 +16,7 @@ from tfserve.engine.structured import GrammarError
 from tfserve.sampling_params import Grammar
 from tfserve.server.body import loads
 from tfserve.server.errors import bad_request
-from tfserve.server.protocol import field
+from tfserve.server.protocol import check_name, field
 
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
@@ -56,7 +56,8 @@ def _from_response_format(response_format: dict[str, Any], where: str) -> Gramma
         return Grammar.json_object()
     if kind == "json_schema":
         spec = field(response_format, "json_schema", dict, required=True, param=f"{where}.json_schema")
-        field(spec, "name", str, required=True, param=f"{where}.json_schema.name")
+        name = f"{where}.json_schema.name"
+        check_name(field(spec, "name", str, required=True, param=name), name)
         field(spec, "strict", bool, param=f"{where}.json_schema.strict")  # enforced either way, as vLLM does
         schema = field(spec, "schema", dict, param=f"{where}.json_schema.schema")
         return Grammar.json_object() if schema is None else Grammar.json_schema(schema)
@@ -116,7 +117,11 @@ async def compile_grammar(engine: Any, grammar: Grammar, param: str) -> None:
 
 def _readable(message: str, grammar: Grammar) -> str:
     """llguidance's error, or what it means where the words are its parser's: a schema whose every value nests
-    forever (or a huge one) fills the parser's item limit at the first token."""
+    forever (or a huge one) fills the parser's item limit at the first token; one that only refers to itself, or
+    a regex of an empty set, leaves no token to start with ("NoExtensionBias")."""
+    what = {"json_schema": "the schema", "regex": "the regex"}.get(grammar.kind, "the grammar")
+    if "NoExtensionBias" in message:
+        return f"{what} matches no output at all: no token can start one"
     if "Too many items" not in message:
         return message
     if grammar.kind == "json_schema":

@@ -16,7 +16,7 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
 from tfserve.server.chat_prompt import (check_function_names, check_schema, refuse_tool_choice_without_tools,
                                          template_arguments)
-from tfserve.server.protocol import field, one_of, text_of
+from tfserve.server.protocol import check_name, field, one_of, shorten, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -35,10 +35,12 @@ def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = (), name: 
     messages: list[dict[str, Any]] = []
     images: list[ImageRef] = []
     calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
+    ids: set[str] = set()
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", where)
+        check_item_id(item, where, ids)
         kind = item.get("type", "message")
         if kind == "message":
             role = field(item, "role", str, required=True, param=f"{where}.role")
@@ -68,9 +70,22 @@ def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = (), name: 
             # turns' thinking out of the prompt, so it is read past
             continue
         elif kind not in MCP_CONTROL_ITEMS:
-            raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call, "
-                              "function_call_output, reasoning, mcp or item_reference items", f"{where}.type")
+            # item references are read before (resolve_references), where the body may hold them: in `input`
+            kinds = ["message", "function_call", "function_call_output", "reasoning", "mcp"]
+            kinds += ["item_reference"] if name == "input" else []
+            raise bad_request(f"{where}.type {kind!r} is not supported; send {', '.join(kinds[:-1])} or {kinds[-1]} "
+                              "items", f"{where}.type")
     return messages, images
+
+
+def check_item_id(item: dict[str, Any], where: str, ids: set[str]) -> None:
+    """400 for an item `id` that is no string or that `ids` (those taken so far) already holds; adds it."""
+    item_id = field(item, "id", str, param=f"{where}.id")
+    if item_id is None:
+        return
+    if item_id in ids:
+        raise bad_request(f"{where}.id {shorten(item_id)} is already the id of another item", f"{where}.id")
+    ids.add(item_id)
 
 
 # read by the MCP approval flow (mcp_tools), not rendered: a listing, an approval request and its answer
@@ -111,6 +126,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.type {tool.get('type')!r} is not supported; this server runs function "
                               "and mcp tools", f"{where}.type")
         names.append((field(tool, "name", str, required=True, param=f"{where}.name"), f"{where}.name"))
+        field(tool, "strict", bool, param=f"{where}.strict")
         check_schema(field(tool, "parameters", dict, param=f"{where}.parameters"), f"{where}.parameters")
     check_function_names(names)
     if not [tool for tool in tools if tool.get("type") == "function"]:
@@ -150,7 +166,7 @@ def text_format(body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(f"text.format.type must be text, json_object or json_schema (got {kind!r})",
                           "text.format.type")
     if fmt.get("type") == "json_schema":  # flat here; nested under json_schema on chat
-        field(fmt, "name", str, required=True, param="text.format.name")
+        check_name(field(fmt, "name", str, required=True, param="text.format.name"), "text.format.name")
         field(fmt, "schema", dict, required=True, param="text.format.schema")
     return fmt
 
