@@ -269,6 +269,13 @@ def test_a_prompt_longer_than_the_context_names_the_prompt(server, engine, path,
         assert error["code"] == "context_length_exceeded" and "prompt" in error["message"]
 
 
+def test_a_template_error_from_chat_template_kwargs_names_them(server):
+    """The messages render without them: the 400 is about the kwarg, not the messages."""
+    error = assert_400(server, CHAT, {**BASE[CHAT], "chat_template_kwargs": {"documents": "x", "fine": 1}},
+                       "chat_template_kwargs.documents")
+    assert error["message"]
+
+
 def test_template_kwargs_cannot_set_render_arguments(server):
     body = {**BASE[CHAT], "chat_template_kwargs": {"padding": "max_length", "max_length": 10**9}}
     assert_400(server, CHAT, body, "chat_template_kwargs.max_length")

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from tiny import MODEL_NAME, build_engine, make_state, wait_until_idle
+from tiny import MODEL_NAME, build_engine, make_state, scripted_generate, wait_until_idle
 
 CHAT = "/v1/chat/completions"
 
@@ -106,6 +106,12 @@ def test_cors(start_server, origins):
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
     status, headers, _ = live.request("GET", "/v1/models", headers={"Origin": "https://evil.example"})
     assert ("Access-Control-Allow-Origin" in headers) == (origins == ["*"])
+    # errors that come from no route (404, 405) too, so a browser can read them
+    for method, path, code in (("GET", "/v1/nope", 404), ("GET", CHAT, 405)):
+        status, headers, _ = live.request(method, path, headers={"Origin": "https://app.example"})
+        assert status == code and headers["Access-Control-Allow-Origin"] == "https://app.example"
+        status, headers, _ = live.request(method, path, headers={"Origin": "https://evil.example"})
+        assert ("Access-Control-Allow-Origin" in headers) == (origins == ["*"])
 
 
 def test_one_access_log_line_per_request(server, caplog):
@@ -119,6 +125,21 @@ def test_one_access_log_line_per_request(server, caplog):
     line = record.getMessage()
     assert line.startswith("POST /v1/chat/completions 200 tokens=") and "/4 " in line
     assert "ttft=" in line and "duration=" in line and "ttft=-" not in line
+
+
+def test_an_aborted_streams_tokens_are_in_its_access_line(start_server, caplog):
+    """A stream the server aborts (shutting down) logs the tokens it sent, not 0."""
+    live = start_server()
+    live.state.generate = scripted_generate(["a", "b", "c"], finish_reason="abort")
+    with caplog.at_level(logging.INFO, logger="tfserve.access"):
+        status, _, raw = live.request("POST", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                                     "stream": True})
+        deadline = time.monotonic() + 2
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert status == 200 and "server_draining" in raw
+    (record,) = [r for r in caplog.records if r.name == "tfserve.access"]
+    assert "/3 " in record.getMessage()
 
 
 def _start_stream(live, max_tokens: int, first_chunk: threading.Event, result: dict) -> threading.Thread:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import re
@@ -72,7 +73,20 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
         cors = aiohttp_cors.setup(app, defaults={origin: options for origin in cors_allow_origins})
         for route in list(app.router.routes()):
             cors.add(route)
+        app.on_response_prepare.append(functools.partial(_cors_on_errors, frozenset(cors_allow_origins)))
     return app
+
+
+async def _cors_on_errors(origins: frozenset[str], request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp_cors answers for the routes it wraps; a 404 or 405 comes from no route, so a browser could not read
+    its error body: those get the same Access-Control-Allow-Origin."""
+    origin = request.headers.get("Origin")
+    if origin is None or "Access-Control-Allow-Origin" in response.headers:
+        return
+    if "*" in origins or origin in origins:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Allow-Credentials"] = "true"
+        response.headers.add("Vary", "Origin")
 
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's own X-Request-Id: printable ASCII, kept short

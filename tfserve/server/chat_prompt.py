@@ -155,17 +155,37 @@ async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
     if not has_chat_template(tokenizer):
         raise bad_request("the served model has no chat template; use /v1/completions", param)
 
-    def render() -> list[int]:
+    def render(kwargs: dict[str, Any] | None = template_kwargs) -> list[int]:
+        return chat_template.render_chat(tokenizer, messages, tools, kwargs,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message)
+
+    def render_or_400() -> list[int]:
         try:
-            return chat_template.render_chat(tokenizer, messages, tools, template_kwargs,
-                                              add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message)
+            return render()
         except ChatTemplateError as exc:
-            raise bad_request(str(exc), param) from None
+            raise bad_request(str(exc), _culprit(render, template_kwargs, param)) from None
 
     if text_chars(messages) < INLINE_PROMPT_CHARS:
-        return render()
-    return await in_daemon_thread(render)
+        return render_or_400()
+    return await in_daemon_thread(render_or_400)
+
+
+def _culprit(render: Any, template_kwargs: dict[str, Any] | None, param: str) -> str:
+    """The field a template error is about: `chat_template_kwargs` (its key, when one alone is to blame) where
+    the messages render without them, else the messages' field."""
+    if not template_kwargs:
+        return param
+    try:
+        render({})
+    except ChatTemplateError:
+        return param
+    for key in template_kwargs:
+        try:
+            render({key: template_kwargs[key]})
+        except ChatTemplateError:
+            return f"chat_template_kwargs.{key}"
+    return "chat_template_kwargs"
 
 
 async def render_multimodal(state: Any, messages: list[dict], images: list, tools: list | None,

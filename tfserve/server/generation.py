@@ -154,12 +154,13 @@ async def run_choices(state: ServerState, usage: Usage, requests: list[Any],
             if output.finished:
                 num_left -= 1
                 ended.add(index)
-                _check_finished(output)
+                # counted before an aborted or failed one raises: its streamed tokens are in the access log
                 usage.completion_tokens += len(output.generated_tokens)
                 usage.outputs.append(output)
                 if output.metrics is not None:
                     usage.num_cached_tokens += output.metrics.num_cached_tokens
                 state.metrics.observe_finished(output)
+                _check_finished(output)
             yield index, output
             for index in sorted((stopped or set()) - ended):
                 ended.add(index)
