@@ -40,6 +40,13 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's whole message on one line: its lines joined with spaces (a message whose first line is
+    "... from one of:" says its point in the lines after it), or its type when it has no message."""
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 class ContextLengthError(TfserveError, ValueError):
     """A prompt that leaves no room to generate in the model's context or the KV cache. `param` names the
     input to shorten ("prompt"); the server answers 400 `context_length_exceeded`."""

@@ -273,6 +273,33 @@ def test_launch_that_dies_is_one_readable_line(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_a_launched_server_that_dies_shows_its_last_lines(tmp_path):
+    """It said only "the launched server exited with code 1 before it was ready": its output went nowhere, and
+    the reason (a misspelt model name) with it."""
+    script = tmp_path / "dies.py"
+    script.write_text("import sys\nfor i in range(30):\n    print('line', i)\n"
+                      "print(\"Error: unknown model 'smollm2-135m-instrct'\", file=sys.stderr)\nsys.exit(1)\n")
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{_free_port()}", "-n", "1",
+                                      "--launch", f"{sys.executable} {script}"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[0] == "The launched server's last output:"
+    assert lines[1:-1] == [f"    line {i}" for i in range(11, 30)] + ["    Error: unknown model 'smollm2-135m-instrct'"]
+    assert lines[-1] == "Error: the launched server exited with code 1 before it was ready (its last output is above)"
+
+
+def test_launched_output_goes_to_the_log_path_when_given(tmp_path):
+    from tfserve.bench.launch import launched
+    from tfserve.errors import TfserveError
+
+    log = tmp_path / "server.log"
+    with pytest.raises(TfserveError, match="exited with code 2"):
+        with launched(f"{sys.executable} -c \"print('kept'); raise SystemExit(2)\"",
+                      f"http://127.0.0.1:{_free_port()}/v1", 30, log_path=str(log)):
+            pass
+    assert log.read_text() == "kept\n"
+
+
 def test_unreachable_server_is_one_readable_line():
     result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{_free_port()}", "-n", "1"])
     assert result.exit_code == 1
@@ -336,7 +363,7 @@ def _one_line(result) -> str:
     (["-m", "nosuch"], ["does not serve 'nosuch'", "its chat models: /models/served-one, m"]),
     (["--sweep", "concurrency=1,2", "-m", "nosuch"], ["does not serve 'nosuch'"]),
     (["-m", "whisper-1"], ["'whisper-1' is a speech-to-text model"]),
-    (["--api-key", "wrong"], ["refused the API key (401): pass --api-key"]),
+    (["--api-key", "wrong"], ["refused the API key given with --api-key (401)"]),
 ])
 def test_cli_serve_checks_the_server_before_sending_load(fake_server, args, fragments):
     base_url = fake_server(api_key="sekrit" if "--api-key" in args else None)

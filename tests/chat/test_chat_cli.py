@@ -121,3 +121,22 @@ def test_in_process_mode_with_the_tiny_model(server, tokenizer, monkeypatch):
     assert result.stdout == expected + "\n"
     spec, options = calls[0]
     assert spec == "tiny-local" and options["dtype"] == "float32" and options["device"] == "auto"
+
+
+@pytest.mark.parametrize("failing, said", [
+    ("/load /nonexistent/chat.json", "Error: cannot read /nonexistent/chat.json"),
+    ("/bogus", "Error: unknown command /bogus"),
+    ("/set temperature 9", "Error: temperature must be in [0, 2]"),
+    ("/retry", "Error: nothing to retry yet"),
+])
+def test_piped_mode_a_failed_command_sets_the_exit_code_and_the_rest_still_runs(server, failing, said):
+    expected = greedy_answer(server, "hello")
+    result = invoke(str(server.port), *GREEDY_ARGS, input=f"{failing}\nhello\n")
+    assert result.exit_code == 1
+    assert said in result.stderr
+    assert result.stdout == expected + "\n"  # the line after it was answered
+
+
+def test_piped_mode_without_failures_exits_0(server):
+    result = invoke(str(server.port), *GREEDY_ARGS, input="/set temperature 0\n/system Be brief.\n//hello\n")
+    assert result.exit_code == 0, result.output

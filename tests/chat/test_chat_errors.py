@@ -139,6 +139,24 @@ def test_connection_lost_mid_reply_is_one_line_and_the_chat_goes_on(console):
     assert "temperature" in out  # /settings ran after the error
 
 
+class StreamThenDrop(HalfServer):
+    """Streams 60 one-token chunks, then drops the connection."""
+
+    CHUNK = HalfServer.CHUNK * 60
+
+
+def test_a_failed_reply_counts_the_tokens_it_streamed(console):
+    server = StreamThenDrop()
+    try:
+        session = ChatSession(RemoteBackend(server.url, model="m"), console)
+        out = run_keys(session, "hello\r/stats\r/exit\r")
+    finally:
+        server.close()
+    assert "Error: connection lost in the middle of the reply" in out
+    assert re.search(r"replies\s+0 \(0 cancelled, 1 failed\)", out), out
+    assert re.search(r"^tokens generated\s+60 *$", out, re.M), out  # what streamed was generated, failure or not
+
+
 def test_server_gone_mid_session(console):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -149,21 +167,44 @@ def test_server_gone_mid_session(console):
     assert session.unanswered == "hello" and session.conversation.turns == []
 
 
-def test_api_key_from_the_environment(async_engine, monkeypatch):
+@pytest.fixture
+def keyed_server(async_engine, monkeypatch):
+    """A live server that wants the key "sekrit"; no key in the environment."""
+    monkeypatch.delenv("TFSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     live = LiveServer.for_engine(async_engine, api_key="sekrit")
-    try:
-        monkeypatch.delenv("TFSERVE_API_KEY", raising=False)
-        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-        with pytest.raises(ServerError, match=re.escape(f"{live.url} refused the API key (401): pass --api-key")):
-            RemoteBackend(live.url).connect()
-        monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
-        assert RemoteBackend(live.url).connect().model == MODEL_NAME
-        monkeypatch.setenv("TFSERVE_API_KEY", "wrong")  # TFSERVE_API_KEY first
-        with pytest.raises(ChatError):
-            RemoteBackend(live.url).connect()
-        assert RemoteBackend(live.url, api_key="sekrit").connect().model == MODEL_NAME
-    finally:
-        live.close()
+    yield live
+    live.close()
+
+
+def test_api_key_from_the_environment(keyed_server, monkeypatch):
+    live = keyed_server
+    with pytest.raises(ServerError, match=re.escape(f"{live.url} refused the API key (401): pass --api-key")):
+        RemoteBackend(live.url).connect()
+    monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
+    assert RemoteBackend(live.url).connect().model == MODEL_NAME
+    monkeypatch.setenv("TFSERVE_API_KEY", "wrong")  # TFSERVE_API_KEY first
+    with pytest.raises(ServerError, match=re.escape(f"{live.url} refused the API key given with $TFSERVE_API_KEY "
+                                                    "(401)")):
+        RemoteBackend(live.url).connect()
+    assert RemoteBackend(live.url, api_key="sekrit").connect().model == MODEL_NAME
+
+
+@pytest.mark.parametrize("args, env, said", [
+    (["--api-key", "wrong"], {}, "refused the API key given with --api-key (401)"),
+    ([], {"OPENAI_API_KEY": "wrong"}, "refused the API key given with $OPENAI_API_KEY (401)"),
+    ([], {}, "refused the API key (401): pass --api-key"),
+])
+def test_a_refused_key_says_where_it_came_from(keyed_server, args, env, said):
+    from typer.testing import CliRunner
+
+    from tfserve.cli import app
+
+    result = CliRunner().invoke(app, ["chat", keyed_server.url, *args], input="hello\n",
+                                env={"COLUMNS": "200", **env})
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [f"Error: {keyed_server.url} {said}"], result.output
 
 
 def test_connect_to_nothing_raises_connection_lost():
@@ -228,7 +269,7 @@ def test_a_web_page_for_every_path_is_one_line():
 
     web = FakeHTTPServer(Handler)
     try:
-        with pytest.raises(ChatError, match="does not answer /v1/models with a model list"):
+        with pytest.raises(ChatError, match=re.escape(f"{web.url}'s /v1/models is not an OpenAI model list")):
             RemoteBackend(web.url).connect()
     finally:
         web.close()
@@ -256,3 +297,47 @@ def test_max_tokens_zero_is_refused_at_once():
     with pytest.raises(ValueError, match="max_tokens"):
         Settings(max_tokens=0)
     assert Settings(max_tokens=None).max_tokens is None  # unset: the default cap
+
+
+def test_https_to_a_plain_http_server_says_to_use_http(plain_web_server):
+    from typer.testing import CliRunner
+
+    from tfserve.cli import app
+
+    said = f"https://{plain_web_server} does not speak HTTPS (its answer is plain HTTP): use http://{plain_web_server}"
+    with pytest.raises(ConnectionLost, match=re.escape(said)):
+        RemoteBackend(f"https://{plain_web_server}").connect()
+    url = f"https://{plain_web_server}"
+    for command in (["chat", url], ["bench", "serve", "--url", url]):
+        result = CliRunner().invoke(app, command, input="hello\n", env={"COLUMNS": "200"})
+        assert result.exit_code == 1
+        assert [line for line in result.output.splitlines() if line.strip()] == [f"Error: {said}"], result.output
+
+
+def test_error_lines_wrap_between_words_on_a_terminal(monkeypatch):
+    """A terminal wraps them at word boundaries (left to the terminal, a long line breaks mid-word); a pipe or a
+    file still gets one line."""
+    import io
+
+    from rich.console import Console
+
+    from tfserve.chat.client import ContextFull
+    from tfserve.cli import output
+
+    message = str(ContextFull(8192))
+    words = set(f"Error: {message}".split())
+
+    def terminal() -> Console:
+        return Console(file=io.StringIO(), width=30, force_terminal=True, color_system=None)
+
+    session = ChatSession(None, terminal())
+    session.error(message)
+    monkeypatch.setattr(output, "err_console", terminal())
+    output.error(message)
+    for out in (session.console.file.getvalue(), output.err_console.file.getvalue()):
+        lines = out.splitlines()
+        assert len(lines) > 3 and all(len(line) <= 30 for line in lines), out
+        assert all(word in words for line in lines for word in line.split()), out  # no word cut in two
+    piped = ChatSession(None, Console(file=io.StringIO(), width=30, force_terminal=False))
+    piped.error(message)
+    assert piped.console.file.getvalue() == f"Error: {message}\n"

@@ -395,7 +395,8 @@ def test_in_process_replies_keep_tool_calls_out_of_the_text(tokenizer):
     for i, piece in enumerate(pieces):
         outputs.put(RequestOutput("r", [1], list(range(i + 1)), "", delta_text=piece,
                                   finish_reason="stop" if i == len(pieces) - 1 else None))
-    reply = _LocalReply(Manager(), "r", outputs, 3, ToolCallStream(detect_format(tokenizer)))
+    reply = _LocalReply(Manager(), "r", outputs, ReplyStats(num_prompt_tokens=3),
+                        ToolCallStream(detect_format(tokenizer)))
     assert "".join(reply) == "Let me add."
     (call,) = reply.stats.tool_calls
     assert call["type"] == "function" and call["id"].startswith("call_")

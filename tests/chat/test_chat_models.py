@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote
 
@@ -81,3 +83,51 @@ def test_a_model_the_server_does_not_chat_with_is_refused_at_start(models_server
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and fragments[0] in lines[0], result.output
+
+
+@pytest.mark.parametrize("body, chats_with", [
+    ({"data": [{"id": 5}, {"id": "chat-one"}]}, "chat-one"),  # an id that is no string: that entry is skipped
+    ({"data": [{"object": "model"}, {"id": None}, {"id": "chat-one"}]}, "chat-one"),  # no id at all: skipped
+    ({"data": [{"id": 5}]}, None),  # nothing left: no chat models
+    ({"data": [{"object": "model"}]}, None),
+])
+def test_model_list_entries_without_a_string_id_are_skipped(plain_web_server, tmp_path, body, chats_with):
+    """`python -m http.server` serving a file v1/models: a listing that is slightly off."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text(json.dumps(body))
+    url = f"http://{plain_web_server}"
+    if chats_with is not None:
+        assert RemoteBackend(url).connect().model == chats_with
+        return
+    with pytest.raises(ChatError, match=re.escape(f"{url} lists no chat models; name one with --model")):
+        RemoteBackend(url).connect()
+
+
+@pytest.mark.parametrize("body", [
+    {"data": ["a", "b"]}, {"data": {"id": "x"}}, {"data": [{"id": "ok"}, None]}, {"object": "list"}, [1, 2], "models",
+])
+@pytest.mark.parametrize("command", [["chat", "URL"], ["bench", "serve", "--url", "URL", "-n", "1"]])
+def test_a_listing_that_is_no_list_of_models_is_one_line(plain_web_server, tmp_path, body, command):
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text(json.dumps(body))
+    url = f"http://{plain_web_server}"
+    result = CliRunner().invoke(app, [url if arg == "URL" else arg for arg in command], input="hello\n",
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [f"Error: {url}'s /v1/models is not an OpenAI model list: is it an OpenAI-compatible server?"]
+
+
+def test_an_unknown_local_model_is_offered_the_stores_chat_models_only(tfserve_home):
+    """In-process chat: a name that names nothing lists the store's chat models, not its speech-to-text ones
+    (chat refuses those)."""
+    for name, model_type in [("chat-one", "llama"), ("whisper-tiny.en", "whisper")]:
+        folder = tfserve_home / "models" / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+        (folder / "model.safetensors").write_bytes(b"")
+    result = CliRunner().invoke(app, ["chat", "-m", "nonexistent"], input="hello\n", env={"COLUMNS": "300"})
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown model 'nonexistent'" in lines[0], result.output
+    assert "chat models in the store: chat-one" in lines[0] and "whisper" not in lines[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -37,12 +38,23 @@ def test_version():
     assert result.exit_code == 0 and result.output.strip() == f"tfserve {__version__}"
 
 
-@pytest.mark.parametrize("path", [[], ["models"], ["models", "pull"], ["models", "list"], ["models", "info"],
-                                  ["models", "rm"]])
-def test_help_has_examples(path):
+HELP_PAGES = [[], ["models"], ["models", "pull"], ["models", "list"], ["models", "info"], ["models", "rm"],
+              ["serve"], ["chat"], ["transcribe"], ["bench"], ["bench", "offline"], ["bench", "serve"],
+              ["bench", "roofline"], ["bench", "compare"], ["bench", "transcribe"]]
+
+
+@pytest.mark.parametrize("path", HELP_PAGES)
+def test_help_has_examples_indented_alike(path):
+    """`bench --help` had none; `bench serve`, `bench offline` and `transcribe` had theirs flush left (Typer
+    dedents the text after the first paragraph, so a page with one paragraph before its examples lost their
+    indent)."""
     result = invoke(*path, "--help")
     assert result.exit_code == 0
     assert "Usage: tfserve" in result.output and "Examples" in result.output
+    lines = [line.rstrip() for line in result.output.splitlines()]
+    at = lines.index(" Examples")
+    examples = lines[at + 2:lines.index("", at + 2)]
+    assert examples[0].startswith("   tfserve ") and all(line.startswith("   ") for line in examples), examples
 
 
 def test_no_args_shows_help():
@@ -70,6 +82,30 @@ def test_usage_errors_are_one_line_with_clicks_message_and_exit_2(args, fragment
         assert fragment in lines[0]
 
 
+@pytest.mark.parametrize("args, line", [
+    (["models", "lst"], "Error: No such command 'lst'. Did you mean 'list'? Try 'tfserve models --help' for help."),
+    (["serve", "--generation-config", "junk"],
+     "Error: Invalid value for '--generation-config': 'junk' is not one of 'auto', 'none'. Try 'tfserve serve "
+     "--help' for help."),
+    (["bench", "serve", "-c", "x"], "Error: Invalid value for '--concurrency' / '-c': 'x' is not a whole number. "
+                                    "Try 'tfserve bench serve --help' for help."),
+    (["chat", "1", "--temperature", "warm"], "Error: Invalid value for '--temperature': 'warm' is not a number. "
+                                             "Try 'tfserve chat --help' for help."),
+    (["serve", "--port", "99999"], "Error: Invalid value for '--port' / '-p': must be at most 65535 (got 99999). "
+                                   "Try 'tfserve serve --help' for help."),
+])
+def test_usage_errors_read_like_ours(args, line):
+    """Typer words its checks as pydantic does ("Value error, ...", "Input should be a valid integer, unable to
+    parse string as an integer"); "Did you mean 'list'?" got a second stop."""
+    result = invoke(*args)
+    assert result.exit_code == 2 and [l for l in result.output.splitlines() if l.strip()] == [line], result.output
+
+
+def test_bench_compare_of_a_missing_file_says_so_plainly():
+    assert_one_line_error(invoke("bench", "compare", "/nonexistent.json"), "no such file: /nonexistent.json")
+    assert "Errno" not in invoke("bench", "compare", "/nonexistent.json").output
+
+
 def test_list_empty_store():
     result = invoke("models", "list")
     assert result.exit_code == 0 and "tfserve models pull" in result.output
@@ -85,6 +121,24 @@ def test_list_table_and_json(make_fake_model):
         assert text in result.output
     [row] = json.loads(invoke("models", "list", "--json").output)
     assert row["name"] == "tiny" and row["num_parameters"] == 40 and row["path"] == str(store.model_path("tiny"))
+
+
+def test_list_shows_broken_folders_as_broken(make_fake_model):
+    """A config.json holding `[1]` made `models list` (and --json) an AttributeError traceback."""
+    make_fake_model(store.model_path("tiny"))
+    store.model_path("x").mkdir()
+    (store.model_path("x") / "config.json").write_text("[1]")
+    (make_fake_model(store.model_path("half")) / "tokenizer_config.json").unlink()
+    result = invoke("models", "list", env={"COLUMNS": "250"})
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    rows = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│")}
+    # (a narrow console folds a note onto the lines below the folder's own)
+    assert "(unreadable" in rows["x"] and "(incomplete:" in result.output and "LlamaForCausalLM" in rows["half"]
+    assert "(" not in rows["tiny"].split("│")[2]
+    data = {row["name"]: row["problem"] for row in json.loads(invoke("models", "list", "--json").output)}
+    assert data == {"half": "incomplete: no tokenizer", "tiny": None, "x": "unreadable config.json"}
+    assert complete("tfserve serve -m ").output.split() == ["half", "tiny", "x"]  # completion lists them too
+    assert_one_line_error(invoke("models", "info", "x"), "'x' is incomplete")
 
 
 def test_list_never_cuts_a_name(make_fake_model):
@@ -155,10 +209,25 @@ def test_info_path_without_model(tmp_path):
     assert_one_line_error(invoke("models", "info", str(tmp_path)), "config.json missing")
 
 
-def test_info_gguf_file_says_what_it_reads(tmp_path):
+def test_info_reads_a_gguf_file(tmp_path):
+    """It refused: "models info reads Hugging Face model directories", while every other command takes a .gguf."""
+    from tiny_gguf import CONTEXT, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    result = invoke("models", "info", str(path))
+    assert result.exit_code == 0, result.output
+    for text in ("llama", "Tensor types", "F32 x19, Q8_0 x1", "Context length", str(CONTEXT), "Chat template",
+                 "yes", "Size on disk", "runs its Q8_0 blocks"):
+        assert text in result.output, text
+    data = json.loads(invoke("models", "info", str(path), "--json").output)
+    assert data["tensor_types"] == {"F32": 19, "Q8_0": 1} and data["has_chat_template"] is True
+    assert data["max_position_embeddings"] == CONTEXT and data["size_bytes"] == path.stat().st_size
+
+
+def test_info_of_a_cut_gguf_file_says_so(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert_one_line_error(invoke("models", "info", str(gguf)), "is a GGUF file")
+    assert_one_line_error(invoke("models", "info", str(gguf)), "it is truncated or not a GGUF file")
 
 
 def test_rm_asks_first(make_fake_model):
@@ -362,12 +431,12 @@ def test_speech_on_a_device_this_machine_lacks_is_one_line(tmp_path, command):
 
 
 @pytest.mark.parametrize("sweep, bad, fragment", [
-    ("concurrency=-3", "concurrency=-3", "greater than or equal to 1"),  # was a traceback (a semaphore of -3)
-    ("concurrency=1,0", "concurrency=0", "greater than or equal to 1"),  # was a run of unbounded concurrency
-    ("request_rate=0", "request_rate=0", "greater than or equal to 0.001"),
-    ("request_rate=nan", "request_rate=nan", "greater than or equal to 0.001"),
-    ("max_tokens=0", "max_tokens=0", "greater than or equal to 1"),  # was a run of 400s
-    ("concurrency=x", "concurrency=x", "valid integer"),
+    ("concurrency=-3", "concurrency=-3", "must be at least 1 (got -3)"),  # was a traceback (a semaphore of -3)
+    ("concurrency=1,0", "concurrency=0", "must be at least 1 (got 0)"),  # was a run of unbounded concurrency
+    ("request_rate=0", "request_rate=0", "must be at least 0.001"),
+    ("request_rate=nan", "request_rate=nan", "must be at least 0.001"),
+    ("max_tokens=0", "max_tokens=0", "must be at least 1"),  # was a run of 400s
+    ("concurrency=x", "concurrency=x", "'x' is not a whole number"),
 ])
 def test_sweep_values_are_checked_as_the_option_they_sweep(sweep, bad, fragment):
     result = invoke("bench", "serve", "--url", "127.0.0.1:9", "--sweep", sweep)  # before any server is asked
@@ -486,3 +555,108 @@ def test_ctrl_c_during_the_exit_teardown_ends_quietly():
     """It printed "Exception ignored in atexit callback" and a KeyboardInterrupt traceback."""
     done = subprocess.run([sys.executable, "-c", INTERRUPTED_TEARDOWN], capture_output=True, text=True, timeout=60)
     assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
+
+
+@pytest.fixture
+def serve_loads_here(monkeypatch):
+    """`tfserve serve` with its model loaded on the test's thread and no port bound: the server's run only calls
+    `load()` (whose errors are the command's), then stops what it loaded."""
+    from tfserve.server import run
+
+    async def load_only(app, host, port, *, drain_timeout, load, on_ready, autoscale=None):
+        load().stop()
+        return True
+
+    monkeypatch.setattr(run, "serve", load_only)
+    logger = logging.getLogger("tfserve")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    # serve pointed the logger at CliRunner's stream and stopped it propagating: later tests' caplog needs it back
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
+NO_KERNELS = {"TFSERVE_CPU_KERNELS": "0"}  # the tiny models need no kernel build
+
+
+def assert_ends_with_one_error(result, *fragments: str, exit_code: int = 1) -> None:
+    """A command that printed progress first: no traceback, and its last line the one error."""
+    assert result.exit_code == exit_code and "Traceback" not in result.output, result.output
+    last = [line for line in result.output.splitlines() if line.strip()][-1]
+    assert last.startswith("Error: ") and all(fragment in last for fragment in fragments), result.output
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--kv-cache-memory", "64MiB"], "--kv-cache-memory 64MiB asks for a KV cache of 67.1 MB, but 1.0 MB of memory "
+                                     "is free on cpu"),
+    (["--num-blocks", "100000"], "--num-blocks 100000 asks for a KV cache of"),
+])
+def test_a_kv_cache_larger_than_free_memory_is_refused_before_it_is_made(tmp_path, monkeypatch, serve_loads_here,
+                                                                       flags, fragment):
+    """`--kv-cache-memory 1TiB` was OOM-killed by the kernel after "Allocating the KV cache ..." (exit 137, not a
+    word). Here free memory reads as 1 MB, so what is asked for (harmless if it were made) does not fit."""
+    from tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setattr("tfserve.engine.runner.available_memory", lambda device=None: 1_000_000)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    result = invoke("serve", "-m", str(path), *flags, env=NO_KERNELS)
+    assert_ends_with_one_error(result, fragment, "ask for less")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["bench", "offline", "-n", "1"]])
+def test_a_cut_gguf_is_one_line_in_every_command(tmp_path, serve_loads_here, command):
+    """`struct.error: unpack_from requires a buffer of at least 1006 bytes` came out as a traceback."""
+    from tiny_gguf import write_tiny_gguf
+
+    cut = tmp_path / "trunc.gguf"
+    cut.write_bytes(write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes()[:1000])
+    result = invoke(*command, "-m", str(cut), input="hi\n", env=NO_KERNELS)
+    assert_ends_with_one_error(result, f"cannot read {cut}: it is truncated or not a GGUF file (")
+
+
+def test_a_store_folder_without_a_tokenizer_says_so(make_fake_model):
+    """It said "cannot load halfmodel ...: Couldn't instantiate the backend tokenizer from one of: ", the end of
+    the sentence cut off with the lines after it."""
+    (make_fake_model(store.model_path("halfmodel")) / "tokenizer_config.json").unlink()
+    result = invoke("chat", "-m", "halfmodel", input="hi\n", env=NO_KERNELS)
+    assert_ends_with_one_error(result, "cannot load halfmodel", "no tokenizer files (tokenizer.json")
+
+
+def test_a_gguf_in_its_store_folder_chats(tmp_path):
+    """The store keeps model.gguf beside the HF files converted from it, whose tokenizer_config.json has no chat
+    template: `chat -m .../model.gguf` said "model has no chat template", a copy elsewhere chatted."""
+    from transformers import AutoTokenizer
+
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(store.model_path("tiny") / "model.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(path.parent)  # tokenizer.json and a tokenizer_config.json without the template
+    result = invoke("chat", "-m", str(path), "--max-tokens", "2", "--temperature", "0", input="hello\n",
+                    env=NO_KERNELS)
+    assert result.exit_code == 0 and "chat template" not in result.output, result.output
+
+
+@pytest.mark.parametrize("words, values", [
+    ("tfserve serve --speculative ", ["ngram", "draft"]), ("tfserve serve --speculative n", ["ngram"]),
+    ("tfserve bench serve --endpoint ", ["chat", "completions"]),
+    ("tfserve bench offline --engine ", ["tfserve", "transformers", "transformers-static"]),
+    ("tfserve bench offline --engine transformers-", ["transformers-static"]),
+    ("tfserve bench offline --speculative ", ["ngram", "draft"]),
+])
+def test_options_of_a_few_words_complete_them(words, values):
+    """A TAB offered file names."""
+    assert complete(words).output.split() == values
+
+
+def test_the_banner_says_the_context_the_kv_cache_allows():
+    """`--num-blocks 1` showed "Context 8192 tokens" while requests past 16 tokens were refused."""
+    from types import SimpleNamespace
+
+    from tfserve.cli.serve import context_label
+
+    def engine(num_blocks: int):
+        return SimpleNamespace(block_pool=SimpleNamespace(num_blocks=num_blocks, block_size=16), max_model_len=8192)
+
+    assert context_label(engine(1)).startswith("16 tokens: all the KV cache holds (the model's context is 8192)")
+    assert context_label(engine(1024)) == "8192 tokens"

@@ -255,6 +255,9 @@ def assert_one_line(result, fragment: str) -> None:
     (["--max-batch-tokens", "512", "--cb_max_batch_tokens", "64"], "disagree"),
     (["--kv-cache-memory", "1GiB", "--cb-max-memory-percent", "0.5"], "give one"),
     (["a", "--force-model", "b"], "disagree"), (["--enable-cors=maybe"], "does not take a value"),
+    (["MODEL_DIR", "-m", "NONEXISTENT"], "and --model 'NONEXISTENT' disagree: give one"),
+    (["--torch-dtype", "float16", "--dtype", "float32"], "--dtype float32 and --torch-dtype float16 disagree"),
+    (["--speech-model", "NONEXISTENT"], "--speech-model NONEXISTENT: unknown model 'NONEXISTENT'"),
     (["--model", "/no/such/dir"], "no such file or directory"),
 ])
 def test_bad_values_are_one_line(served, args, fragment):
@@ -319,3 +322,39 @@ def test_speculative_flags_reach_the_engine(served):
                            (["--speculative", "medusa"], "--speculative must be ngram or draft")):
         result = served("MODEL_DIR", *flags)["result"]
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+
+
+def test_the_same_model_or_dtype_given_twice_is_fine(served):
+    """MODEL with --model, --dtype with --torch-dtype: refused where they disagree (one was silently ignored),
+    taken where they agree."""
+    seen = ok(served("MODEL_DIR", "-m", "MODEL_DIR"))
+    assert seen["spec"].endswith("Qwen3-1.7B") and seen["state"].force_model
+    assert ok(served("--torch-dtype", "float16", "--dtype", "float16"))["load_options"]["dtype"] == "float16"
+    assert ok(served("--torch_dtype", "bfloat16"))["load_options"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("args", [["--enable_cors", "maybe"], ["--enable-cors", "maybe"],
+                                  ["--trust_remote_code", "yes-please"]])
+def test_a_flag_given_a_word_that_is_no_boolean_is_a_usage_error(served, args):
+    """`--enable_cors maybe` said "unknown model 'maybe'": the word after a flag that takes no value is MODEL to
+    click, as it must be for `--enable-cors Qwen/Qwen3-1.7B`; where it names no model, it was meant for the flag."""
+    result = served(*args)["result"]
+    assert result.exit_code == 2, result.output
+    flag = args[0].replace("_", "-")
+    assert_one_line(result, f"{flag} takes true or false, or no value (got {args[1]!r}")
+
+
+def test_a_flag_before_the_model_still_serves_it(served):
+    seen = ok(served("--enable-cors", "MODEL_DIR"))
+    assert seen["spec"].endswith("Qwen3-1.7B") and list(seen["app_kwargs"]["cors_allow_origins"]) == ["*"]
+
+
+def test_the_speech_model_is_checked_at_start(served, tmp_path, make_fake_model):
+    """--speech-model NONEXISTENT started without a word: the first transcription found out."""
+    assert ok(served("--speech-model", "whisper-base"))  # the catalog's: pulled on first use
+    whisper = make_fake_model(tmp_path / "my-whisper")
+    (whisper / "config.json").write_text('{"model_type": "whisper"}')
+    assert ok(served("--speech-model", str(whisper)))["state"].speech.options.default_model == str(whisper)
+    chat = make_fake_model(tmp_path / "a-chat-model")
+    assert_one_line(served("--speech-model", str(chat))["result"], "is not a speech-to-text (Whisper) model")
+    assert_one_line(served("--speech-model", "smollm2-135m-instruct")["result"], "is a chat model")

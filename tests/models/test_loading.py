@@ -161,3 +161,82 @@ def test_a_name_the_filesystem_refuses_is_no_such_model():
 
     with pytest.raises(ModelNotFoundError, match="no such model or path: .*File name too long"):
         loading.resolve_model("m" * 300)
+
+
+def test_a_gguf_loads_its_own_tokenizer_not_the_files_beside_it(tmp_path):
+    """A store model's model.gguf sits beside the HF files converted from it: transformers read that folder's
+    tokenizer.json over the file's own, and its tokenizer_config.json, which keeps no chat template, so the
+    file could not chat there while a copy elsewhere could. Another model's files beside it gave it their
+    vocabulary."""
+    from tiny_gguf import CHAT_TEMPLATE, write_tiny_gguf
+
+    alone = load_model(str(write_tiny_gguf(tmp_path / "alone" / "tiny.gguf")))
+    path = write_tiny_gguf(tmp_path / "store-like" / "model.gguf")
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator(["something else entirely"] * 4, trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=other, eos_token="else").save_pretrained(path.parent)  # no template
+    beside = load_model(str(path))
+    assert beside.tokenizer.chat_template == alone.tokenizer.chat_template == CHAT_TEMPLATE
+    assert len(beside.tokenizer) == len(alone.tokenizer) and beside.tokenizer.eos_token == "<|im_end|>"
+    assert beside.path == path  # the engine reads the file's blocks from where it is
+
+
+@pytest.mark.parametrize("keep", [4, 1000, -100])
+def test_a_cut_gguf_is_one_line_saying_so(tmp_path, keep):
+    """transformers' reader failed with `struct.error: unpack_from requires a buffer of at least 1006 bytes`,
+    a traceback, or with a numpy reshape error."""
+    from tfserve.errors import ModelLoadError
+    from tiny_gguf import write_tiny_gguf
+
+    whole = write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:keep])
+    with pytest.raises(ModelLoadError, match=f"cannot read {cut}: it is truncated or not a GGUF file \\("):
+        load_model(str(cut))
+
+
+def test_a_folder_without_tokenizer_files_says_so(tiny_hf_dir, tmp_path):
+    """transformers' message begins "Couldn't instantiate the backend tokenizer from one of:", its point on the
+    lines after; cut to its first line it said nothing."""
+    import shutil
+
+    from tfserve.errors import ModelLoadError
+
+    half = tmp_path / "halfmodel"
+    shutil.copytree(tiny_hf_dir, half)
+    for name in store.TOKENIZER_FILES + ("special_tokens_map.json", "chat_template.jinja"):
+        (half / name).unlink(missing_ok=True)
+    with pytest.raises(ModelLoadError, match=r"cannot load halfmodel from .*: no tokenizer files \(tokenizer.json"):
+        load_model(str(half))
+
+
+def test_a_load_error_of_several_lines_is_one_line_with_them_all(tiny_hf_dir, monkeypatch):
+    import transformers
+
+    from tfserve.errors import ModelLoadError
+
+    def fail(*args, **kwargs):
+        raise ValueError("Couldn't do it from one of:\n(1) this,\n(2) that.\nInstall the other thing.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(str(tiny_hf_dir))
+    assert str(caught.value).endswith("Couldn't do it from one of: (1) this, (2) that. Install the other thing.")
+
+
+def test_a_cut_safetensors_file_is_one_line(tiny_hf_dir, tmp_path):
+    import shutil
+
+    from tfserve.errors import ModelLoadError
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_hf_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot load cut from"):
+        load_model(str(cut))

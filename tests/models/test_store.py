@@ -220,3 +220,21 @@ def test_dir_size_counts_files_and_skips_those_that_go_while_it_reads(tmp_path, 
 
     monkeypatch.setattr(os, "stat", stat)
     assert store.dir_size(tmp_path) == 15
+
+
+def test_a_broken_folder_is_listed_with_its_problem_and_never_breaks_the_listing(make_fake_model):
+    """A config.json holding `[1]` raised AttributeError in `models list` (and in completion, and in every
+    command's speech-model check); folders without weights or a tokenizer were listed as models."""
+    make_fake_model(store.model_path("good"))
+    store.model_path("x").mkdir()
+    (store.model_path("x") / "config.json").write_text("[1]")
+    store.model_path("empty").mkdir()
+    half = make_fake_model(store.model_path("half"))
+    (half / "tokenizer_config.json").unlink()
+    (make_fake_model(store.model_path("noweights")) / "model.safetensors").unlink()
+    problems = {row.name: row.problem for row in store.list_models()}
+    assert problems == {"empty": "incomplete: no config.json", "good": None, "half": "incomplete: no tokenizer",
+                        "noweights": "incomplete: no weights", "x": "unreadable config.json"}
+    assert not store.is_speech_model("x")
+    with pytest.raises(ModelStoreError, match="config.json: not a JSON object"):
+        store.model_info(str(store.model_path("x")))

@@ -6,12 +6,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 
 from tfserve.errors import TfserveError
+
+TAIL_LINES = 20  # of a launched server's output, shown when it dies before it is ready
 
 
 def server_root(base_url: str) -> str:
@@ -20,18 +24,44 @@ def server_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    """Poll until `/health` answers 200; a server without `/health` (404) is ready once `/v1/models` is."""
+def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen | None = None, log=None) -> None:
+    """Poll until `/health` answers 200; a server without `/health` (404) is ready once `/v1/models` is. Where
+    the launched `process` dies or never answers, the last lines of its output (`log`, the file it writes to)
+    are printed first: they say why (a misspelt model, a port in use), which the exit code alone does not."""
     root = server_root(base_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise TfserveError(f"the launched server exited with code {process.returncode} before it was ready")
+            shown = _show_tail(log)
+            raise TfserveError(f"the launched server exited with code {process.returncode} before it was ready"
+                               + (" (its last output is above)" if shown else " (it printed nothing)"))
         status = _status(root + "/health")
         if status == 200 or (status == 404 and _status(root + "/v1/models") == 200):
             return
         time.sleep(0.5)
-    raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s")
+    shown = _show_tail(log)
+    raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s"
+                       + (" (the launched server's last output is above)" if shown else ""))
+
+
+def output_tail(log, num_lines: int = TAIL_LINES) -> list[str]:
+    """The last `num_lines` lines written to the binary file `log` (None: none), read from its last 64 KiB."""
+    if log is None:
+        return []
+    try:  # pread: the server writes through the same file offset, which a seek here would move
+        size = os.fstat(log.fileno()).st_size
+        text = os.pread(log.fileno(), 65536, max(0, size - 65536)).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return []
+    return [line.rstrip() for line in text.splitlines() if line.strip()][-num_lines:]
+
+
+def _show_tail(log) -> bool:
+    """Print the launched server's last lines to stderr, indented under a heading; whether there were any."""
+    lines = output_tail(log)
+    if lines:
+        print("The launched server's last output:", *(f"    {line}" for line in lines), sep="\n", file=sys.stderr)
+    return bool(lines)
 
 
 def check_reachable(base_url: str, launch_hint: bool = True, loading_timeout_s: float = 600.0) -> None:
@@ -62,13 +92,23 @@ def _status(url: str) -> int | None:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
-    except (urllib.error.URLError, OSError, ValueError):
+    except urllib.error.URLError as exc:
+        from tfserve.chat.client import tls_problem
+
+        parts = urllib.parse.urlsplit(url)
+        tls = tls_problem(exc, f"{parts.scheme}://{parts.netloc}")
+        if tls is not None:  # something answers, in plain HTTP (or with an untrusted certificate): no use waiting
+            raise TfserveError(tls) from None
+        return None
+    except (OSError, ValueError):
         return None
 
 
 @contextmanager
 def launched(command: str | None, base_url: str, timeout_s: float = 600.0, log_path: str | None = None):
-    """Run `command` (a shell command line) for the duration of the block; None: nothing to launch."""
+    """Run `command` (a shell command line) for the duration of the block; None: nothing to launch. Its output
+    goes to `log_path`, else to a temporary file, removed afterwards: either way its last lines are shown if it
+    dies before it is ready."""
     if not command:
         yield None
         return
@@ -76,15 +116,17 @@ def launched(command: str | None, base_url: str, timeout_s: float = 600.0, log_p
     if _status(root + "/health") is not None:  # else the run would measure that server, whatever ours did
         raise TfserveError(f"something already answers at {root}: stop it, or give --url the address the "
                            "--launch command listens on")
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    process = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(log_path, "a+b") if log_path else tempfile.TemporaryFile()
     try:
-        wait_until_ready(base_url, timeout_s, process)
-        yield process
+        process = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            wait_until_ready(base_url, timeout_s, process, log)
+            yield process
+        finally:
+            _stop(process)
     finally:
-        _stop(process)
-        if log_path:
-            log.close()
+        log.close()
 
 
 def _stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:

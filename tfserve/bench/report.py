@@ -61,9 +61,16 @@ def load_runs(path: str | Path) -> list[tuple[str, dict]]:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TfserveError(f"cannot read benchmark result {path}: {exc}") from None
-    if isinstance(data, dict) and "runs" in data:
+    except FileNotFoundError:
+        raise TfserveError(f"no such file: {path}") from None
+    except OSError as exc:
+        raise TfserveError(f"cannot read benchmark result {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise TfserveError(f"cannot read benchmark result {path}: not JSON ({exc.msg} at line {exc.lineno} "
+                           f"column {exc.colno})") from None
+    except UnicodeDecodeError:
+        raise TfserveError(f"cannot read benchmark result {path}: not JSON (not even text)") from None
+    if isinstance(data, dict) and isinstance(data.get("runs"), list) and "sweep" in data:
         key = _SHORT_KEYS.get(data["sweep"], data["sweep"])
         return [(f"{path.stem} {key}={v}", run) for v, run in zip(data["values"], data["runs"])]
     if isinstance(data, dict) and "output_throughput" in data:

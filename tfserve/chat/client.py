@@ -4,6 +4,8 @@ through the `openai` SDK. (`LocalBackend`, the engine in this process, is in `lo
 from __future__ import annotations
 
 import os
+import re
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -14,6 +16,7 @@ from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
 from tfserve.errors import TfserveError, UsageError
 
 API_KEY_ENVVARS = ("TFSERVE_API_KEY", "OPENAI_API_KEY")
+NO_KEY = "EMPTY"  # what `bench serve` sends when no key is given (vLLM's placeholder): not a key the user gave
 
 
 class ChatError(TfserveError):
@@ -33,6 +36,18 @@ class ConnectionLost(ChatError):
     """The server cannot be reached, or went away in the middle of a reply."""
 
 
+class ContextFull(ChatError):
+    """The conversation leaves the model no room to answer: said as what to do about it, not in the server's
+    token arithmetic. The chat does not drop its oldest turns to make room: that would change what the model
+    knows without telling, and which turns may go is the user's call (/clear, or /save and edit the file)."""
+
+    def __init__(self, max_context_tokens: int | None = None) -> None:
+        context = f"{max_context_tokens}-token context" if max_context_tokens else "context"
+        super().__init__(f"the conversation fills the model's {context}, so your message got no answer: /clear, "
+                         "or /save and start over")
+        self.max_context_tokens = max_context_tokens
+
+
 @dataclass(slots=True)
 class ReplyStats:
     """What the backend reports about one reply; None where it does not say."""
@@ -43,6 +58,10 @@ class ReplyStats:
     # the reply's calls in OpenAI's shape, {"id", "type": "function", "function": {"name", "arguments"}},
     # complete once the reply has ended
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # the context, not max_tokens, capped the reply (max_tokens was left to the server because the default cap
+    # did not fit): a reply that ends by "length" then ended because the conversation filled the context
+    context_capped: bool = False
+    max_context_tokens: int | None = None  # the model's context (prompt and reply) where known
 
 
 class Thinking(str):
@@ -127,7 +146,11 @@ class RemoteBackend:
         self.url = normalize_url(url)
         self.label = self.url
         self.model = model
-        api_key = api_key or next((os.environ[k] for k in API_KEY_ENVVARS if os.environ.get(k)), None)
+        # where the key came from, for the line that says the server refused it; None: no key was given
+        self.key_source = "--api-key" if api_key and api_key != NO_KEY else None
+        if not api_key:
+            name = next((name for name in API_KEY_ENVVARS if os.environ.get(name)), None)
+            api_key, self.key_source = (os.environ[name], f"${name}") if name else (None, None)
         # the SDK insists on a key; servers without one ignore the header
         try:
             self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0,
@@ -144,15 +167,16 @@ class RemoteBackend:
             models = self._models()
         except ServerError as exc:
             if exc.status in (401, 403):
-                raise ServerError(f"{self.url} refused the API key ({exc.status}): pass --api-key", exc.status,
-                                  exc.detail) from None
+                said = (f"refused the API key given with {self.key_source} ({exc.status})" if self.key_source
+                        else f"refused the API key ({exc.status}): pass --api-key")
+                raise ServerError(f"{self.url} {said}", exc.status, exc.detail) from None
             if exc.status is None or exc.status >= 500:  # it failed: its own words say more
                 raise
             if self.model is not None and exc.status == 404 and not need_models:
                 return self  # it answers, without /v1/models: the named model may still chat
             raise ServerError(f"{self.url} does not answer /v1/models as an OpenAI-compatible server "
                               f"({exc.status})", exc.status, exc.detail) from None
-        offered = [model.id for model in models if not (chat and _is_speech(model))]
+        offered = [model["id"] for model in models if not (chat and _is_speech(model))]
         kind = "chat models" if chat else "models"
         if self.model is None:
             if not offered:
@@ -160,7 +184,7 @@ class RemoteBackend:
             self.model = offered[0]
             return self
         # a name the list leaves out may still be served: an alias, or a model the server loads on demand
-        model = next((model for model in models if model.id == self.model), None) or self._retrieve(self.model)
+        model = next((model for model in models if model["id"] == self.model), None) or self._retrieve(self.model)
         served = ", ".join(offered) or "none"
         if model is None:
             raise ChatError(f"{self.url} does not serve {self.model!r}; its {kind}: {served}")
@@ -171,35 +195,47 @@ class RemoteBackend:
 
     def list_models(self) -> list[str]:
         """The server's chat models (speech-to-text models, which only transcribe, left out)."""
-        return [model.id for model in self._models() if not _is_speech(model)]
+        return [model["id"] for model in self._models() if not _is_speech(model)]
 
-    def _models(self) -> list[Any]:
+    def _models(self) -> list[dict[str, Any]]:
+        """The entries of GET /v1/models that name a model (a string id; others are skipped, as a client skips
+        what it cannot use). Read as JSON here, not through the SDK's types, which take any shape and fail later
+        (an id that is a number, a "data" that is one object); what is no list of objects is one ChatError."""
         import openai
 
         try:
-            return list(self.client.models.list())
-        except openai.APIConnectionError:
-            raise ConnectionLost(self.unreachable_message) from None
+            body = self.client.models.with_raw_response.list().http_response.json()
+        except openai.APIConnectionError as exc:
+            raise ConnectionLost(self.unreachable(exc)) from None
         except openai.APIError as exc:
             raise describe(exc) from None
-        except (AttributeError, TypeError, ValueError):  # a 200 the SDK cannot read as a list (an HTML page)
-            raise ChatError(f"{self.url} does not answer /v1/models with a model list: is it an OpenAI-compatible "
-                            "server?") from None
+        except ValueError:  # a 200 that is no JSON (an HTML page)
+            body = None
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or not all(isinstance(entry, dict) for entry in data):
+            raise ChatError(f"{self.url}'s /v1/models is not an OpenAI model list: is it an OpenAI-compatible "
+                            "server?")
+        return [entry for entry in data if isinstance(entry.get("id"), str)]
 
-    def _retrieve(self, name: str) -> Any | None:
-        """GET /v1/models/NAME: the model, or None where the server does not know it (or has no such route)."""
+    def _retrieve(self, name: str) -> dict[str, Any] | None:
+        """GET /v1/models/NAME: the model, or None where the server does not know it (or has no such route, or
+        answers with no model object)."""
         import openai
 
         try:
-            return self.client.models.retrieve(name)
-        except openai.APIConnectionError:
-            raise ConnectionLost(self.unreachable_message) from None
-        except openai.APIError:
+            body = self.client.models.with_raw_response.retrieve(name).http_response.json()
+        except openai.APIConnectionError as exc:
+            raise ConnectionLost(self.unreachable(exc)) from None
+        except (openai.APIError, ValueError):
             return None
+        return body if isinstance(body, dict) and isinstance(body.get("id"), str) else None
 
-    @property
-    def unreachable_message(self) -> str:
-        return f"cannot reach {self.url} — is `tfserve serve` running?"
+    def unreachable(self, exc: BaseException) -> str:
+        """Why a connection failed, in one line: nothing listens, or (an SSL error under `exc`) TLS went wrong.
+        An https:// URL for a plain-HTTP server fails the handshake, which is no reason to ask whether the server
+        runs."""
+        tls = tls_problem(exc, self.url)
+        return tls or f"cannot reach {self.url} — is `tfserve serve` running?"
 
     def stream(self, messages: list[dict[str, Any]], settings: Settings, tools: list[dict] | None = None,
                tool_choice: str = "auto") -> Reply:
@@ -213,19 +249,27 @@ class RemoteBackend:
         capped = settings.max_tokens is None
         if capped:
             kwargs["max_tokens"] = DEFAULT_MAX_TOKENS
+        stats = ReplyStats()
         try:
             try:
                 stream = self._create(messages, kwargs)
             except openai.BadRequestError as exc:
-                if not (capped and _context_too_short(exc)):
+                if _conversation_too_long(exc) or not (capped and _context_too_short(exc)):
                     raise
-                # the context leaves less than the default cap: let the server give what it leaves
+                # the context leaves less than the default cap: let the server give what it leaves (the reply
+                # then ends where the context does)
+                stats.context_capped, stats.max_context_tokens = True, _max_context_tokens(exc)
                 stream = self._create(messages, {k: v for k, v in kwargs.items() if k != "max_tokens"})
-        except openai.APIConnectionError:
-            raise ConnectionLost(self.unreachable_message) from None
+        except openai.BadRequestError as exc:
+            # without max_tokens a context error can only be the conversation's own length
+            if _conversation_too_long(exc) or (stats.context_capped and _context_too_short(exc)):
+                raise ContextFull(_max_context_tokens(exc) or stats.max_context_tokens) from None
+            raise describe(exc) from None
+        except openai.APIConnectionError as exc:
+            raise ConnectionLost(self.unreachable(exc)) from None
         except openai.APIError as exc:
             raise describe(exc) from None
-        return _RemoteReply(stream)
+        return _RemoteReply(stream, stats)
 
     def _create(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> Any:
         return self.client.chat.completions.create(model=self.model, messages=messages, stream=True,
@@ -238,9 +282,9 @@ class RemoteBackend:
 class _RemoteReply:
     """The deltas of one streamed chat completion."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, stats: ReplyStats | None = None) -> None:
         self._stream = stream
-        self.stats = ReplyStats()
+        self.stats = stats or ReplyStats()
 
     def __iter__(self) -> Iterator[str]:
         import openai
@@ -270,6 +314,10 @@ class _RemoteReply:
             raise describe(exc) from None
         if self.stats.finish_reason is None:
             raise ConnectionLost("the reply ended without a finish reason (connection lost?)")
+        stats = self.stats
+        if stats.context_capped and stats.max_context_tokens is None and stats.num_prompt_tokens is not None:
+            # a reply the context capped fills it, so the usage says the context's size
+            stats.max_context_tokens = stats.num_prompt_tokens + (stats.num_completion_tokens or 0)
 
     def _add_call_delta(self, delta: Any) -> None:
         """A call arrives in pieces: its id and name first, then its arguments as they are written."""
@@ -288,19 +336,57 @@ class _RemoteReply:
         self._stream.close()
 
 
-def _is_speech(model: Any) -> bool:
-    """Whether a /v1/models entry is a speech-to-text model: tfserve says so by its input_modalities (["audio"]);
-    servers that do not (OpenAI's whisper-1, vLLM's openai/whisper-*) by its name."""
-    modalities = getattr(model, "input_modalities", None)  # an extra field, kept by the SDK as it came
+def _is_speech(model: dict[str, Any]) -> bool:
+    """Whether a /v1/models entry (with a string id) is a speech-to-text model: tfserve says so by its
+    input_modalities (["audio"]); servers that do not (OpenAI's whisper-1, vLLM's openai/whisper-*) by its name."""
+    modalities = model.get("input_modalities")
     if isinstance(modalities, list):
         return "text" not in modalities
-    return "whisper" in model.id.lower()
+    return "whisper" in model["id"].lower()
 
 
 def _context_too_short(exc: Any) -> bool:
     # servers name it differently: OpenAI and tfserve by code, others by the field
     return getattr(exc, "code", None) == "context_length_exceeded" or getattr(exc, "param", None) in (
         "max_tokens", "max_completion_tokens")
+
+
+def _conversation_too_long(exc: Any) -> bool:
+    """A context error about the messages themselves (tfserve names "prompt" or "messages", OpenAI "messages"),
+    not about max_tokens: no max_tokens would make it fit."""
+    return getattr(exc, "code", None) == "context_length_exceeded" and getattr(exc, "param", None) not in (
+        "max_tokens", "max_completion_tokens")
+
+
+def max_context_tokens_in(message: str) -> int | None:
+    """The context size in a context error's message, in OpenAI's words ("maximum context length is 8192
+    tokens"), which tfserve and vLLM use too; None where it is not said so."""
+    found = re.search(r"maximum context length is (\d+) tokens", message)
+    return int(found.group(1)) if found else None
+
+
+def _max_context_tokens(exc: Any) -> int | None:
+    return max_context_tokens_in(str(getattr(exc, "message", "") or ""))
+
+
+def tls_problem(exc: BaseException, url: str) -> str | None:
+    """One line for a connection that failed in TLS (an `ssl.SSLError` among `exc`'s causes), else None. An
+    https:// URL for a server that speaks plain HTTP fails with "wrong version number" (or the newer "record
+    layer failure"): it says to use http://, since asking whether the server runs would send the user looking
+    in the wrong place."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, ssl.SSLError):
+        return None
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"cannot reach {url}: its TLS certificate is not trusted ({cause.verify_message})"
+    if cause.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG"):
+        plain = "http://" + url.split("://", 1)[-1]
+        return f"{url} does not speak HTTPS (its answer is plain HTTP): use {plain}"
+    return f"cannot reach {url}: the TLS handshake failed ({cause.reason or cause})"
 
 
 def describe(exc: Any) -> ServerError:

@@ -121,7 +121,7 @@ def attach(session: ChatSession, path: Path) -> Attachment | None:
     session.pending_images.append(attachment)
     session.console.print(Text(f"Attached {path.name} ({size_text(attachment.num_bytes)}) to your next "
                                f"message; {plural(len(session.pending_images), 'image')} waiting.", style="dim"),
-                          soft_wrap=True)
+                          soft_wrap=not session.console.is_terminal)
     return attachment
 
 

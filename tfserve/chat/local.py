@@ -11,10 +11,11 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
-from tfserve.chat.client import ChatError, ReplyStats
+from tfserve.chat.client import ChatError, ContextFull, ReplyStats, max_context_tokens_in
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
 from tfserve.engine.chat_template import has_chat_template, render_chat
 from tfserve.engine.request import RequestOutput
+from tfserve.errors import ContextLengthError
 from tfserve.images import ImageError, MediaImage, data_url_bytes, decode_image
 
 POLL_S = 0.1  # wait for outputs in slices so Ctrl-C is seen at once
@@ -46,19 +47,27 @@ class LocalBackend:
             params = self.engine.sampling_params(len(prompt_ids), **settings.sampling_kwargs())
             if settings.max_tokens is None and params.max_tokens > DEFAULT_MAX_TOKENS:
                 params = params.replace(max_tokens=DEFAULT_MAX_TOKENS)
+            num_tokens = len(prompt_ids) + params.max_tokens
+            context_capped = settings.max_tokens is None and num_tokens >= self.engine.max_model_len
             if mm is None:
                 request_id = self.manager.add_request(prompt_ids, params=params, stream=True, sink=outputs.put)
             else:  # the engine builds the request with its vision inputs, as the server's admit does
                 requests = self.engine.make_requests(prompt_ids, params, mm=mm)
                 request_id = self.manager.add_requests(requests, stream=True, sink=outputs.put)[0]
+        except ContextLengthError as exc:
+            if exc.param == "prompt":  # the conversation alone fills the context
+                raise ContextFull(max_context_tokens_in(str(exc))) from None
+            raise ChatError(str(exc)) from None
         except ValueError as exc:
             raise ChatError(str(exc)) from None
+        stats = ReplyStats(num_prompt_tokens=len(prompt_ids), context_capped=context_capped,
+                           max_context_tokens=num_tokens if context_capped else None)
         parser = None
         if tools:
             from tfserve.engine.tool_calls import ToolCallStream, detect_format
 
             parser = ToolCallStream(detect_format(self.engine.tokenizer))
-        return _LocalReply(self.manager, request_id, outputs, len(prompt_ids), parser)
+        return _LocalReply(self.manager, request_id, outputs, stats, parser)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                 images: list[MediaImage]) -> tuple[list[int], Any]:
@@ -121,13 +130,13 @@ class _LocalReply:
     """The deltas of one request on the engine; with a tool-call `parser`, calls are kept out of the text and
     land in `stats.tool_calls` at the end."""
 
-    def __init__(self, manager: Any, request_id: str, outputs: queue.SimpleQueue, num_prompt_tokens: int,
+    def __init__(self, manager: Any, request_id: str, outputs: queue.SimpleQueue, stats: ReplyStats,
                  parser: Any = None) -> None:
         self._manager, self._request_id, self._outputs = manager, request_id, outputs
         self._parser = parser
         self._call_events: list = []
         self._finished = False  # the engine is done with the request
-        self.stats = ReplyStats(num_prompt_tokens=num_prompt_tokens)
+        self.stats = stats
 
     def __iter__(self) -> Iterator[str]:
         if self._parser is None:

@@ -69,11 +69,13 @@ def run_repl(session: ChatSession, *, input: Any = None, output: Any = None, his
 
 
 def run_piped(session: ChatSession, lines: Iterable[str]) -> int:
-    """Each non-empty line is one user turn (slash commands work too); 1 if any turn failed, else 0."""
+    """Each non-empty line is one user turn (slash commands work too). A line that fails (a reply, or a command
+    such as a /load of a missing file) does not stop the rest, but the exit code is 1: a script learns that
+    something went wrong. 0 when every line went through."""
     for line in lines:
         if not handle_line(session, line.rstrip("\r\n")):
             break
-    return 1 if session.stats.num_errors else 0
+    return 1 if session.num_failures else 0
 
 
 def make_prompt_session(session: ChatSession, *, input: Any = None, output: Any = None,

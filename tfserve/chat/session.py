@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tfserve.chat.agent import MAX_TOOL_ROUNDS, run_tool_calls
-from tfserve.chat.client import ChatBackend, ChatError, Reply, ReplyStats
+from tfserve.chat.client import ChatBackend, ChatError, ContextFull, Reply, ReplyStats
 from tfserve.chat.conversation import Conversation, Settings
 from tfserve.chat.images import Attachment, message_content
 from tfserve.chat.render import LiveReply, PlainReply, TurnStats, footer
@@ -27,16 +27,19 @@ if TYPE_CHECKING:
 class SessionStats:
     """Totals over the session, for /stats."""
 
-    num_replies: int = 0
+    num_replies: int = 0  # replies that did not fail (cancelled ones too)
     num_cancelled: int = 0
-    num_errors: int = 0
+    num_errors: int = 0  # replies that failed
     num_completion_tokens: int = 0
     num_context_tokens: int | None = None  # prompt + reply of the last turn, when the backend says
     ttfts_s: list[float] = field(default_factory=list)
     decode_s: float = 0.0  # time after each first token, summed
 
-    def add(self, turn: TurnStats, num_context_tokens: int | None) -> None:
-        self.num_replies += 1
+    def add(self, turn: TurnStats, num_context_tokens: int | None, failed: bool = False) -> None:
+        """Count one reply. A failed one counts as an error, but its tokens and timings count too: the server
+        generated what streamed before the failure."""
+        self.num_replies += not failed
+        self.num_errors += failed
         self.num_cancelled += turn.cancelled
         self.num_completion_tokens += turn.num_tokens
         if num_context_tokens is not None:
@@ -70,6 +73,7 @@ class ChatSession:
         self.tool_choice = "auto"  # the first request of each message (/set tool_choice); later rounds: auto
         self.confirm: Callable[[str], str] | None = None  # asks the user a question; None: nobody to ask (pipes)
         self.pending_images: list[Attachment] = []  # /image or dropped paths: sent with the next message
+        self.num_failures = 0  # red lines so far (failed replies and commands): a piped chat's exit code
 
     def ask(self, text: str) -> bool:
         """Send `text` (with the pending images) as the user's turn and stream the answer. False when the turn
@@ -93,8 +97,11 @@ class ChatSession:
         return self._send(content)
 
     def error(self, message: str) -> None:
-        """One red line; the chat goes on."""
-        self.error_console.print(Text.assemble(("Error: ", "bold red"), (message, "red")), soft_wrap=True)
+        """One red line; the chat goes on. A terminal wraps it at word boundaries; a pipe or file gets it as one
+        line, whatever its length."""
+        self.num_failures += 1
+        self.error_console.print(Text.assemble(("Error: ", "bold red"), (message, "red")),
+                                 soft_wrap=not self.error_console.is_terminal)
 
     def _answer(self, text: str | list[dict[str, Any]]) -> bool:
         """Stream the reply; while it ends in tool calls, run them and stream the next one."""
@@ -110,7 +117,7 @@ class ChatSession:
             if not go_on:
                 return False
         self.console.print(Text(f"Stopped after {MAX_TOOL_ROUNDS} rounds of tool calls; send a message (\"go on\") "
-                                "to let the model continue.", style="yellow"), soft_wrap=True)
+                                "to let the model continue.", style="yellow"), soft_wrap=not self.console.is_terminal)
         return True
 
     def _reply(self, question: str | list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], bool]:
@@ -139,23 +146,32 @@ class ChatSession:
         stats = reply.stats if reply is not None else ReplyStats()
         # calls of a reply that did not end whole are dropped: a call is kept only with its result
         calls = list(stats.tool_calls) if self.tools is not None and not cancelled and failure is None else []
+        context_full = failure is None and stats.context_capped and stats.finish_reason == "length"
         if view.text or calls:
             extra = {"tool_calls": calls} if calls else {}
             self.conversation.add("assistant", view.text or None, **extra)
-        elif question is not None:
-            self.conversation.turns.pop()  # nothing came back: the question waits for /retry
-            self.unanswered = question
-        if failure is not None:
-            self.stats.num_errors += 1
-            self.error(str(failure))
-            return [], False
+        else:
+            if question is not None:
+                self.conversation.turns.pop()  # nothing came back: the question waits for /retry
+                self.unanswered = question
+            if context_full:  # a token or two of nothing: not an answer, and the next one would be the same
+                failure = ContextFull(stats.max_context_tokens)
         turn = TurnStats(stats.num_completion_tokens or num_deltas, None if first is None else first - start,
                          (last or time.perf_counter()) - start, cancelled)
         num_prompt_tokens = stats.num_prompt_tokens
-        self.stats.add(turn, None if num_prompt_tokens is None else num_prompt_tokens + turn.num_tokens)
+        self.stats.add(turn, None if num_prompt_tokens is None else num_prompt_tokens + turn.num_tokens,
+                       failed=failure is not None)
+        if failure is not None:
+            self.error(str(failure))
+            return [], False
         self.last_turn = turn
         if not self.plain:
             self.console.print(footer(turn), highlight=False)
+        if context_full:
+            context = f"{stats.max_context_tokens}-token context" if stats.max_context_tokens else "context"
+            self.error_console.print(Text(f"The reply stopped where the model's {context} ends: /clear, or /save "
+                                          "and start over, before the next message.", style="yellow"),
+                                     soft_wrap=not self.error_console.is_terminal)
         return calls, not cancelled
 
     def _stream(self, first: bool) -> Reply:

@@ -12,17 +12,31 @@ from typing import Annotated
 import typer
 
 from tfserve.cli import bench_audio
+from tfserve.cli.completion import chat_models, choices
 from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
                                  TensorParallelOpt, CompileOpt, CudaGraphOpt)
-from tfserve.cli.output import console, err_console, to_json, writable, write_text
+from tfserve.cli.output import bad_value_message, console, err_console, to_json, writable, write_text
 from tfserve.errors import TfserveError, UsageError
 
 app = typer.Typer(
-    help="Measure throughput and latency: offline (engine in-process) or online (any OpenAI-compatible URL).",
+    help="""Measure throughput and latency: offline (engine in-process) or online (any OpenAI-compatible URL).
+
+    Each run prints a table and, with -o FILE, writes its JSON; `bench compare` sets such files side by side.
+
+    [bold]Examples[/bold]
+
+      tfserve bench offline --num-prompts 64 --output-len 128 -o offline.json
+      tfserve bench serve --url localhost:8000 -c 32 --max-tokens 128 --ignore-eos -o online.json
+      tfserve bench transcribe talk.wav --clip-seconds 10 -n 8 -c 1,8
+      tfserve bench compare online.json vllm.json
+    """,
     no_args_is_help=True,
+    rich_markup_mode="rich",
 )
 app.command("transcribe")(bench_audio.transcribe)
 
+ENGINES = ("tfserve", "transformers", "transformers-static")  # what `bench offline --engine` runs
+ENDPOINTS = ("chat", "completions")  # what `bench serve --endpoint` sends to
 NumPromptsOpt = Annotated[int, typer.Option("--num-prompts", "-n", min=1, help="Requests to send.")]
 OutputJsonOpt = Annotated[Path | None, typer.Option("--output-json", "-o", help="Write the result as JSON here.")]
 DatasetOpt = Annotated[Path | None, typer.Option("--dataset", help="JSONL ({'prompt': ...}) or ShareGPT file.")]
@@ -41,17 +55,18 @@ def offline(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences.")] = 32,
     max_batch_tokens: Annotated[int, typer.Option("--max-batch-tokens", min=1, help="Token budget per step.")] = 512,
     engine: Annotated[str, typer.Option(
-        "--engine", help="tfserve; transformers (its generate_batch); transformers-static (one left-padded "
-                         "model.generate of all prompts: with --num-prompts 1, single-stream generate).")] = "tfserve",
+        "--engine", autocompletion=choices(*ENGINES),
+        help="tfserve; transformers (its generate_batch); transformers-static (one left-padded model.generate of "
+             "all prompts: with --num-prompts 1, single-stream generate).")] = "tfserve",
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
     quantization: QuantizationOpt = Quantization.none,
     speculative: Annotated[str | None, typer.Option(
-        "--speculative", help="ngram (prompt lookup) or draft (a draft model): speculative decoding (the tfserve "
-                              "engine).")] = None,
+        "--speculative", autocompletion=choices("ngram", "draft"),
+        help="ngram (prompt lookup) or draft (a draft model): speculative decoding (the tfserve engine).")] = None,
     speculative_model: Annotated[str | None, typer.Option(
-        "--speculative-model", help="The draft model of --speculative draft (implies it).",
-        show_default=False)] = None,
+        "--speculative-model", autocompletion=chat_models,
+        help="The draft model of --speculative draft (implies it).", show_default=False)] = None,
     num_speculative_tokens: Annotated[int, typer.Option(
         "--num-speculative-tokens", min=1, max=16, help="Tokens proposed per step with --speculative.")] = 4,
     tensor_parallel_size: TensorParallelOpt = 1,
@@ -60,6 +75,9 @@ def offline(
     output_json: OutputJsonOpt = None,
 ) -> None:
     """Run the engine in-process on a fixed workload (greedy, EOS ignored, fixed output length).
+
+    No server, no HTTP: the engine's own speed. --engine transformers runs transformers' generate on the same
+    prompts, the baseline to compare with.
 
     [bold]Examples[/bold]
 
@@ -76,7 +94,7 @@ def offline(
     from tfserve.cli.progress import step_progress
     from tfserve.models.loading import load_model
 
-    if engine not in ("tfserve", "transformers", "transformers-static"):
+    if engine not in ENGINES:
         raise UsageError(f"--engine must be tfserve, transformers or transformers-static, not {engine!r}")
     writable(output_json, "--output-json")
     refuse_speech_model(model, "benchmark it with `tfserve bench transcribe`")
@@ -214,7 +232,8 @@ def serve(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Output tokens per request.")] = 128,
     input_len: InputLenOpt = None,
     dataset: DatasetOpt = None,
-    endpoint: Annotated[str, typer.Option("--endpoint", help="chat or completions.")] = "chat",
+    endpoint: Annotated[str, typer.Option("--endpoint", autocompletion=choices(*ENDPOINTS),
+                                          help="chat or completions.")] = "chat",
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Send ignore_eos (tfserve, vLLM) for fixed lengths.")] = False,
     extra_body: Annotated[str | None, typer.Option("--extra-body", help="JSON merged into every request body.")] = None,
     image: Annotated[Path | None, typer.Option(
@@ -236,6 +255,9 @@ def serve(
 ) -> None:
     """Stream requests to an OpenAI-compatible server and report throughput and latency percentiles.
 
+    Any such server: tfserve, vLLM, llama.cpp's llama-server, transformers serve. --launch starts it first (its
+    output shown if it dies before it is ready) and stops it after.
+
     [bold]Examples[/bold]
 
       tfserve bench serve --url localhost:8000 -c 32 --max-tokens 128 --ignore-eos
@@ -253,7 +275,7 @@ def serve(
     from tfserve.bench.report import plot_sweep
     from tfserve.bench.settings import run_settings
 
-    if endpoint not in ("chat", "completions"):
+    if endpoint not in ENDPOINTS:
         raise UsageError(f"--endpoint must be chat or completions, not {endpoint!r}")
     writable(output_json, "--output-json")
     writable(plot, "--plot")
@@ -416,7 +438,7 @@ def _parse_sweep(text: str, ctx: typer.Context) -> tuple[str, list]:
         try:
             parsed.append(option.process_value(ctx, value.strip()))
         except typer.BadParameter as exc:
-            raise UsageError(f"--sweep {key}={value.strip()}: {exc.message}") from None
+            raise UsageError(f"--sweep {key}={value.strip()}: {bad_value_message(exc, exc.message)}") from None
     return key, parsed
 
 

@@ -20,6 +20,7 @@ TOOLS = "MCP tools"
 
 
 def chat(
+    ctx: typer.Context,
     url: Annotated[str | None, typer.Argument(
         help="Server to talk to: PORT, HOST:PORT or http(s)://HOST:PORT, with or without /v1. "
              "Without it, the model is loaded in this process.", show_default=False)] = None,
@@ -63,7 +64,8 @@ def chat(
     """Chat with a model: replies stream as markdown, with tokens, tok/s and time to first token after each.
 
     Type /help in the chat for its commands (/system, /set, /retry, /save, /stats, /tools, /image...).
-    With stdin from a pipe, each line is one message and the answers are printed as plain text.
+    With stdin from a pipe, each line is one message and the answers are printed as plain text; a line that
+    fails (a reply, a command) does not stop the rest, and makes the exit code 1.
     /image PATH, or a PNG/JPEG/WebP/GIF file dropped into the terminal, sends the image with your next
     message (to a vision-language model).
 
@@ -93,6 +95,8 @@ def chat(
     if url is not None:
         from tfserve.chat.client import RemoteBackend
 
+        if ctx.get_parameter_source("api_key").name == "ENVIRONMENT":
+            api_key = None  # RemoteBackend reads the same variables, and names the one it took if the key is refused
         backend = RemoteBackend(url, api_key=api_key, model=model).connect()
     else:
         load_options = {"dtype": dtype, "device": device, "quantization": quantization,
@@ -124,9 +128,16 @@ def load_local(spec: str, load_options: dict):
     """Load `spec` with the engine's defaults, as `tfserve serve` does, and chat with it in-process."""
     from tfserve.chat.local import LocalBackend
     from tfserve.cli.loading import load_engine, refuse_speech_model
+    from tfserve.errors import ModelNotFoundError
+    from tfserve.models import store
 
     refuse_speech_model(spec, "`tfserve transcribe` takes it, not `tfserve chat`")
-    async_engine = load_engine(spec, load_options)
+    try:
+        async_engine = load_engine(spec, load_options)
+    except ModelNotFoundError as exc:  # a name that names nothing: offer the chat models, not every stored one
+        if str(exc) == store.not_found_message(spec):  # the loader's last resort, the whole store's list
+            raise ModelNotFoundError(store.not_found_message(spec, chat_only=True)) from None
+        raise
     return LocalBackend(async_engine.manager, async_engine.engine.model_name)
 
 

@@ -54,6 +54,16 @@ def known_models(incomplete: str) -> list[str]:
     return [name for name in catalog.known_names() if name.startswith(incomplete)]
 
 
+def choices(*values: str) -> Callable[[str], list[str]]:
+    """A completer offering `values`: for an option that takes a few words and is checked in the command (its
+    help lists them), where a TAB would otherwise offer file names."""
+
+    def complete(incomplete: str) -> list[str]:
+        return [value for value in values if value.startswith(incomplete)]
+
+    return complete
+
+
 Completer = Callable[[str], list[str]]
 # command -> what its --model/-m takes (commands left out, such as `bench serve`, name a server's model)
 MODEL_OPTIONS: dict[tuple[str, ...], Completer] = {

@@ -31,6 +31,29 @@ def refuse_speech_model(name: str | None, use: str) -> None:
         raise TfserveError(f"{name!r} is a speech-to-text model: {use}")
 
 
+def check_speech_model(name: str) -> None:
+    """--speech-model, checked at start as --model is (it loads on the first audio request, where a typo would be
+    a 404 to a client): a catalog speech model (pulled on first use), or a store name, directory or cached hub id
+    that holds a Whisper model."""
+    from tfserve.errors import ModelNotFoundError, TfserveError
+    from tfserve.models import catalog, store
+    from tfserve.models.loading import resolve_model
+
+    known = catalog.get_known(name)
+    if known is not None and known.task == "speech":
+        return
+    if known is not None and not store.is_pulled(name):
+        raise TfserveError(f"--speech-model {name}: {name!r} is a chat model, not a speech-to-text one; give a "
+                           "Whisper model (e.g. whisper-tiny.en)")
+    try:
+        resolved = resolve_model(name)
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"--speech-model {name}: {exc}") from None
+    if resolved.kind == "gguf" or not store.is_speech_dir(resolved.path):
+        raise TfserveError(f"--speech-model {name}: {resolved.path} is not a speech-to-text (Whisper) model; "
+                           "give a Whisper model (e.g. whisper-tiny.en)")
+
+
 def load_engine(spec: str, load_options: dict, engine_config=None, show_progress: bool = True,
                 data_parallel_size: int = 1, ray_address: str | None = None, scalable: bool = False):
     """Load the model and start its engine (an AsyncEngine, which `ServerState.set_engine` serves); with

@@ -10,11 +10,12 @@ from typing import Annotated
 
 import typer
 from rich.filesize import decimal
+from rich.markup import escape
 from rich.table import Column, Table
 
 from tfserve.cli.completion import known_models, stored_models
 from tfserve.cli.output import console, err_console
-from tfserve.errors import ModelNotFoundError, ModelStoreError
+from tfserve.errors import ModelNotFoundError
 from tfserve.models import catalog, store
 
 app = typer.Typer(
@@ -78,7 +79,8 @@ def pull(
 def list_(as_json: JsonOpt = False) -> None:
     """List the models in the store: name, architecture, parameters, size on disk, path.
 
-    Parameters are counted from the safetensors headers; no weights are loaded.
+    Parameters are counted from the safetensors headers; no weights are loaded. A folder that cannot load
+    (no weights, no tokenizer, a broken config.json) is listed with what is wrong.
 
     [bold]Examples[/bold]
 
@@ -97,30 +99,38 @@ def list_(as_json: JsonOpt = False) -> None:
     table = Table(Column("Name", no_wrap=True, min_width=max(len(row.name) for row in rows)), "Architecture",
                   "Parameters", "Size on disk", Column("Path", overflow="fold"))
     for row in rows:
-        table.add_row(row.name, row.architecture or "-", format_parameters(row.num_parameters),
-                      decimal(row.size_bytes), row.path)
+        architecture = escape(row.architecture or ("" if row.problem else "-"))
+        if row.problem:  # listed all the same: a broken folder is for `models rm`, and must not hide the others
+            architecture = f"{architecture} [yellow]({escape(row.problem)})[/]".strip()
+        table.add_row(row.name, architecture, format_parameters(row.num_parameters), decimal(row.size_bytes),
+                      row.path)
     console.print(table)
 
 
 @app.command("info")
-def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory or cached hub id.", metavar="NAME",
-                                              autocompletion=stored_models, show_default=False)],
+def info(name: Annotated[str, typer.Argument(help="Store name, HF model directory, .gguf file or cached hub id.",
+                                              metavar="NAME", autocompletion=stored_models, show_default=False)],
          as_json: JsonOpt = False) -> None:
     """Show a model's architecture, sizes, dtype, chat template, GGUF blocks and vision tower.
 
-    NAME is a store name, the path of a Hugging Face model directory, or a hub id in the local HF cache.
+    NAME is a store name, the path of a Hugging Face model directory or of a .gguf file, or a hub id in the
+    local HF cache. A .gguf file is read without loading it: its header and tensor table.
 
     [bold]Examples[/bold]
 
       tfserve models info smollm2-135m-instruct
       tfserve models info ./my-model --json
+      tfserve models info ./model.Q4_0.gguf
     """
     from tfserve.models.loading import resolve_model
 
     resolved = resolve_model(name)
     if resolved.kind == "gguf":
-        raise ModelStoreError(f"{resolved.path} is a GGUF file; `models info` reads Hugging Face model directories")
-    details = store.model_info(str(resolved.path))
+        from tfserve.models.gguf_file import gguf_info
+
+        details = gguf_info(resolved.path)
+    else:
+        details = store.model_info(str(resolved.path))
     details.name = resolved.name
     if as_json:
         console.print_json(json.dumps(details.to_dict()))
@@ -141,12 +151,13 @@ def info(name: Annotated[str, typer.Argument(help="Store name, HF model director
         ("Vision tower", details.vision_tower),
         ("Image tokens", details.image_tokens),
         ("Size on disk", decimal(details.size_bytes)),
-        ("GGUF blocks", "model.gguf (on CPU the engine runs its blocks; --dtype float32 expands them)"
-         if details.gguf_file else None),
+        ("Tensor types", ", ".join(f"{kind} x{count}" for kind, count in details.tensor_types.items())
+         if details.tensor_types else None),
+        ("GGUF blocks", _gguf_blocks(details)),
         ("Path", details.path),
     ]
     for label, value in rows:
-        if value is None and label in ("Vision tower", "Image tokens"):  # a text model
+        if value is None and label in ("Vision tower", "Image tokens", "Tensor types"):  # a text model, HF files
             continue
         table.add_row(f"[bold]{label}[/]", "-" if value is None else str(value))
     console.print(table)
@@ -173,6 +184,20 @@ def rm(
         raise typer.Abort()
     store.remove(name)
     err_console.print(f"Removed {name} from {path.parent}", highlight=False, soft_wrap=True)
+
+
+def _gguf_blocks(details) -> str | None:
+    """What the engine runs of a GGUF's own blocks: a .gguf file's, or the copy the store keeps beside HF files."""
+    if details.gguf_file is None:
+        return None
+    if details.tensor_types is None:  # an HF directory with the original file beside it
+        return "model.gguf (on CPU the engine runs its blocks; --dtype float32 expands them)"
+    from tfserve.models.gguf_weights import BLOCK_TYPES
+
+    runs = [kind for kind in details.tensor_types if kind in BLOCK_TYPES]
+    if not runs:
+        return f"none of {', '.join(BLOCK_TYPES)}: the weights load expanded to float"
+    return f"on CPU the engine runs its {', '.join(runs)} blocks; --dtype float32 expands them"
 
 
 def format_parameters(num_parameters: int | None) -> str:

@@ -17,13 +17,52 @@ err_console = Console(stderr=True)
 
 
 def error(message: str) -> None:
-    """Print one readable red line to stderr."""
-    err_console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """Print one readable red line to stderr: one line in a pipe or a file; a terminal wraps it at word
+    boundaries (left to the terminal, a long line would break mid-word)."""
+    err_console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False,
+                      soft_wrap=not err_console.is_terminal)
 
 
 def warn(message: str) -> None:
     """Print one yellow line to stderr."""
-    err_console.print(f"[yellow]Warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[yellow]Warning:[/] {escape(message)}", highlight=False,
+                      soft_wrap=not err_console.is_terminal)
+
+
+def bad_value_message(exc: Exception, message: str | None = None) -> str:
+    """A Click/Typer usage error's message (or `message`, a part of it) in tfserve's words. Typer checks option
+    values with pydantic, whose wording ("Input should be a valid integer, unable to parse string as an
+    integer", "Value error, 'x' is not one of ...") reads like no other line of ours and hides the value given:
+    that part is said again plainly."""
+    if message is None:
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    cause = exc.__cause__
+    errors = cause.errors() if type(cause).__name__ == "ValidationError" else None
+    if not errors:
+        return message
+    plain = _plain_validation_error(errors[0])
+    return message.replace(str(errors[0].get("msg")), plain) if plain else message
+
+
+_BOUNDS = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+           "greater_than": ("more than", "gt"), "less_than": ("less than", "lt")}
+
+
+def _plain_validation_error(error: dict) -> str | None:
+    """One pydantic error (`ValidationError.errors()[0]`) as a line of ours; None where there is no better one."""
+    kind, given, context = error.get("type"), error.get("input"), error.get("ctx") or {}
+    if kind == "int_parsing":
+        return f"{given!r} is not a whole number"
+    if kind == "float_parsing":
+        return f"{given!r} is not a number"
+    if kind == "bool_parsing":
+        return f"{given!r} is not true or false"
+    if kind in _BOUNDS and _BOUNDS[kind][1] in context:
+        word, key = _BOUNDS[kind]
+        return f"must be {word} {context[key]} (got {given})"
+    if kind == "value_error" and context.get("error"):  # a ValueError raised by a check: its own words
+        return str(context["error"])
+    return None
 
 
 def writable(path: Path | None, flag: str) -> None:

@@ -51,13 +51,14 @@ def _usage_error(exc: typer.TyperException):
     --help' for help.", and its exit code (2 for usage errors); Click's no-arguments help is left to Click."""
     if type(exc).__name__ == "NoArgsIsHelpError":  # `tfserve models` alone: Click prints the help
         raise exc
-    from tfserve.cli.output import error
+    from tfserve.cli.output import bad_value_message, error
 
-    message = exc.format_message().strip()
+    message = bad_value_message(exc).strip()
     ctx = getattr(exc, "ctx", None)
     if ctx is not None and ctx.command.get_help_option(ctx) is not None:
         help_option = "--help" if "--help" in ctx.help_option_names else ctx.help_option_names[0]
-        message += f"{'' if message.endswith('.') else '.'} Try '{ctx.command_path} {help_option}' for help."
+        stop = "" if message.endswith((".", "?", "!")) else "."  # "Did you mean 'list'?" ends a sentence too
+        message += f"{stop} Try '{ctx.command_path} {help_option}' for help."
     error(message)
     raise typer.Exit(exc.exit_code) from None
 

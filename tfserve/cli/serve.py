@@ -15,14 +15,14 @@ from typing import Annotated
 import typer
 
 from tfserve.cli import serve_compat as compat
-from tfserve.cli.completion import chat_models
-from tfserve.cli.loading import engine_config_from_flags, load_engine, refuse_speech_model
+from tfserve.cli.completion import chat_models, choices, speech_models
+from tfserve.cli.loading import check_speech_model, engine_config_from_flags, load_engine, refuse_speech_model
 from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt, Dtype, DtypeOpt, ModelOpt,
                                  Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt,
                                  CudaGraphOpt)
 from tfserve.cli.serve_compat import Reasoning
 from tfserve.distributed.workers import torchrun_rank
-from tfserve.errors import TfserveError, UsageError
+from tfserve.errors import ModelNotFoundError, TfserveError, UsageError
 
 ENGINE = "Engine"
 DISTRIBUTED = "Distributed"
@@ -114,10 +114,12 @@ def serve(
                                             help="Tokens per KV cache block (a power of two).",
                                             rich_help_panel=ENGINE)] = 16,
     speculative: Annotated[str | None, typer.Option(
+        autocompletion=choices("ngram", "draft"),
         help="Speculative decoding for greedy requests, the same tokens several per step: ngram (prompt lookup: "
              "where the text repeats itself, as in edits, code and quotes) or draft (a smaller model of the same "
              "tokenizer guesses: --speculative-model).", rich_help_panel=ENGINE)] = None,
     speculative_model: Annotated[str | None, typer.Option(
+        autocompletion=chat_models,
         help="The draft model of --speculative draft (implies it), as --model takes it: a store name, an HF "
              "directory, a .gguf file or a cached hub id.", rich_help_panel=ENGINE, show_default=False)] = None,
     num_speculative_tokens: Annotated[int, typer.Option(
@@ -231,7 +233,7 @@ def serve(
         min=0.001, metavar="SECONDS", rich_help_panel=MEDIA,
         help="An image URL taking longer to fetch (redirects included) is a 400.")] = 10.0,
     speech_model: Annotated[str, typer.Option(
-        metavar="NAME", rich_help_panel=SPEECH,
+        metavar="NAME", rich_help_panel=SPEECH, autocompletion=speech_models,
         help="Whisper model for /v1/audio/* requests naming 'whisper-1' or no model; loaded on the first "
              "one (pulled first if it is a catalog model the store lacks). Requests may name others.")
     ] = "whisper-tiny.en",
@@ -296,7 +298,7 @@ def serve(
     from tfserve.server.state import ServerState
     from tfserve.server.telemetry import from_options
 
-    force_model = _pinned_model(model_arg, force_model)
+    force_model = _pinned_model(ctx, model_arg, force_model, model)
     for line in compat.notes({
         "continuous_batching": continuous_batching,
         "decision_config": decision_config, "input_validation": input_validation, "non_blocking": non_blocking,
@@ -304,11 +306,14 @@ def serve(
         "model_timeout": model_timeout, "force_model": force_model}):
         _note(line)
     quantization = compat.legacy_quantization(quantization.value, load_in_4bit, load_in_8bit)
-    dtype = _dtype(dtype, torch_dtype)
+    dtype = _dtype(ctx, dtype, torch_dtype)
     device = f"cuda:{device}" if device.isdigit() else device  # transformers takes a bare GPU index
     spec = force_model or model
     if spec != DEFAULT_MODEL:
-        resolve_model(spec)  # a wrong name fails now, before the port is bound
+        try:
+            resolve_model(spec)  # a wrong name fails now, before the port is bound
+        except ModelNotFoundError as exc:  # `--enable_cors maybe`: a flag's value, taken for MODEL
+            raise compat.flag_value_error(ctx, model_arg) or exc from None
         refuse_speech_model(spec, "serve a chat model; /v1/audio/transcriptions loads it on demand (or give it "
                                   "as --speech-model)")
     engine_kwargs = {
@@ -344,6 +349,7 @@ def serve(
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         raise typer.Exit(run_node(spec, node_rank))
     _check_attention(attn_implementation, device, dtype)
+    check_speech_model(speech_model)  # the serving node's: ranks-only nodes never load it
     load_options = {"dtype": dtype, "device": device, "quantization": quantization,
                     "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
 
@@ -365,9 +371,13 @@ def serve(
     url = f"http://{host}:{port}"
 
     def load():
+        from tfserve.engine.runner import KVCacheTooLargeError
+
         try:
             loaded = load_engine(spec, load_options, engine_config, data_parallel_size=data_parallel_size,
                                  ray_address=ray, scalable=autoscale is not None)
+        except KVCacheTooLargeError as exc:  # refused before the allocation the kernel would kill us for
+            raise TfserveError(_kv_cache_too_large(exc, kv_cache_memory, engine_config.num_blocks)) from None
         except ValueError as exc:  # e.g. a KV cache too small for one block
             raise TfserveError(f"cannot serve {spec}: {exc}") from None
         if default_seed is not None:  # after loading, so the first request draws the seed's first numbers
@@ -456,7 +466,7 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_row("Attention", attention_label(engine.runner))
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
-    table.add_row("Context", f"{engine.max_model_len} tokens")
+    table.add_row("Context", context_label(engine))
     graphs = engine.runner.graphs
     if graphs is not None:
         table.add_row("Decode", f"CUDA graphs, captured per batch bucket up to {graphs.max_batch} sequences")
@@ -470,6 +480,25 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_row("URL", f"{url}/v1" + ("  (API key required)" if has_api_key else ""))
     console.print(Panel(table, title="tfserve serve", expand=False))
     console.print(f"Health: {url}/health   Metrics: {url}/metrics   Ctrl+C drains and stops.")
+
+
+def context_label(engine) -> str:
+    """The longest sequence a request may have: the model's context, or all the KV cache holds where that is
+    less (a request longer than that is refused, so the banner says the smaller)."""
+    cache_tokens = engine.block_pool.num_blocks * engine.block_pool.block_size
+    if cache_tokens >= engine.max_model_len:
+        return f"{engine.max_model_len} tokens"
+    return f"{cache_tokens} tokens: all the KV cache holds (the model's context is {engine.max_model_len})"
+
+
+def _kv_cache_too_large(exc, kv_cache_memory: str | None, num_blocks: int | None) -> str:
+    """The KV cache asked for does not fit in the free memory: one line naming the flag, the size and what is
+    free."""
+    from rich.filesize import decimal
+
+    given = f"--kv-cache-memory {kv_cache_memory}" if exc.field == "kv_cache_memory" else f"--num-blocks {num_blocks}"
+    return (f"{given} asks for a KV cache of {decimal(exc.num_bytes)}, but {decimal(exc.available)} of memory is "
+            f"free on {exc.device}: ask for less, or for a fraction of what is free (--kv-cache-memory 0.5)")
 
 
 def _mcp_options(config: str | None, allow_url: list[str] | None, timeout_s: float):
@@ -531,10 +560,14 @@ def _note(message: str) -> None:
     err_console.print(f"[cyan]Note:[/] {message}", highlight=False, soft_wrap=True)
 
 
-def _pinned_model(model_arg: str | None, force_model: str | None) -> str | None:
-    """The positional MODEL is transformers serve's pinned model: the same as --force-model."""
+def _pinned_model(ctx: typer.Context, model_arg: str | None, force_model: str | None, model: str) -> str | None:
+    """The positional MODEL is transformers serve's pinned model: the same as --force-model. A --model given
+    beside it that names another model would be ignored without a word, so it is refused as --force-model's is."""
     if model_arg is not None and force_model is not None and model_arg != force_model:
         raise UsageError(f"MODEL {model_arg!r} and --force-model {force_model!r} disagree: give one")
+    if (model_arg is not None and model != model_arg
+            and ctx.get_parameter_source("model").name not in ("DEFAULT", "DEFAULT_MAP")):
+        raise UsageError(f"MODEL {model_arg!r} and --model {model!r} disagree: give one")
     return model_arg or force_model
 
 
@@ -556,15 +589,18 @@ def _cuda_graph(ours: bool | None, theirs: bool | None) -> bool | None:
     return theirs if ours is None else ours
 
 
-def _dtype(dtype: Dtype, torch_dtype: str | None) -> str:
-    """--dtype, or transformers 4.x's --torch-dtype when --dtype is left at auto."""
-    if torch_dtype is None or dtype != Dtype.auto:
+def _dtype(ctx: typer.Context, dtype: Dtype, torch_dtype: str | None) -> str:
+    """--dtype, or transformers 4.x's --torch-dtype: either one, or both when they agree."""
+    if torch_dtype is None:
         return dtype.value
     try:
-        return Dtype(torch_dtype.lower()).value
+        theirs = Dtype(torch_dtype.lower()).value
     except ValueError:
         raise typer.BadParameter(f"{torch_dtype!r} is not one of {', '.join(d.value for d in Dtype)}",
                                  param_hint="--torch-dtype") from None
+    if ctx.get_parameter_source("dtype").name not in ("DEFAULT", "DEFAULT_MAP") and dtype.value != theirs:
+        raise UsageError(f"--dtype {dtype.value} and --torch-dtype {torch_dtype} disagree: give one")
+    return theirs
 
 
 def _kv_cache_memory(text: str | None, fraction: float | None) -> float | int | None:

@@ -22,10 +22,17 @@ _BOOLS = {"true": True, "t": True, "yes": True, "y": True, "1": True,
 
 
 class ServeCommand(TyperCommand):
-    """`tfserve serve`: arguments are normalised by `normalize_args` before click parses them."""
+    """`tfserve serve`: arguments are normalised by `normalize_args` before click parses them; the words that
+    follow a boolean flag are remembered (`flag_value_error`)."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, normalize_args(self.get_params(ctx), args))
+        params = self.get_params(ctx)
+        args = normalize_args(params, args)
+        ctx.meta[_AFTER_FLAG] = words_after_flags(params, args)
+        return super().parse_args(ctx, args)
+
+
+_AFTER_FLAG = "tfserve.words_after_flags"
 
 
 def normalize_args(params: list, args: list[str]) -> list[str]:
@@ -57,6 +64,40 @@ def normalize_args(params: list, args: list[str]) -> list[str]:
                 out.append(args[i])
                 i += 1
     return out
+
+
+def words_after_flags(params: list, args: list[str]) -> dict[str, str]:
+    """`{word: flag}` for each word right after a boolean flag given without a value (`--enable-cors maybe`):
+    click takes such a word for MODEL, as it should for `--enable-cors Qwen/Qwen3-1.7B`."""
+    options = {name: param for param in params if param.param_type_name == "option"
+               for name in (*param.opts, *param.secondary_opts)}
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg == "--":
+            break
+        name, eq, _ = arg.partition("=")
+        param = options.get(name)
+        if param is None:
+            continue
+        if param.is_flag and not param.count:
+            if not eq and i < len(args) and not args[i].startswith("-"):
+                found.setdefault(args[i], name)
+        elif not eq:
+            i += 1  # the option's value
+    return found
+
+
+def flag_value_error(ctx, model_arg: str | None):
+    """A UsageError where MODEL, which names no model, is the word right after a boolean flag: it was meant as
+    the flag's value (`--enable_cors maybe`, as transformers 4.x took `--enable_cors true`); else None."""
+    from tfserve.errors import UsageError
+
+    flag = ctx.meta.get(_AFTER_FLAG, {}).get(model_arg) if model_arg is not None else None
+    if flag is None:
+        return None
+    return UsageError(f"{flag} takes true or false, or no value (got {model_arg!r}, which names no model either)")
 
 
 def _flag(param, name: str, value: str) -> list[str]:

@@ -52,6 +52,9 @@ def transcribe(
 ) -> None:
     """Transcribe (or translate) an audio file with Whisper.
 
+    The model runs in this process, on the server's Whisper batcher: a long file's 30-second windows are
+    decoded together (--max-audio-windows at a time).
+
     [bold]Examples[/bold]
 
       tfserve transcribe talk.mp3

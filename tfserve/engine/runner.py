@@ -45,6 +45,8 @@ class ModelRunner:
                          or text_config.hidden_size // text_config.num_attention_heads)
         self.block_size = block_size = config.block_size
         self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_memory)
+        if config.num_blocks:
+            self._check_fits("num_blocks", config.num_blocks * self.block_bytes)
         # the attention the model was loaded with picks ours: flash-attn for flash_attention_2, else paged SDPA
         loaded_with = getattr(model.config, "_attn_implementation", None)
         self.flash_attention = loaded_with == attention.FLASH_ATTN_IMPLEMENTATION
@@ -116,7 +118,17 @@ class ModelRunner:
         num_blocks = num_bytes // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {num_bytes} bytes holds no KV block ({self.block_bytes} bytes each)")
+        if kv_cache_memory is not None and kv_cache_memory > 1:
+            self._check_fits("kv_cache_memory", num_blocks * self.block_bytes)
         return num_blocks
+
+    def _check_fits(self, field: str, num_bytes: int) -> None:
+        """KVCacheTooLargeError for a cache asked for in bytes or blocks that the free memory cannot hold: the
+        tensors are zeroed as they are made, so on CPU the kernel's OOM killer would end the process (exit 137,
+        nothing said) and on CUDA it would be an out-of-memory traceback."""
+        available = available_memory(self.device)
+        if num_bytes > available:
+            raise KVCacheTooLargeError(field, num_bytes, available, str(self.device))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None, list[tuple[Request, list[int]]]]:
@@ -278,6 +290,15 @@ class ModelRunner:
             image_runs = [r.mm.runs_in(start, start + n) if r.mm is not None else [] for r, start, n in chunks]
         return AttentionGroup.prefills([(start, n) for _, start, n in chunks], [r.block_ids for r, _, _ in chunks],
                                        token_start, self.device, image_runs if image_runs and any(image_runs) else None)
+
+
+class KVCacheTooLargeError(ValueError):
+    """A KV cache asked for (`field`: "kv_cache_memory" or "num_blocks") that is larger than the memory free."""
+
+    def __init__(self, field: str, num_bytes: int, available: int, device: str) -> None:
+        super().__init__(f"{field}: a KV cache of {num_bytes / 1e9:.2f} GB does not fit in the "
+                         f"{available / 1e9:.2f} GB of memory free on {device}")
+        self.field, self.num_bytes, self.available, self.device = field, num_bytes, available, device
 
 
 def max_model_len(config: EngineConfig, text_config) -> int:

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError, first_line
+from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError, first_line, one_line
 from tfserve.models import store
 from tfserve.models.convert import hf_progress_bars
 from tfserve.models.pull import pull
@@ -115,14 +120,15 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    source, tok_kwargs = str(resolved.path), {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    tok_kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if resolved.kind == "gguf":
-        source = str(resolved.path.parent)
         kwargs["gguf_file"] = tok_kwargs["gguf_file"] = resolved.path.name
     if progress is not None:
         progress(f"Loading {resolved.name}")
+    from safetensors import SafetensorError
+
     try:
-        with hf_progress_bars(enabled=progress is None):
+        with hf_progress_bars(enabled=progress is None), _source(resolved) as source:
             processor = None
             if resolved.kind != "gguf" and _is_vision_language(AutoConfig.from_pretrained(source, **tok_kwargs)):
                 processor = _processor(source, tok_kwargs)
@@ -131,8 +137,10 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
             else:
                 tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
                 model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {first_line(exc)}") from None
+    # struct.error, IndexError: transformers' and gguf's readers meeting the end of a cut GGUF file
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError, struct.error, IndexError,
+            SafetensorError) as exc:
+        raise _load_error(resolved, exc) from None
     if quantization == "none":
         model = model.to(device)
     model.eval()
@@ -141,6 +149,44 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         recommend_sampling(model.generation_config, known.sampling)
     return LoadedModel(model, tokenizer, resolved.name, resolved.path, str(device), torch_dtype, quantization,
                        processor)
+
+
+@contextmanager
+def _source(resolved: ResolvedModel) -> Iterator[str]:
+    """The folder transformers loads from. A .gguf file's own folder may hold other files (the store keeps the
+    HF files converted from it beside it; a file dropped among another model's): transformers would read their
+    tokenizer.json and tokenizer_config.json over the file's own, so the tokenizer, and the chat template
+    (tokenizer.chat_template, absent from a converted tokenizer_config.json), would not be the file's. So a
+    GGUF loads from a folder that holds it alone, a link to it."""
+    if resolved.kind != "gguf":
+        yield str(resolved.path)
+        return
+    with tempfile.TemporaryDirectory(prefix="tfserve-gguf-") as folder:
+        try:
+            (Path(folder) / resolved.path.name).symlink_to(resolved.path)
+        except OSError:  # no links here (some filesystems): its own folder, files beside it included
+            folder = str(resolved.path.parent)
+        yield folder
+
+
+def _load_error(resolved: ResolvedModel, exc: BaseException) -> ModelLoadError:
+    """One line for a model transformers could not load: a GGUF file that is cut short or none at all, a folder
+    without tokenizer files, or transformers' own message with its lines joined (its first line alone may say
+    nothing: "Couldn't instantiate the backend tokenizer from one of:")."""
+    if resolved.kind == "gguf":
+        from tfserve.models.gguf_file import unreadable_error
+
+        unreadable = unreadable_error(resolved.path)
+        if unreadable is not None:
+            return unreadable
+    elif store.missing_tokenizer(resolved.path):
+        return ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: no tokenizer files "
+                              f"({', '.join(store.TOKENIZER_FILES[:4])}, ...)")
+    message = one_line(exc)
+    if resolved.kind == "gguf":  # the folder `_source` made is gone: name the file's own
+        message = re.sub(re.escape(tempfile.gettempdir()) + r"/tfserve-gguf-[^/\s]+", str(resolved.path.parent),
+                         message)
+    return ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {message}")
 
 
 def _processor(source: str, kwargs: dict[str, Any]) -> Any:

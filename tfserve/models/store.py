@@ -23,6 +23,9 @@ from tfserve.models.gguf_weights import STORE_FILE
 # A store name is one path component; a leading dot marks the pull's temp dirs.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# what a tokenizer is saved as, by the libraries transformers loads one with; none of them: no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json", "tiktoken.model")
 
 
 @dataclass(slots=True)
@@ -34,6 +37,7 @@ class StoredModel:
     num_parameters: int | None  # from the safetensors headers; None when the weights are not safetensors
     size_bytes: int  # on disk, all files
     path: str
+    problem: str | None = None  # why it cannot load ("incomplete: no weights", "unreadable config.json"); None: none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +63,7 @@ class ModelInfo:
     gguf_file: str | None = None  # the original GGUF kept beside the HF files, whose blocks the engine runs
     vision_tower: str | None = None  # a vision-language model's encoder: type, layers, width
     image_tokens: str | None = None  # how many tokens one image takes in the prompt
+    tensor_types: dict[str, int] | None = None  # a GGUF file's tensors by their storage type: {"Q4_1": 210, ...}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,15 +122,46 @@ def stored_names() -> list[str]:
 
 
 def list_models() -> list[StoredModel]:
-    """Every model in the store, sorted by name."""
+    """Every model in the store, sorted by name; a folder that cannot load is listed too, with its `problem`."""
     rows = []
     for name in stored_names():
         path = model_path(name)
-        config = _read_json(path / "config.json") or {}
-        rows.append(StoredModel(name=name, architecture=_architecture(config),
+        config = _read_json(path / "config.json")
+        rows.append(StoredModel(name=name, architecture=_architecture(config or {}),
                                 num_parameters=count_parameters(path), size_bytes=dir_size(path),
-                                path=str(path)))
+                                path=str(path), problem=store_problem(path, config)))
     return rows
+
+
+def store_problem(path: Path, config: dict | None) -> str | None:
+    """Why the store folder `path` (its config.json read as `config`) holds no loadable model, or None: no
+    config.json, one that is no JSON object, no weights, no tokenizer (an interrupted copy, a hand-made folder)."""
+    if not (path / "config.json").is_file():
+        return "incomplete: no config.json"
+    if config is None:
+        return "unreadable config.json"
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError as exc:
+        return f"unreadable folder: {exc.strerror or exc}"
+    missing = []
+    if not any(Path(name).suffix in _WEIGHT_SUFFIXES for name in names):
+        missing.append("no weights")
+    if not _has_tokenizer(names):
+        missing.append("no tokenizer")
+    return f"incomplete: {', '.join(missing)}" if missing else None
+
+
+def missing_tokenizer(path: Path) -> bool:
+    """Whether the model folder `path` holds none of the files a tokenizer is saved as."""
+    try:
+        return not _has_tokenizer({p.name for p in path.iterdir()})
+    except OSError:
+        return False
+
+
+def _has_tokenizer(names: set[str]) -> bool:
+    return bool(names & set(TOKENIZER_FILES)) or any(name.endswith(".tiktoken") for name in names)
 
 
 def find_model_dir(name_or_path: str) -> Path:
@@ -140,14 +176,19 @@ def find_model_dir(name_or_path: str) -> Path:
     raise ModelNotFoundError(not_found_message(name_or_path))
 
 
-def not_found_message(name: str) -> str:
-    """One line for a name the store does not have, naming what would work."""
+def not_found_message(name: str, chat_only: bool = False) -> str:
+    """One line for a name the store does not have, naming what would work; `chat_only` (a command that takes
+    a chat model): the store's and the catalog's chat models only, not the speech-to-text ones it would refuse."""
     if catalog.get_known(name) is not None:
         return f"model {name!r} is not pulled yet; run `tfserve models pull {name}`"
     names = stored_names()  # one directory listing
-    pullable = ", ".join(sorted(set(catalog.known_names()) - set(names)))
-    more = f"; `tfserve models pull` gets {pullable}" if pullable else ""
-    return (f"unknown model {name!r}: not in the store, not a path, not in the local HF cache; in the store: "
+    pullable = sorted(set(catalog.known_names()) - set(names))
+    if chat_only:
+        names = [stored for stored in names if not is_speech_model(stored)]
+        pullable = [known for known in pullable if catalog.get_known(known).task == "chat"]
+    more = f"; `tfserve models pull` gets {', '.join(pullable)}" if pullable else ""
+    where = "chat models in the store" if chat_only else "in the store"
+    return (f"unknown model {name!r}: not in the store, not a path, not in the local HF cache; {where}: "
             f"{', '.join(names) or 'none'}{more}")
 
 
@@ -156,7 +197,7 @@ def model_info(name_or_path: str) -> ModelInfo:
     path = find_model_dir(name_or_path)
     config = _read_json(path / "config.json")
     if config is None:
-        raise ModelStoreError(f"cannot read {path / 'config.json'} (not valid JSON)")
+        raise ModelStoreError(f"cannot read {path / 'config.json'}: not a JSON object")
     text = config.get("text_config") or config  # multimodal configs nest the language model's
 
     def get(*keys: str):
@@ -221,8 +262,12 @@ def remove(name: str) -> Path:
 
 def is_speech_model(name: str) -> bool:
     """Whether the store model `name` is a speech-to-text (Whisper) model, served by /v1/audio/* only."""
-    config = _read_json(model_path(name) / "config.json") if is_store_name(name) else None
-    return bool(config) and config.get("model_type") == "whisper"
+    return is_store_name(name) and is_speech_dir(model_path(name))
+
+
+def is_speech_dir(path: Path) -> bool:
+    """Whether the model directory `path` holds a speech-to-text (Whisper) model."""
+    return (_read_json(path / "config.json") or {}).get("model_type") == "whisper"
 
 
 def has_chat_template(path: Path) -> bool:
@@ -263,13 +308,19 @@ def dir_size(path: Path) -> int:
 
 
 def _architecture(config: dict) -> str | None:
-    archs = config.get("architectures") or []
-    return archs[0] if archs else config.get("model_type")
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) else None
 
 
 def _read_json(path: Path) -> dict | None:
+    """The JSON object in `path`; None where it is missing, unreadable, or holds no object (`[1]`): every
+    reader of a config takes a dict, and one broken folder must not break `models list` or completion."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 

@@ -1,0 +1,105 @@
+"""A GGUF file's header and tensor table, read with the `gguf` package without loading any weight: what
+`tfserve models info FILE.gguf` shows, and why a file that is no whole GGUF cannot load.
+
+transformers' own reader fails on a cut file with whatever broke first (`struct.error: unpack_from requires a
+buffer of at least 1006 bytes`, a numpy reshape error); `gguf.GGUFReader` maps the whole file and checks every
+tensor against it, so it tells a truncated download from a model transformers cannot load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tfserve.errors import ModelLoadError, first_line
+from tfserve.models.store import ModelInfo
+
+MAGIC = b"GGUF"
+
+logger = logging.getLogger(__name__)
+
+
+def unreadable_error(path: Path) -> ModelLoadError | None:
+    """The one-line error for a `path` that cannot be read whole (truncated, no GGUF at all, not readable);
+    None where it reads."""
+    try:
+        _read(path)
+    except ModelLoadError as exc:
+        return exc
+    return None
+
+
+def gguf_info(path: Path) -> ModelInfo:
+    """`models info` of a .gguf file: architecture, sizes, context, tensor types, chat template presence."""
+    reader = _read(path)
+    arch = _value(reader, "general.architecture")
+    heads = _value(reader, f"{arch}.attention.head_count")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    return ModelInfo(
+        name=path.stem,
+        architecture=arch,
+        model_type=arch,
+        num_hidden_layers=_value(reader, f"{arch}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_value(reader, f"{arch}.attention.head_count_kv") or heads,
+        max_position_embeddings=_value(reader, f"{arch}.context_length"),
+        vocab_size=_value(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None),
+        dtype=_file_type(_value(reader, "general.file_type")),
+        num_parameters=sum(int(tensor.n_elements) for tensor in reader.tensors),
+        size_bytes=path.stat().st_size,
+        has_chat_template=bool(_value(reader, "tokenizer.chat_template")),
+        path=str(path),
+        gguf_file=str(path),
+        tensor_types=dict(types.most_common()),
+    )
+
+
+def _read(path: Path):
+    """`gguf.GGUFReader(path)`, or a ModelLoadError saying why the file cannot be read."""
+    import gguf
+
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(len(MAGIC))
+        size = path.stat().st_size
+    except OSError as exc:  # gone, a folder, not ours to read: said as the OS says it
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or first_line(exc)}") from None
+    if magic != MAGIC:
+        raise _cut_short(path, f"it does not begin with the GGUF magic bytes, {MAGIC.decode()}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # a cut file fails wherever its end comes: IndexError, ValueError, struct.error
+        logger.debug("reading %s: %s", path, first_line(exc))
+        raise _cut_short(path, f"its {size:,} bytes do not hold the header and tensors it describes") from None
+
+
+def _cut_short(path: Path, reason: str) -> ModelLoadError:
+    return ModelLoadError(f"cannot read {path}: it is truncated or not a GGUF file ({reason})")
+
+
+def _value(reader, key: str) -> Any:
+    """A scalar metadata value (int, float, bool or str); None where the key is missing or holds an array."""
+    import gguf
+
+    field = reader.fields.get(key)
+    if field is None or not field.data or not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
+        return None
+    part = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", "replace")
+    return part[0].item()
+
+
+def _file_type(value: int | None) -> str | None:
+    """`general.file_type` by its llama.cpp name: 3 -> "Q4_1" (most tensors; a few stay F32)."""
+    import gguf
+
+    if value is None:
+        return None
+    try:
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return str(value)
