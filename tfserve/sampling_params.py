@@ -57,7 +57,8 @@ class Grammar:
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops. `temperature=0` (or below MIN_TEMPERATURE) is greedy; `seed`
-    makes a request repeatable whatever else shares its batch."""
+    makes a request repeatable whatever else shares its batch (with int8 or GGUF block weights, a preempted and
+    recomputed request may part from its first run: docs/engine.md, "CPU speed notes")."""
 
     max_tokens: int = 16
     temperature: float = 1.0

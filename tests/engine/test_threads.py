@@ -137,6 +137,81 @@ def test_results_are_read_once_and_not_kept_after(make_engine):
         assert not manager._queues and not manager._unread  # nothing kept once read
 
 
+def test_get_result_without_an_id_leaves_a_read_request_alone(make_engine):
+    """A stream being iterated (or a result awaited by its id) is not taken by another thread's get_result():
+    the iterator used to wait forever for the final output that thread took."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with BatchingManager(make_engine()) as manager:
+        taken = []
+        waiter = threading.Thread(target=lambda: taken.append(manager.get_result(timeout=5)))
+        waiter.start()
+        time.sleep(0.05)
+        streamed = manager.add_request([1, 2, 3], params=params, stream=True)
+        outputs = list(manager.request_iter(streamed))
+        assert outputs[-1].finished and len(outputs[-1].generated_tokens) == 8
+        other = manager.add_request([1, 2, 3], params=params)
+        waiter.join(10)
+        assert [output.request_id for output in taken] == [other]  # the next unread one, not the stream
+        with pytest.raises(KeyError):
+            manager.get_result(streamed)  # read once
+
+
+def test_one_request_is_read_by_one_thread(make_engine):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with BatchingManager(make_engine()) as manager:
+        request_id = manager.add_request([1, 2, 3], params=params, stream=True)
+        outputs = manager.request_iter(request_id)
+        with pytest.raises(ValueError, match="another thread"):
+            manager.get_result(request_id)
+        assert list(outputs)[-1].finished
+
+
+def test_get_result_times_out_on_time_while_a_stream_goes_on(make_engine):
+    """The timeout is for the whole wait, not for each streamed output (it restarted on every token)."""
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    engine = make_engine()
+    step = engine.step
+
+    def slow_step():  # a token every 10 ms: each came before the old per-output timeout ran out
+        time.sleep(0.01)
+        return step()
+
+    engine.step = slow_step
+    with BatchingManager(engine) as manager:
+        request_id = manager.add_request([1, 2, 3], params=params, stream=True)
+        started = time.monotonic()
+        assert manager.get_result(request_id, timeout=0.1) is None
+        assert time.monotonic() - started < 0.5
+        manager.abort(request_id)
+        assert manager.get_result(request_id, timeout=30).finished
+
+
+def test_an_add_racing_a_stop_is_refused_or_aborted_never_lost(make_engine):
+    """stop() between an add's check and its queueing left the request queued for ever: no result, no error."""
+    manager = BatchingManager(make_engine()).start()
+    check = manager._worker.__class__.stopped
+    stopper = threading.Thread(target=manager.stop)
+
+    class StopsWhileChecked(type(manager._worker)):
+        @property
+        def stopped(self):  # the add has looked: now the stop runs (it waits for the add's lock, if it has one)
+            was = check.fget(self)
+            if not stopper.is_alive() and not was:
+                stopper.start()
+                time.sleep(0.2)
+            return was
+
+    manager._worker.__class__ = StopsWhileChecked
+    try:
+        request_id = manager.add_request([1, 2, 3], params=SamplingParams(max_tokens=2))
+    except RuntimeError:
+        request_id = None
+    stopper.join(10)
+    if request_id is not None:
+        result = manager.get_result(request_id, timeout=5)
+        assert result is not None and result.finish_reason == "abort"
+
+
 def test_a_stopped_manager_refuses_requests(make_engine):
     manager = BatchingManager(make_engine()).start()
     manager.stop()

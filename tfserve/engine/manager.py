@@ -8,6 +8,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +36,12 @@ class BatchingManager:
         # requests of the built-in queues that have finished and whose result nobody has read yet, oldest first
         self._unread: OrderedDict[str, None] = OrderedDict()
         self._unread_changed = threading.Condition()
+        # ids a thread is reading (request_iter, get_result(id)): get_result() without an id leaves them alone
+        self._claimed: set[str] = set()
+        # held to check `_closed` and queue an add as one: stop() closes first, so an add either is queued before
+        # the stop's abort-all runs (and is aborted by it) or raises; never queued after, to wait forever
+        self._admit = threading.Lock()
+        self._closed = False
         self._ids = itertools.count()
         self._worker = WorkThread("tfserve-engine", self._step, self._has_work, on_stop=self._abort_all)
         # told once, on the engine thread, when the engine fails for good (Engine.failure: a dead rank)
@@ -45,11 +52,15 @@ class BatchingManager:
 
     def start(self) -> BatchingManager:
         if not self._worker.is_running:
+            with self._admit:
+                self._closed = False
             self._worker.start()
         return self
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stop the loop; requests still running are aborted. Requests added after it raise until `start()`."""
+        with self._admit:
+            self._closed = True
         self._worker.stop(block, timeout)
 
     @property
@@ -82,21 +93,22 @@ class BatchingManager:
     def add_requests(self, requests: list[Request], stream: bool = False, sink: Sink | None = None) -> list[str]:
         """Queue requests built by `Engine.make_requests` as they are (not validated again) and return their
         ids. `stream` and `sink` as for `add_request`; one sink may serve them all (outputs carry their id)."""
-        if self._worker.stopped:
-            raise RuntimeError("the manager is stopped: start() it again before adding requests")
-        with self._lock:
+        with self._admit:
+            if self._closed or self._worker.stopped:
+                raise RuntimeError("the manager is stopped: start() it again before adding requests")
+            with self._lock:
+                for request in requests:
+                    if request.request_id in self._sinks or request.request_id in self._queues:
+                        raise ValueError(f"request_id {request.request_id!r} is already in use (running, or its "
+                                         f"result not read yet)")
+                for request in requests:
+                    if sink is None:
+                        own = self._queues[request.request_id] = queue.SimpleQueue()
+                        self._sinks[request.request_id] = (own.put, stream, True)
+                    else:
+                        self._sinks[request.request_id] = (sink, stream, False)
             for request in requests:
-                if request.request_id in self._sinks or request.request_id in self._queues:
-                    raise ValueError(f"request_id {request.request_id!r} is already in use (running, or its "
-                                     f"result not read yet)")
-            for request in requests:
-                if sink is None:
-                    own = self._queues[request.request_id] = queue.SimpleQueue()
-                    self._sinks[request.request_id] = (own.put, stream, True)
-                else:
-                    self._sinks[request.request_id] = (sink, stream, False)
-        for request in requests:
-            self._commands.put(("add", request))
+                self._commands.put(("add", request))
         self._worker.wake()
         return [request.request_id for request in requests]
 
@@ -107,37 +119,67 @@ class BatchingManager:
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
         """The final output of `request_id`, or, without one, of a finished request whose result nobody has
-        read yet (the oldest; else the next to finish). A result is kept until it is read. None on timeout."""
+        read yet and no other thread is reading (the oldest; else the next to finish). A result is kept until
+        it is read. None after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if request_id is None:
             with self._unread_changed:
-                if not self._unread_changed.wait_for(lambda: self._unread, timeout):
+                if not self._unread_changed.wait_for(lambda: self._first_unclaimed() is not None, timeout):
                     return None
-                request_id, _ = self._unread.popitem(last=False)
-        q = self._queues.get(str(request_id))
-        if q is None:
-            raise KeyError(f"unknown request_id {request_id!r}")
+                request_id = self._first_unclaimed()
+                self._claimed.add(request_id)
+        else:
+            request_id = self._claim(str(request_id))
         try:
+            q = self._queues[request_id]
             while True:
-                output = q.get(timeout=timeout)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                output = q.get(timeout=left)
                 if output.finished:
                     self._read(output.request_id)
                     return output
         except queue.Empty:
             return None
+        finally:
+            self._release(request_id)
 
     def request_id_iter(self, request_id: str) -> Iterator[RequestOutput]:
         """Yield the request's outputs as they come; ends by itself when it finishes."""
-        q = self._queues.get(str(request_id))
-        if q is None:
-            raise KeyError(f"unknown request_id {request_id!r}")
-        while True:
-            output = q.get()
-            yield output
-            if output.finished:
-                self._read(output.request_id)
-                return
+        request_id = self._claim(str(request_id))
+        return self._outputs(request_id)
 
     request_iter = request_id_iter  # transformers' ContinuousBatchingManager's name
+
+    def _outputs(self, request_id: str) -> Iterator[RequestOutput]:
+        try:
+            q = self._queues[request_id]
+            while True:
+                output = q.get()
+                yield output
+                if output.finished:
+                    self._read(output.request_id)
+                    return
+        finally:
+            self._release(request_id)
+
+    def _first_unclaimed(self) -> str | None:
+        return next((request_id for request_id in self._unread if request_id not in self._claimed), None)
+
+    def _claim(self, request_id: str) -> str:
+        """Mark `request_id` as read by this thread: KeyError for an id with no result to read, ValueError for one
+        another thread reads (its outputs would be split between the two)."""
+        with self._unread_changed:
+            if request_id not in self._queues:
+                raise KeyError(f"unknown request_id {request_id!r}")
+            if request_id in self._claimed:
+                raise ValueError(f"request_id {request_id!r} is being read by another thread")
+            self._claimed.add(request_id)
+        return request_id
+
+    def _release(self, request_id: str) -> None:
+        with self._unread_changed:
+            self._claimed.discard(request_id)
+            self._unread_changed.notify_all()  # a get_result() without an id may take it now
 
     def _read(self, request_id: str) -> None:
         """A finished result has been read: its queue and its place among the unread go."""
