@@ -84,8 +84,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.stop or [], (list, tuple)), "stop", "must be a string or a list of strings")
-        _check(isinstance(self.stop_token_ids or [], (list, tuple)), "stop_token_ids", "must be a list of token ids")
+        # None means none; a falsy value of another type (0, False) is as wrong as a truthy one
+        _check(isinstance([] if self.stop is None else self.stop, (list, tuple)), "stop",
+               "must be a string or a list of strings")
+        _check(isinstance([] if self.stop_token_ids is None else self.stop_token_ids, (list, tuple)),
+               "stop_token_ids", "must be a list of token ids")
         _check(isinstance(self.logit_bias or {}, dict), "logit_bias", "must map token ids to numbers")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])

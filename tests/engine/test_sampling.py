@@ -213,7 +213,8 @@ def test_presence_and_frequency_penalties_change_output(make_engine, penalty):
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1), ("top_p", -0.1), ("n", 0),
                                           ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0),
-                                          ("presence_penalty", 3), ("logprobs", 21), ("stop", [""])])
+                                          ("presence_penalty", 3), ("logprobs", 21), ("stop", [""]), ("stop", 0),
+                                          ("stop", False), ("stop_token_ids", 0)])
 def test_sampling_params_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
