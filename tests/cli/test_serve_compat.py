@@ -90,6 +90,7 @@ DOC_LINES = [
     "--force-model MODEL_DIR --port 8000 --continuous-batching",
     "--continuous_batching --attn_implementation sdpa_paged --log_level warning",
     "--trust_remote_code True --enable_cors true --default_seed 42 --input_validation",
+    "MODEL_DIR --json", "--format agent MODEL_DIR", "-q MODEL_DIR", "--quiet --no-truncate", "--default-seed -5",
 ]
 
 
@@ -224,6 +225,61 @@ def test_default_seed_seeds_torch_after_loading(served):
     assert torch.equal(first, torch.rand(3))
 
 
+@pytest.mark.parametrize("seed", [-5, -2**63])
+def test_a_negative_default_seed_is_what_torch_makes_of_it(served, seed):
+    """transformers passes --default-seed to torch.manual_seed as it is, which takes -5 as 2**64 - 5; tfserve
+    refused it ("must be ... 0 to 2**64 - 1")."""
+    import torch
+
+    ok(served("--default-seed", str(seed)))
+    assert torch.initial_seed() == 2**64 + seed
+    first = torch.rand(3)
+    torch.manual_seed(seed)
+    assert torch.equal(first, torch.rand(3))
+
+
+@pytest.mark.parametrize("args", [["--quiet"], ["-q"], ["--format", "quiet"], ["-q", "MODEL_DIR"],
+                                  ["MODEL_DIR", "-q"], ["--quiet", "--format", "quiet"]])
+def test_quiet_logs_fewer_lines(served, args):
+    """transformers' -q/--quiet (huggingface_hub's formatting flag): --log-level warning here, so no access line
+    per request; a --log-level given beside it wins."""
+    seen = ok(served(*args))
+    assert logging.getLogger("tfserve").level == logging.WARNING
+    assert seen["load_options"]["quantization"] == "none" and "Note:" not in seen["result"].output
+    ok(served("-q", "--log-level", "debug"))
+    assert logging.getLogger("tfserve").level == logging.DEBUG
+
+
+@pytest.mark.parametrize("value", ["int8", "bnb-4bit", "none"])
+def test_q_before_a_quantization_is_still_quantization(served, value):
+    seen = ok(served("-q", value, "MODEL_DIR"))
+    assert seen["load_options"]["quantization"] == value
+    assert logging.getLogger("tfserve").level == logging.INFO  # not quiet
+    assert seen["spec"].endswith("Qwen3-1.7B")
+
+
+def test_q_before_a_word_that_is_neither_says_both_meanings(served):
+    result = served("-q", "bnb-2bit")["result"]
+    assert result.exit_code == 2, result.output
+    assert_one_line(result, "-q/--quiet takes no value, and -q VALUE is --quantization VALUE (none, int8, "
+                            "bnb-4bit, bnb-8bit): got 'bnb-2bit'")
+
+
+@pytest.mark.parametrize("args,flag", [(["--json"], "--json"), (["--format", "json"], "--format json"),
+                                       (["--format", "agent"], "--format agent"),
+                                       (["--format=human"], "--format human"), (["--no-truncate"], "--no-truncate"),
+                                       (["--no_truncate"], "--no-truncate")])
+def test_output_format_flags_are_accepted_with_a_note(served, args, flag):
+    output = ok(served(*args))["result"].output
+    notes = [line for line in output.splitlines() if line.startswith("Note: ")]
+    assert len(notes) == 1 and notes[0].startswith(f"Note: {flag} has no effect"), output
+    assert logging.getLogger("tfserve").level == logging.INFO
+
+
+def test_format_auto_is_the_default_and_says_nothing(served):
+    assert "Note:" not in ok(served("--format", "auto"))["result"].output
+
+
 def assert_one_line(result, fragment: str) -> None:
     """Exit non-zero with one `Error:` line (after click's two usage lines at most) and no traceback."""
     assert result.exit_code != 0, result.output
@@ -244,7 +300,7 @@ def assert_one_line(result, fragment: str) -> None:
     (["--kv-cache-memory", "0"], "--kv-cache-memory"), (["--cb-max-memory-percent", "1.5"], "fraction"),
     (["--cb-max-memory-percent", "0"], "fraction"), (["--max-body-size", "0"], "--max-body-size"),
     (["--max-queued", "-1"], "--max-queued"), (["--drain-timeout", "-2"], "--drain-timeout"),
-    (["--model-timeout", "-7"], "--model-timeout"), (["--default-seed", "-1"], "--default-seed"),
+    (["--model-timeout", "-7"], "--model-timeout"), (["--default-seed", str(-2**63 - 1)], "--default-seed"),
     (["--default-seed", str(2**64)], "--default-seed"), (["--chat-template-kwargs", "{bad"], "not JSON"),
     (["--chat-template-kwargs", "[1]"], "JSON object"), (["--reasoning", "maybe"], "--reasoning"),
     (["--log-level", "loud"], "--log-level"), (["--generation-config", "x"], "--generation-config"),
@@ -259,6 +315,8 @@ def assert_one_line(result, fragment: str) -> None:
     (["--torch-dtype", "float16", "--dtype", "float32"], "--dtype float32 and --torch-dtype float16 disagree"),
     (["--speech-model", "NONEXISTENT"], "--speech-model NONEXISTENT: unknown model 'NONEXISTENT'"),
     (["--model", "/no/such/dir"], "no such file or directory"),
+    (["--json", "--format", "human"], "--format human and --json disagree"),
+    (["-q", "--json"], "--json and --quiet disagree"), (["--format", "table"], "--format"),
 ])
 def test_bad_values_are_one_line(served, args, fragment):
     assert_one_line(served(*args)["result"], fragment)
@@ -276,6 +334,8 @@ def test_normalize_args_touches_names_never_values():
         "--max-num-seqs", "8", "--api-key", "--not_an_option", "--chat-template-kwargs={\"a_b\": 1}", "my_model",
         "--no-enable-cors", "--trust-remote-code", "--compile", "--unknown_flag", "-m", "--weird_name", "--",
         "--max_num_seqs"]
+    assert normalize_args(params, ["-q", "bnb-8bit", "-q", "my_model", "--api-key", "-q", "-q"]) == [
+        "-q", "bnb-8bit", "--quiet", "my_model", "--api-key", "-q", "--quiet"]  # a value stays a value
 
 
 def test_distributed_flags_reach_the_engine_and_its_loader(served):
@@ -342,6 +402,24 @@ def test_a_flag_given_a_word_that_is_no_boolean_is_a_usage_error(served, args):
     assert result.exit_code == 2, result.output
     flag = args[0].replace("_", "-")
     assert_one_line(result, f"{flag} takes true or false, or no value (got {args[1]!r}")
+
+
+def test_gguf_and_revision_names_serve(served, tmp_path, monkeypatch):
+    """transformers serve's `<repo-or-dir>:<file>.gguf` and `org/model@rev` (from the local HF cache here)."""
+    import huggingface_hub.constants
+
+    (tmp_path / "ggufs").mkdir()
+    (tmp_path / "ggufs" / "tiny.gguf").write_bytes(b"GGUF")
+    seen = ok(served(f"{tmp_path / 'ggufs'}:tiny.gguf"))
+    assert seen["spec"] == f"{tmp_path / 'ggufs'}:tiny.gguf" and seen["state"].force_model
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "snapshots" / "c0ffee").mkdir(parents=True)
+    (repo / "snapshots" / "c0ffee" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert ok(served("org/tiny@main"))["spec"] == "org/tiny@main"
+    assert_one_line(served("org/tiny@v2")["result"], "(`hf download org/tiny --revision v2`)")
 
 
 def test_a_flag_before_the_model_still_serves_it(served):

