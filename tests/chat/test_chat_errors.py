@@ -127,13 +127,17 @@ class HalfServer:
         self.sock.close()
 
 
-def test_connection_lost_mid_reply_is_one_line_and_the_chat_goes_on(console):
-    half = HalfServer()
+def chat_with(server: HalfServer, console, keys: str) -> tuple[ChatSession, str]:
+    """A session against `server` (closed after) that types `keys`: the session and what it printed."""
     try:
-        session = ChatSession(RemoteBackend(half.url, model="m"), console)
-        out = run_keys(session, "hello\r/settings\r/exit\r")
+        session = ChatSession(RemoteBackend(server.url, model="m"), console)
+        return session, run_keys(session, keys)
     finally:
-        half.close()
+        server.close()
+
+
+def test_connection_lost_mid_reply_is_one_line_and_the_chat_goes_on(console):
+    session, out = chat_with(HalfServer(), console, "hello\r/settings\r/exit\r")
     assert "Error: connection lost in the middle of the reply" in out
     assert "Hel" in out and session.conversation.turns[-1] == {"role": "assistant", "content": "Hel"}
     assert "temperature" in out  # /settings ran after the error
@@ -146,12 +150,7 @@ class StreamThenDrop(HalfServer):
 
 
 def test_a_failed_reply_counts_the_tokens_it_streamed(console):
-    server = StreamThenDrop()
-    try:
-        session = ChatSession(RemoteBackend(server.url, model="m"), console)
-        out = run_keys(session, "hello\r/stats\r/exit\r")
-    finally:
-        server.close()
+    session, out = chat_with(StreamThenDrop(), console, "hello\r/stats\r/exit\r")
     assert "Error: connection lost in the middle of the reply" in out
     assert re.search(r"replies\s+0 \(0 cancelled, 1 failed\)", out), out
     assert re.search(r"^tokens generated\s+60 *$", out, re.M), out  # what streamed was generated, failure or not
