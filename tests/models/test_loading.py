@@ -128,7 +128,8 @@ def test_resolve_a_gguf_in_a_folder(tmp_path):
 def test_a_store_models_gguf_by_name(make_fake_model):
     path = make_fake_model(store.model_path("tiny"))
     (path / "model.gguf").write_bytes(b"GGUF")
-    assert resolve_model("tiny:model.gguf") == loading.ResolvedModel("gguf", path / "model.gguf", "model")
+    # by the name it was asked by: a request naming it is answered with that name
+    assert resolve_model("tiny:model.gguf") == loading.ResolvedModel("gguf", path / "model.gguf", "tiny:model.gguf")
 
 
 def test_resolve_a_gguf_in_the_hf_cache(hub_cache):

@@ -47,7 +47,7 @@ class FakeStore:
             raise RuntimeError(f"{spec} is broken")
         engine = build_engine(self.tokenizer, num_blocks=64)
         self.engines[spec] = weakref.ref(engine)
-        engine.model_name, engine.model_path = spec, str(store.model_path(spec))
+        engine.model_name, engine.model_path = spec, str(store.model_path(spec.split(":")[0]))
         async_engine = AsyncEngine(engine).start()
         self.async_engines[spec] = weakref.ref(async_engine)
         return async_engine
@@ -134,6 +134,24 @@ def test_unknown_models_and_paths_are_404_and_load_nothing(live, fake_store):
             chat(live, name)
         assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
     assert fake_store.loaded == ["model-a"]
+
+
+def test_a_gguf_file_of_a_store_model_loads_by_name_but_no_folder_of_the_servers(live, fake_store, tmp_path,
+                                                                                  monkeypatch):
+    """transformers' `NAME:FILE.gguf`: the file inside a store model (or a cached hub repo) loads on demand; the
+    same form naming a folder in the server's working directory is a path, and a 404."""
+    (tmp_path / "models" / "model-b" / "model.gguf").write_bytes(b"GGUF")
+    assert chat(live, "model-b:model.gguf").model == "model-b:model.gguf"
+    assert chat(live, "model-b:model.gguf").model == "model-b:model.gguf"  # resident now: not loaded again
+    assert fake_store.loaded == ["model-a", "model-b:model.gguf"]
+    (tmp_path / "work" / "here").mkdir(parents=True)
+    (tmp_path / "work" / "here" / "x.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path / "work")
+    for name in ["here:x.gguf", "model-b:nope.gguf", "org/not-cached:x.gguf", "model-b:../x.gguf"]:
+        with pytest.raises(openai.NotFoundError) as info:
+            chat(live, name)
+        assert info.value.body["code"] == "model_not_found", name
+    assert fake_store.loaded == ["model-a", "model-b:model.gguf"]
 
 
 def test_a_speech_model_named_for_text_is_a_400_and_evicts_nothing(live, fake_store, tmp_path):

@@ -131,7 +131,9 @@ def _resolve_gguf(spec: str, base: str, gguf_file: str) -> ResolvedModel:
         path = folder / gguf_file
         if not path.is_file():
             raise ModelNotFoundError(f"no {gguf_file} in {folder}")
-        return ResolvedModel("gguf", _gguf_path(path), path.stem)
+        # a store model's file goes by the name it was asked by (a request's `model` is answered with it)
+        in_store = store.is_store_name(base) and folder == store.model_path(base)
+        return ResolvedModel("gguf", _gguf_path(path), spec if in_store else path.stem)
     if Path(base).expanduser().exists():
         raise ModelNotFoundError(f"{base} is not a directory (in {spec}: DIR:FILE.gguf names FILE.gguf in DIR)")
     if _looks_like_path(base):

@@ -18,6 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -34,7 +35,9 @@ logger = logging.getLogger("tfserve.server")
 
 LEASE = web.RequestKey("tfserve_model_lease", str)  # request[LEASE]: the model the request holds
 # what a client may name: a store name or a hub id ("org/name"), never a filesystem path
-_LOADABLE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_LOADABLE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # a store name or hub id
+# a chat model's name may add transformers' `@revision` and `:file.gguf` (a GGUF file inside the model)
+_LOADABLE_CHAT_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w.-]+)?(:[\w.-]+\.gguf)?$")
 Loader = Callable[[str], "AsyncEngine"]  # spec -> a started engine (runs on a thread)
 
 
@@ -154,13 +157,13 @@ class ModelResidency:
         from tfserve.models.loading import resolve_model
 
         why = "names must be store models or hub ids, not paths"
-        if is_loadable_name(name):
+        if is_loadable_name(name, chat=True):
             try:
-                kind = resolve_model(name).kind
+                resolved = resolve_model(name)
             except ModelNotFoundError as exc:
                 why = str(exc)
             else:
-                if kind in ("store", "hf_cache"):
+                if resolved.kind in ("store", "hf_cache") or (resolved.kind == "gguf" and _kept(resolved.path)):
                     return
         raise ApiError(404, f"The model {name!r} does not exist or is not served here ({why}); see GET /v1/models",
                        param="model", code="model_not_found")
@@ -240,9 +243,21 @@ class ModelResidency:
             torch.cuda.empty_cache()
 
 
-def is_loadable_name(name: str) -> bool:
-    """Whether a client may name `name` for loading: a store name or a hub id, never a path."""
-    return bool(_LOADABLE_NAME.match(name)) and ".." not in name
+def is_loadable_name(name: str, chat: bool = False) -> bool:
+    """Whether a client may name `name` for loading: a store name or a hub id (for a `chat` model, with
+    `@revision` and `:file.gguf`), never a path."""
+    return bool((_LOADABLE_CHAT_NAME if chat else _LOADABLE_NAME).match(name)) and ".." not in name
+
+
+def _kept(path: Path) -> bool:
+    """Whether a .gguf file a request named (`NAME:FILE.gguf`) lies in the store or the local HF cache: a folder
+    of the server's working directory with a store model's name is no business of a client's."""
+    from huggingface_hub import constants
+
+    from tfserve.models import store
+
+    roots = (store.models_dir(), Path(constants.HF_HUB_CACHE))
+    return any(path.is_relative_to(root.expanduser().resolve()) for root in roots)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
