@@ -121,6 +121,12 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
     except Exception as exc:  # one readable line: rank 0 reports the failure of the whole engine
         print(f"tfserve: tensor-parallel rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(1)
+    # done, the process group destroyed: end without the interpreter's teardown, where a C++ thread of torch's
+    # still joinable now and then aborted the process ("terminate called without an active exception", -6),
+    # and a node past the first then exited 1 after a clean stop
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
