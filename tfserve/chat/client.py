@@ -42,9 +42,8 @@ class ContextFull(ChatError):
     knows without telling, and which turns may go is the user's call (/clear, or /save and edit the file)."""
 
     def __init__(self, max_context_tokens: int | None = None) -> None:
-        context = f"{max_context_tokens}-token context" if max_context_tokens else "context"
-        super().__init__(f"the conversation fills the model's {context}, so your message got no answer: /clear, "
-                         "or /save and start over")
+        super().__init__(f"the conversation fills the model's {context_name(max_context_tokens)}, so your message "
+                         "got no answer: /clear, or /save and start over")
         self.max_context_tokens = max_context_tokens
 
 
@@ -356,6 +355,11 @@ def _conversation_too_long(exc: Any) -> bool:
     not about max_tokens: no max_tokens would make it fit."""
     return getattr(exc, "code", None) == "context_length_exceeded" and getattr(exc, "param", None) not in (
         "max_tokens", "max_completion_tokens")
+
+
+def context_name(max_context_tokens: int | None) -> str:
+    """"8192-token context", or "context" where its size is not known."""
+    return f"{max_context_tokens}-token context" if max_context_tokens else "context"
 
 
 def max_context_tokens_in(message: str) -> int | None:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tfserve.chat.agent import MAX_TOOL_ROUNDS, run_tool_calls
-from tfserve.chat.client import ChatBackend, ChatError, ContextFull, Reply, ReplyStats
+from tfserve.chat.client import ChatBackend, ChatError, ContextFull, Reply, ReplyStats, context_name
 from tfserve.chat.conversation import Conversation, Settings
 from tfserve.chat.images import Attachment, message_content
 from tfserve.chat.render import LiveReply, PlainReply, TurnStats, footer
@@ -168,7 +168,7 @@ class ChatSession:
         if not self.plain:
             self.console.print(footer(turn), highlight=False)
         if context_full:
-            context = f"{stats.max_context_tokens}-token context" if stats.max_context_tokens else "context"
+            context = context_name(stats.max_context_tokens)
             self.error_console.print(Text(f"The reply stopped where the model's {context} ends: /clear, or /save "
                                           "and start over, before the next message.", style="yellow"),
                                      soft_wrap=not self.error_console.is_terminal)

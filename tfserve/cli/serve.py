@@ -308,8 +308,8 @@ def serve(
 
     force_model = _pinned_model(ctx, model_arg, force_model, model)
     output_format = compat.output_format(format_, json_output, quiet)
-    if output_format == compat.OutputFormat.quiet and ctx.get_parameter_source("log_level").name in (
-            "DEFAULT", "DEFAULT_MAP"):  # quiet is fewer lines; a --log-level given says how many
+    if output_format == compat.OutputFormat.quiet and not _given(ctx, "log_level"):
+        # quiet is fewer lines; a --log-level given says how many
         log_level = LogLevel.warning
     for line in compat.notes({
         "output_format": output_format, "json_output": json_output, "no_truncate": no_truncate,
@@ -578,19 +578,24 @@ def _pinned_model(ctx: typer.Context, model_arg: str | None, force_model: str | 
     beside it that names another model would be ignored without a word, so it is refused as --force-model's is."""
     if model_arg is not None and force_model is not None and model_arg != force_model:
         raise UsageError(f"MODEL {model_arg!r} and --force-model {force_model!r} disagree: give one")
-    if (model_arg is not None and model != model_arg
-            and ctx.get_parameter_source("model").name not in ("DEFAULT", "DEFAULT_MAP")):
+    if model_arg is not None and model != model_arg and _given(ctx, "model"):
         raise UsageError(f"MODEL {model_arg!r} and --model {model!r} disagree: give one")
     return model_arg or force_model
 
 
-def _same(ctx: typer.Context, param: str, ours, theirs):
-    """An option and its --cb-* spelling (transformers'): either one, or both when they agree."""
+def _given(ctx: typer.Context, param: str) -> bool:
+    """Whether `param` was set (on the command line or from the environment), not left at its default."""
+    return ctx.get_parameter_source(param).name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _same(ctx: typer.Context, param: str, ours, theirs, their_flag: str | None = None):
+    """An option and transformers' spelling of it (its --cb-* one, or `their_flag`): either one, or both when
+    they agree."""
     if theirs is None or ours == theirs:
         return ours
-    if ctx.get_parameter_source(param).name != "DEFAULT":
+    if _given(ctx, param):
         name = "--" + param.replace("_", "-")
-        raise UsageError(f"{name} {ours} and --cb-{name[2:]} {theirs} disagree: give one")
+        raise UsageError(f"{name} {ours} and {their_flag or '--cb-' + name[2:]} {theirs} disagree: give one")
     return theirs
 
 
@@ -611,9 +616,7 @@ def _dtype(ctx: typer.Context, dtype: Dtype, torch_dtype: str | None) -> str:
     except ValueError:
         raise typer.BadParameter(f"{torch_dtype!r} is not one of {', '.join(d.value for d in Dtype)}",
                                  param_hint="--torch-dtype") from None
-    if ctx.get_parameter_source("dtype").name not in ("DEFAULT", "DEFAULT_MAP") and dtype.value != theirs:
-        raise UsageError(f"--dtype {dtype.value} and --torch-dtype {torch_dtype} disagree: give one")
-    return theirs
+    return _same(ctx, "dtype", dtype.value, theirs, "--torch-dtype")
 
 
 def _kv_cache_memory(text: str | None, fraction: float | None) -> float | int | None:

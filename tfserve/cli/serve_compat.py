@@ -42,8 +42,7 @@ def normalize_args(params: list, args: list[str]) -> list[str]:
     nothing; `-q` is `--quiet` unless a value `--quantization` takes follows it. Values are never touched: the
     token after an option that takes one is copied as it is, and everything after `--` too. Anything unknown is
     left for click to report."""
-    options = {name: param for param in params if param.param_type_name == "option"
-               for name in (*param.opts, *param.secondary_opts)}
+    options = _options(params)
     out: list[str] = []
     i = 0
     while i < len(args):
@@ -70,6 +69,12 @@ def normalize_args(params: list, args: list[str]) -> list[str]:
     return out
 
 
+def _options(params: list) -> dict:
+    """Each spelling of the command's options (`--max-num-seqs`, `--no-enable-cors`, `-q`) -> its parameter."""
+    return {name: param for param in params if param.param_type_name == "option"
+            for name in (*param.opts, *param.secondary_opts)}
+
+
 def _is_choice(param, words: list[str]) -> bool:
     """Whether the first of `words` is one of the values `param` (a choice option) takes."""
     kind = getattr(param, "type_descriptor", None) or getattr(param, "type", None)  # typer's, or click's
@@ -82,8 +87,7 @@ def _is_choice(param, words: list[str]) -> bool:
 def words_after_flags(params: list, args: list[str]) -> dict[str, str]:
     """`{word: flag}` for each word right after a boolean flag given without a value (`--enable-cors maybe`):
     click takes such a word for MODEL, as it should for `--enable-cors Qwen/Qwen3-1.7B`."""
-    options = {name: param for param in params if param.param_type_name == "option"
-               for name in (*param.opts, *param.secondary_opts)}
+    options = _options(params)
     found: dict[str, str] = {}
     i = 0
     while i < len(args):

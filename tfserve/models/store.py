@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from math import prod
 from pathlib import Path
@@ -105,7 +106,7 @@ def is_complete(path: Path) -> bool:
     """Whether `path` holds a loadable HF model: a config.json and at least one weights file."""
     if not path.is_dir() or not (path / "config.json").is_file():
         return False
-    return any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir())
+    return _has_weights(p.name for p in path.iterdir())
 
 
 def is_pulled(name: str) -> bool:
@@ -145,7 +146,7 @@ def store_problem(path: Path, config: dict | None) -> str | None:
     except OSError as exc:
         return f"unreadable folder: {exc.strerror or exc}"
     missing = []
-    if not any(Path(name).suffix in _WEIGHT_SUFFIXES for name in names):
+    if not _has_weights(names):
         missing.append("no weights")
     if not _has_tokenizer(names):
         missing.append("no tokenizer")
@@ -158,6 +159,10 @@ def missing_tokenizer(path: Path) -> bool:
         return not _has_tokenizer({p.name for p in path.iterdir()})
     except OSError:
         return False
+
+
+def _has_weights(names: Iterable[str]) -> bool:
+    return any(Path(name).suffix in _WEIGHT_SUFFIXES for name in names)
 
 
 def _has_tokenizer(names: set[str]) -> bool:

@@ -42,11 +42,17 @@ def _check_shape(tool_choice: str | dict | None, where: str) -> None:
     if tool_choice["type"] == "allowed_tools":
         allowed_tools(tool_choice, where)
         return
-    named = tool_choice.get("function", tool_choice)
+    _check_function_name(tool_choice, where)
+
+
+def _check_function_name(choice: dict[str, Any], where: str) -> None:
+    """400 unless `choice` (a tool_choice, or an allowed_tools entry, at `where`) names a function: chat's nested
+    `{"function": {"name": ...}}` or the Responses API's flat `{"name": ...}`."""
+    named = choice.get("function", choice)
     if not isinstance(named, dict):
         raise bad_request(f'{where}.function must be an object: {{"name": ...}}', f"{where}.function")
     field(named, "name", str, required=True,
-          param=f"{where}.function.name" if "function" in tool_choice else f"{where}.name")
+          param=f"{where}.function.name" if "function" in choice else f"{where}.name")
 
 
 def allowed_tools(tool_choice: dict[str, Any], where: str = "tool_choice") -> tuple[str, list[tuple[str, dict]]]:
@@ -69,9 +75,7 @@ def allowed_tools(tool_choice: dict[str, Any], where: str = "tool_choice") -> tu
         if not isinstance(entry, dict) or entry.get("type") not in ("function", "mcp"):
             raise bad_request(f'{at} must be {{"type": "function", "name": ...}} or {{"type": "mcp", ...}}', at)
         if entry["type"] == "function":
-            named = entry["function"] if isinstance(entry.get("function"), dict) else entry
-            field(named, "name", str, required=True,
-                  param=f"{at}.function.name" if named is not entry else f"{at}.name")
+            _check_function_name(entry, at)
         checked.append((at, entry))
     return mode, checked
 
