@@ -138,7 +138,55 @@ def test_list_shows_broken_folders_as_broken(make_fake_model):
     data = {row["name"]: row["problem"] for row in json.loads(invoke("models", "list", "--json").output)}
     assert data == {"half": "incomplete: no tokenizer", "tiny": None, "x": "unreadable config.json"}
     assert complete("tfserve serve -m ").output.split() == ["half", "tiny", "x"]  # completion lists them too
-    assert_one_line_error(invoke("models", "info", "x"), "'x' is incomplete")
+    assert_one_line_error(invoke("models", "info", "x"), "'x' cannot load (incomplete: no weights in")
+
+
+def test_broken_weights_are_a_problem_the_store_names_not_a_traceback(make_fake_model):
+    """A safetensors header that lies (a length past the file, shapes of strings) or weights cut short (a copy
+    that stopped): `models list` still lists every folder, names what is wrong with that one, and the model is
+    refused in one line wherever it is named, before anything loads."""
+    import struct
+
+    import pytest
+
+    from tfserve.errors import ModelNotFoundError
+    from tfserve.models.loading import resolve_model
+
+    make_fake_model(store.model_path("good"))
+    (make_fake_model(store.model_path("huge")) / "model.safetensors").write_bytes(
+        b"\x00" * 7 + b"\x40" + b"garbage")
+    raw = json.dumps({"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}).encode()
+    (make_fake_model(store.model_path("strings")) / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(raw)) + raw + bytes(16))
+    cut = make_fake_model(store.model_path("cut")) / "model.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    result = invoke("models", "list", "--json")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    problems = {row["name"]: row["problem"] for row in json.loads(result.output)}
+    assert problems["good"] is None
+    assert problems["huge"].startswith("broken weights: model.safetensors is cut short or not safetensors")
+    assert problems["strings"] == "broken weights: model.safetensors has a malformed entry for tensor 'a'"
+    assert problems["cut"].startswith("broken weights: model.safetensors is cut short: its tensors need")
+    for name in ("huge", "strings", "cut"):
+        assert_one_line_error(invoke("models", "info", name), f"store model {name!r} cannot load (broken weights")
+        with pytest.raises(ModelNotFoundError, match="broken weights"):
+            resolve_model(name)
+
+
+def test_store_names_are_echoed_as_typed_and_odd_folders_are_listed(make_fake_model, tmp_path):
+    """Rich's emoji codes stay off (`NAME:FILE.gguf` holds colons); a folder no model name can reach is listed
+    with why; `rm` of a linked model removes the link only; an empty name is no name, not this folder."""
+    assert_one_line_error(invoke("models", "info", "x:smile:y"), "x:smile:y")
+    make_fake_model(store.model_path("good"))
+    make_fake_model(store.models_dir() / "My Model")
+    rows = {row["name"]: row["problem"] for row in json.loads(invoke("models", "list", "--json").output)}
+    assert rows["good"] is None and "rename it" in rows["My Model"]
+    target = make_fake_model(tmp_path / "elsewhere")
+    (store.models_dir() / "linked").symlink_to(target)
+    assert invoke("models", "rm", "linked", "--yes").exit_code == 0
+    assert not (store.models_dir() / "linked").exists() and (target / "config.json").is_file()
+    assert_one_line_error(invoke("models", "rm", "."), "starting with a letter or digit")
+    assert_one_line_error(invoke("models", "info", ""), "empty model name")
 
 
 def test_list_never_cuts_a_name(make_fake_model):
@@ -185,7 +233,7 @@ def test_info_incomplete_store_model_suggests_what_works():
     for name in ("fake-model", NAME):
         store.model_path(name).mkdir(parents=True)
         (store.model_path(name) / "config.json").write_text("{}")
-    assert_one_line_error(invoke("models", "info", "fake-model"), "'fake-model' is incomplete (no weights in",
+    assert_one_line_error(invoke("models", "info", "fake-model"), "'fake-model' cannot load (incomplete: no weights",
                           "tfserve models rm fake-model")
     assert "pull fake-model" not in invoke("models", "info", "fake-model").output
     assert_one_line_error(invoke("models", "info", NAME), f"tfserve models pull {NAME} --force")

@@ -49,7 +49,7 @@ def split_model(tmp_path, monkeypatch):
         conversions.append({p.name: p.read_bytes() for p in src_dir.iterdir()})
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")
-        (out_dir / "model.safetensors").write_bytes(b"")
+        (out_dir / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # no tensors
 
     monkeypatch.setattr("tfserve.models.ct2_whisper.ct2_whisper_to_hf", convert)
     return index, conversions

@@ -33,7 +33,8 @@ class FakeStore:
             path = root / "models" / name
             path.mkdir(parents=True)
             (path / "config.json").write_text("{}")
-            (path / "model.safetensors").write_bytes(b"")
+            (path / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # a safetensors file of no tensors
+            (path / "tokenizer.json").write_text("{}")
 
     def load(self, spec: str):
         """Like the CLI's loader: a store name, or (restoring the previous model) its directory."""
@@ -163,6 +164,18 @@ def test_a_speech_model_named_for_text_is_a_400_and_evicts_nothing(live, fake_st
         assert "/v1/audio/transcriptions" in error["error"]["message"]
     assert fake_store.loaded == ["model-a"]
     assert live.client().models.retrieve("model-c").model_extra["input_modalities"] == ["audio"]
+
+
+def test_a_store_folder_that_cannot_load_is_not_listed_and_evicts_nothing(live, fake_store, tmp_path):
+    """A folder `models list` marks (no tokenizer, weights cut short) is left out of /v1/models, and a request
+    naming it is a 404 saying why, before the resident model is unloaded for it."""
+    (tmp_path / "models" / "model-b" / "tokenizer.json").unlink()
+    (tmp_path / "models" / "model-c" / "model.safetensors").write_bytes(b"\x40" + bytes(7) + b"{}")
+    assert [m.id for m in live.client().models.list()] == ["model-a", "model-bad"]
+    for name, why in (("model-b", "no tokenizer"), ("model-c", "broken weights: model.safetensors is cut short")):
+        status, _, error = live.request("POST", "/v1/chat/completions", {"model": name, "messages": MESSAGES})
+        assert status == 404 and error["error"]["param"] == "model" and why in error["error"]["message"], error
+    assert fake_store.loaded == ["model-a"]
 
 
 def test_a_failed_load_is_500_and_the_previous_model_comes_back(live, fake_store):

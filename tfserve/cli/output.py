@@ -12,8 +12,9 @@ from rich.markup import escape
 
 from tfserve.errors import TfserveError, UsageError
 
-console = Console()
-err_console = Console(stderr=True)
+# emoji=False: names people type hold colons (`NAME:FILE.gguf`), and Rich would turn `a:smile:b` into an emoji
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 
 def error(message: str) -> None:

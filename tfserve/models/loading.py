@@ -66,6 +66,8 @@ def resolve_model(spec: str) -> ResolvedModel:
 
 
 def _resolve(spec: str) -> ResolvedModel:
+    if not spec.strip():
+        raise ModelNotFoundError("empty model name: give a store name, a model folder, a .gguf file or a hub id")
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -74,11 +76,12 @@ def _resolve(spec: str) -> ResolvedModel:
     if store.is_store_name(spec) and store.model_path(spec).is_dir():
         path = store.model_path(spec)
         if not store.is_complete(path):
+            problem = ("incomplete: no config.json" if not (path / "config.json").is_file()
+                       else store.weights_problem(path) or "incomplete")
             if get_known(spec) is not None:  # what a pull made, a pull makes again
-                raise ModelNotFoundError(f"store model {spec!r} is incomplete; run `tfserve models pull {spec} "
-                                         "--force`")
-            missing = "weights" if (path / "config.json").is_file() else "config.json"
-            raise ModelNotFoundError(f"store model {spec!r} is incomplete (no {missing} in {path}): not a model "
+                raise ModelNotFoundError(f"store model {spec!r} cannot load ({problem}); run `tfserve models pull "
+                                         f"{spec} --force`")
+            raise ModelNotFoundError(f"store model {spec!r} cannot load ({problem} in {path}): not a model "
                                      f"`tfserve models pull` knows; remove it with `tfserve models rm {spec}`")
         return ResolvedModel("store", path, spec)
     if path.is_dir():

@@ -98,15 +98,31 @@ def is_store_name(name: str) -> bool:
 def model_path(name: str) -> Path:
     """The directory of store model `name` (it may not exist)."""
     if not is_store_name(name):
-        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
+        raise ModelStoreError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-', starting with "
+                              "a letter or digit")
     return models_dir() / name
 
 
 def is_complete(path: Path) -> bool:
-    """Whether `path` holds a loadable HF model: a config.json and at least one weights file."""
+    """Whether `path` holds a loadable HF model: a config.json and weights, whose safetensors headers hold (no
+    file cut short). (A missing tokenizer is a `store_problem` too, which the load itself reports.)"""
     if not path.is_dir() or not (path / "config.json").is_file():
         return False
-    return _has_weights(p.name for p in path.iterdir())
+    return weights_problem(path) is None
+
+
+def weights_problem(path: Path) -> str | None:
+    """What is wrong with the weights in model folder `path` ("no weights", "broken weights: ..."), or None."""
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError as exc:
+        return f"unreadable folder: {exc.strerror or exc}"
+    if not _has_weights(names):
+        return "incomplete: no weights"
+    for name in (n for n in names if n.endswith(".safetensors")):
+        if (why := _safetensors_header(path / name)[1]) is not None:
+            return f"broken weights: {name} {why}"
+    return None
 
 
 def is_pulled(name: str) -> bool:
@@ -131,7 +147,22 @@ def list_models() -> list[StoredModel]:
         rows.append(StoredModel(name=name, architecture=_architecture(config or {}),
                                 num_parameters=count_parameters(path), size_bytes=dir_size(path),
                                 path=str(path), problem=store_problem(path, config)))
-    return rows
+    root = models_dir()
+    try:  # folders no model name can reach (a space, a colon): listed, so that they do not vanish unexplained
+        odd = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                     and not is_store_name(p.name))
+    except OSError:
+        odd = []
+    for path in odd:
+        rows.append(StoredModel(name=path.name, architecture=None, num_parameters=None, size_bytes=dir_size(path),
+                                path=str(path), problem="a folder name no model name can be (letters, digits, '.', "
+                                                        "'_' and '-'): rename it to use it"))
+    return sorted(rows, key=lambda row: row.name)
+
+
+def folder_problem(path: Path) -> str | None:
+    """`store_problem` of the model folder `path`, its config.json read here."""
+    return store_problem(path, _read_json(path / "config.json"))
 
 
 def store_problem(path: Path, config: dict | None) -> str | None:
@@ -150,7 +181,9 @@ def store_problem(path: Path, config: dict | None) -> str | None:
         missing.append("no weights")
     if not _has_tokenizer(names):
         missing.append("no tokenizer")
-    return f"incomplete: {', '.join(missing)}" if missing else None
+    if missing:
+        return f"incomplete: {', '.join(missing)}"
+    return weights_problem(path)
 
 
 def missing_tokenizer(path: Path) -> bool:
@@ -171,6 +204,8 @@ def _has_tokenizer(names: set[str]) -> bool:
 
 def find_model_dir(name_or_path: str) -> Path:
     """A store name or a directory path -> the model directory; raises ModelNotFoundError."""
+    if not name_or_path.strip():
+        raise ModelNotFoundError("empty model name: give a store name or a model folder")
     candidate = Path(name_or_path).expanduser()
     if is_store_name(name_or_path) and model_path(name_or_path).is_dir():
         return model_path(name_or_path)
@@ -259,7 +294,10 @@ def remove(name: str) -> Path:
     if not path.is_dir():
         raise ModelNotFoundError(f"model {name!r} is not in the store ({models_dir()})")
     try:
-        shutil.rmtree(path)
+        if path.is_symlink():  # a model linked into the store: the link goes, never what it points at
+            path.unlink()
+        else:
+            shutil.rmtree(path)
     except OSError as exc:
         raise ModelStoreError(f"cannot remove {path}: {exc.strerror or exc}") from None
     return path
@@ -283,20 +321,55 @@ def has_chat_template(path: Path) -> bool:
 
 
 def count_parameters(path: Path) -> int | None:
-    """Number of parameters from the safetensors headers (no weights are read); None without safetensors."""
+    """Number of parameters from the safetensors headers (no weights are read); None without safetensors, or
+    where a header does not hold."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         return None
     total = 0
     for file in files:
-        try:
-            with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-        except (OSError, ValueError, struct.error):
+        count, problem = _safetensors_header(file)
+        if problem is not None:
             return None
-        total += sum(prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        total += count
     return total
+
+
+_MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+
+
+def _safetensors_header(file: Path) -> tuple[int, str | None]:
+    """(parameters, None) from a safetensors file's header, or (0, what is wrong): a header that is no JSON
+    object of tensors, or tensors whose data runs past the end of the file (a copy cut short)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+                return 0, f"is cut short or not safetensors (a {header_len}-byte header in a {size}-byte file)"
+            header = json.loads(f.read(header_len))
+    except struct.error:
+        return 0, "is cut short (no header)"
+    except OSError as exc:
+        return 0, f"cannot be read ({exc.strerror or exc})"
+    except ValueError:  # JSON, or text that is no UTF-8
+        return 0, "has a header that is no JSON"
+    if not isinstance(header, dict):
+        return 0, "has a header that is no JSON object"
+    total, end = 0, 0
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        shape = tensor.get("shape") if isinstance(tensor, dict) else None
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            return 0, f"has a malformed entry for tensor {name!r}"
+        total += prod(shape)
+        end = max(end, offsets[1])
+    if 8 + header_len + end > size:
+        return 0, f"is cut short: its tensors need {8 + header_len + end} bytes, the file has {size}"
+    return total, None
 
 
 def dir_size(path: Path) -> int:

@@ -163,7 +163,12 @@ class ModelResidency:
             except ModelNotFoundError as exc:
                 why = str(exc)
             else:
-                if resolved.kind in ("store", "hf_cache") or (resolved.kind == "gguf" and _kept(resolved.path)):
+                from tfserve.models import store
+
+                problem = store.folder_problem(resolved.path) if resolved.kind == "store" else None
+                if problem is not None:  # refused before anything is evicted for it
+                    why = f"store model {name!r} cannot load: {problem}"
+                elif resolved.kind in ("store", "hf_cache") or (resolved.kind == "gguf" and _kept(resolved.path)):
                     return
         raise ApiError(404, f"The model {name!r} does not exist or is not served here ({why}); see GET /v1/models",
                        param="model", code="model_not_found")
@@ -175,7 +180,7 @@ class ModelResidency:
         from tfserve.models import store
 
         return [name for name in store.stored_names()
-                if name not in self.state.model_aliases and store.is_complete(store.model_path(name))]
+                if name not in self.state.model_aliases and store.folder_problem(store.model_path(name)) is None]
 
     # -- swapping -----------------------------------------------------------------------------------------
 
