@@ -26,6 +26,18 @@ def test_a_prompt_that_leaves_no_room_names_the_prompt(make_engine):
     assert engine.sampling_params(31).max_tokens == 1
 
 
+@pytest.mark.parametrize("limit", [{"max_model_len": 40}, {"num_blocks": 10}])
+def test_every_context_error_gives_the_one_limit_that_applies(make_engine, limit):
+    """`max_model_len` (--max-model-len) or a KV cache smaller than the model's context: max_tokens past the
+    limit is told the same limit a long prompt is (it said 2048, the model's own, beside a 40-token cache)."""
+    engine = make_engine(**limit)
+    with pytest.raises(ContextLengthError, match="maximum context length is 40 tokens. However, you requested 111"):
+        engine.make_requests(PROMPT, SamplingParams(max_tokens=100))
+    with pytest.raises(ContextLengthError, match="maximum context length is 40 tokens .* the prompt is 45 tokens"):
+        engine.make_requests(PROMPT * 4 + PROMPT[:1], SamplingParams(max_tokens=1))
+    assert engine.make_requests(PROMPT, SamplingParams(max_tokens=29))[0].params.max_tokens == 29
+
+
 def test_n_children_get_seed_plus_i(make_engine):
     engine = make_engine()
     requests = engine.make_requests(PROMPT, SamplingParams(n=3, seed=5, max_tokens=2), request_id="r")

@@ -250,6 +250,10 @@ def test_health_and_metrics(server):
         assert name in text, name
     value = next(line for line in text.splitlines() if line.startswith("tfserve_generation_tokens_total"))
     assert float(value.split()[-1]) >= 3
+    preempted = server.state.engine.scheduler.num_preemptions  # what the scheduler counts, as it counts it
+    text = server.request("GET", "/metrics")[2]
+    assert f"tfserve_num_preemptions {float(preempted)}" in text
+    assert f'tfserve_replica_num_preemptions{{replica="0"}} {float(preempted)}' in text
 
 
 def test_huggingface_hub_inference_client_works_unmodified(server, monkeypatch):

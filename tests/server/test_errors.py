@@ -277,6 +277,28 @@ def test_queue_beyond_max_queued_is_429_and_a_request_that_never_fits_is_a_400(s
     assert live.request("POST", CHAT, chat(n=2))[0] == 200
 
 
+def test_requests_admitted_together_count_against_max_queued_before_they_reach_the_engine(start_server):
+    """Handlers admit a request, then await (a stream's headers, an MCP listing) before its sequences reach the
+    engine: requests arriving together all passed a limit of 8 (43 of 60 did). Admitted sequences now count
+    at once; one whose handler ends before submitting it counts no longer."""
+    import gc
+
+    from tfserve import SamplingParams
+    from tfserve.server.errors import ApiError
+    from tfserve.server.generation import admit
+
+    live = start_server(state_kwargs={"max_queued": 3})
+    state, prompt = live.state, [5, 6, 7]
+    first = admit(state, {}, [prompt], SamplingParams(n=2, max_tokens=2))[1]
+    with pytest.raises(ApiError) as info:
+        admit(state, {}, [prompt], SamplingParams(n=2, max_tokens=2))
+    assert info.value.status == 429 and "2 sequences waiting for their first token" in info.value.message
+    second = admit(state, {}, [prompt], SamplingParams(max_tokens=2))[1]
+    del first, second
+    gc.collect()
+    assert len(admit(state, {}, [prompt], SamplingParams(n=3, max_tokens=2))[1]) == 3
+
+
 def test_loading_and_draining_are_503(start_server, async_engine):
     from tfserve.server.state import ServerState
 

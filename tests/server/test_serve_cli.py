@@ -335,6 +335,25 @@ def test_media_flags_reach_the_server(monkeypatch, tmp_path):
     assert seen["media"].max_images == 7 and seen["media"].allowed_domains == ()
 
 
+@pytest.mark.parametrize("flag", ["--max-model-len", "--max_model_len"])
+def test_max_model_len_reaches_the_engine(monkeypatch, flag):
+    """vLLM's flag, which a user caps the context with (only --num-blocks did, shrinking every sequence's room)."""
+    from tfserve.cli import loading, serve
+    from tfserve.server import run
+
+    seen = {}
+    make = loading.engine_config_from_flags
+    monkeypatch.setattr(serve, "engine_config_from_flags", lambda kwargs: seen.setdefault("config", make(kwargs)))
+
+    async def quiet(app, host, port, **kwargs):
+        pass
+
+    monkeypatch.setattr(run, "serve", quiet)
+    result = invoke("serve", flag, "512")
+    assert result.exit_code == 0, result.output
+    assert seen["config"].max_model_len == 512
+
+
 @pytest.mark.parametrize("args,message", [
     (["--limit-mm-per-prompt", '{"video": 1}'], "not a count of images"),
     (["--limit-mm-per-prompt", "0"], "not a count of images"),

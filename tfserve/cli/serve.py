@@ -103,6 +103,9 @@ def serve(
                                                               "decodes).", rich_help_panel=ENGINE)] = 512,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together, at most.",
                                               rich_help_panel=ENGINE)] = 64,
+    max_model_len: Annotated[int | None, typer.Option(
+        min=2, metavar="TOKENS", show_default=False, rich_help_panel=ENGINE,
+        help="Longest sequence, prompt and output together (vLLM's flag; default: the model's context length).")] = None,
     long_prefill_token_threshold: Annotated[int | None, typer.Option(
         min=1, metavar="TOKENS", show_default=False, rich_help_panel=ENGINE,
         help="A prefill takes at most TOKENS of a step (vLLM's flag): long prompts and images run over several "
@@ -331,7 +334,8 @@ def serve(
                                   "as --speech-model)")
     engine_kwargs = {
         "max_batch_tokens": _same(ctx, "max_batch_tokens", max_batch_tokens, cb_max_batch_tokens),
-        "max_num_seqs": max_num_seqs, "long_prefill_token_threshold": long_prefill_token_threshold,
+        "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+        "long_prefill_token_threshold": long_prefill_token_threshold,
         "block_size": _same(ctx, "block_size", block_size, cb_block_size),
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),

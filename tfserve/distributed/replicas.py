@@ -247,7 +247,8 @@ def replica_stats(engine) -> dict[str, float]:
             "kv_cache_blocks_used": pool.num_used_blocks, "kv_cache_blocks_total": pool.num_blocks,
             "prefix_cache_hit_rate": pool.stats.hit_rate,
             "prefix_cache_queried_tokens": pool.stats.num_queried_tokens,
-            "prefix_cache_hit_tokens": pool.stats.num_hit_tokens}
+            "prefix_cache_hit_tokens": pool.stats.num_hit_tokens,
+            "num_preemptions": engine.scheduler.num_preemptions}
 
 
 class Router:

@@ -268,11 +268,11 @@ class Engine:
             raise ValueError("prompt must not be empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        self._room_for(len(prompt_ids))
+        capacity = self._room_for(len(prompt_ids))  # the context, or the whole KV cache where that is smaller
         num_tokens = len(prompt_ids) + params.max_tokens
-        if num_tokens > self.max_model_len:
+        if num_tokens > capacity:
             raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"This model's maximum context length is {capacity} tokens. However, you requested "
                 f"{num_tokens} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} in max_tokens): "
                 f"lower max_tokens or shorten the prompt", param="max_tokens")
         num_blocks = self.block_pool.num_blocks_for(num_tokens)

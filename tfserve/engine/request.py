@@ -51,6 +51,7 @@ class Request:
         "first_token_time", "finish_time", "logprobs", "error", "detokenizer", "stop_reason",
         "generator", "eos_token_ids", "scheduled_time", "_prompt_token_ids", "spec_token_ids", "matcher",
         "prompt_logprobs", "mm", "num_draft_computed", "num_logprobs_sent",
+        "__weakref__",  # the server's admitted-not-yet-submitted set holds requests weakly
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -79,9 +79,11 @@ def admit(state: ServerState, request: web.Request, prompts: list[list[int]], pa
         except ValueError as exc:
             raise from_value_error(exc, names.get("prompt", "messages"), names) from None
     check_sequences(state, len(requests), "n" if params.n > 1 else names.get("prompt", "messages"))
-    if state.max_queued and state.num_waiting + len(requests) > state.max_queued:
-        raise too_many(f"the server has {state.num_waiting} sequences waiting (--max-queued {state.max_queued}); "
-                       "retry shortly")
+    waiting = state.num_waiting + len(state.admitted)
+    if state.max_queued and waiting + len(requests) > state.max_queued:
+        raise too_many(f"the server has {waiting} sequences waiting for their first token (--max-queued "
+                       f"{state.max_queued}); retry shortly")
+    state.admitted.update(requests)
     usage = usage_of(request)
     usage.prompt_tokens += sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(usage.prompt_tokens)
@@ -183,6 +185,7 @@ def _count_cut(state: ServerState, usage: Usage, output: Any) -> None:
 
 
 async def _pump(state: ServerState, index: int, engine_request: Any, queue: asyncio.Queue) -> None:
+    state.admitted.discard(engine_request)
     state.num_waiting += 1
     waiting = True
     try:

@@ -38,6 +38,8 @@ class ServerMetrics:
                lambda: engine().block_pool.num_used_blocks if engine() else 0)
         _gauge(registry, "tfserve_kv_cache_blocks_total", "KV cache blocks",
                lambda: engine().block_pool.num_blocks if engine() else 0)
+        _gauge(registry, "tfserve_num_preemptions", "Running sequences preempted (KV cache full) and recomputed later",
+               lambda: engine().scheduler.num_preemptions if engine() else 0)
         _gauge(registry, "tfserve_prefix_cache_hit_rate", "Share of prompt blocks found in the prefix cache",
                lambda: engine().block_pool.stats.hit_rate if engine() else 0.0)
         _gauge(registry, "tfserve_spec_decode_draft_tokens", "Speculative decoding: tokens proposed and checked",
@@ -98,6 +100,7 @@ class _ReplicaCollector:
                "kv_cache_blocks_total": "The replica's KV cache blocks",
                "prefix_cache_hit_rate": "Share of the replica's prompt tokens found in its prefix cache",
                "prefix_cache_hit_tokens": "Prompt tokens the replica found in its prefix cache",
+               "num_preemptions": "The replica's running sequences preempted (KV cache full)",
                "num_routed": "Requests routed to the replica",
                "num_in_flight": "Requests routed to the replica and not finished"}
 

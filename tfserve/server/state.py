@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,10 @@ class ServerState:
         self.max_queued = max_queued  # sequences waiting for their first token, at most; 0 = no limit
         self.force_model = force_model  # serve the loaded model whatever a request's `model` says
         self.num_waiting = 0  # sequences submitted that have not produced a token yet
+        # engine requests admitted (generation.admit) and not submitted yet: counted against --max-queued from
+        # the moment they are admitted, so requests arriving together cannot all pass; held weakly, so one
+        # whose handler ends before submitting it (a client gone while its stream opened) leaves no count
+        self.admitted: weakref.WeakSet = weakref.WeakSet()
         self.num_active = 0  # HTTP requests being answered (draining waits for 0)
         self.token_texts: TokenTexts | None = None
         self.metrics = ServerMetrics(self)
