@@ -403,4 +403,5 @@ def test_a_server_stopped_while_its_model_loads_says_it_never_served(monkeypatch
         return False
 
     monkeypatch.setattr(run, "serve", stopped_while_loading)
-    assert invoke("serve").exit_code == 130
+    result = invoke("serve")
+    assert result.exit_code == 130 and "Stopped before the model was loaded" in result.output

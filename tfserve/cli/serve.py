@@ -423,7 +423,10 @@ def serve(
         pass
     if state.failure is not None:
         raise TfserveError(state.failure)
-    if served is False:  # stopped (Ctrl-C, a signal) while the model loaded: not a success
+    if served is False:  # stopped (Ctrl-C, a signal) while the model loaded: not a success, and said so
+        from tfserve.cli.output import err_console
+
+        err_console.print("Stopped before the model was loaded: nothing was served", highlight=False)
         raise typer.Exit(130)
 
 
