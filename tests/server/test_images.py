@@ -369,7 +369,8 @@ def test_the_engines_own_refusal_names_the_first_image(server, vision):
     vision.fail_with = ValueError("this model takes at most 1 image per prompt")
     image = image_part(data_url(encode("PNG")))
     param, message = post_error(server, chat_body(image, image))
-    assert param == "messages[0].content[1]" and "at most 1 image" in message
+    assert param == "messages[0].content[1]" and message.startswith("messages[0].content[1]: ")
+    assert "at most 1 image" in message
 
 
 def test_responses_refusals(server, vision):

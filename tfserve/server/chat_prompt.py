@@ -205,5 +205,8 @@ async def render_multimodal(state: Any, messages: list[dict], images: list, tool
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
     except ChatTemplateError as exc:
         raise bad_request(str(exc), param) from None
-    except ValueError as exc:  # e.g. more images than the model takes: about the images, not a field
-        raise bad_request(str(exc), images[0].where) from None
+    except ValueError as exc:  # e.g. more images than the model takes, a shape its processor refuses: the images'
+        message = str(exc)
+        if not message.startswith(images[0].where):  # the processor's own words name no part: say which
+            message = f"{images[0].where}: {message}"
+        raise bad_request(message, images[0].where) from None
