@@ -299,6 +299,31 @@ def test_requests_admitted_together_count_against_max_queued_before_they_reach_t
     assert len(admit(state, {}, [prompt], SamplingParams(n=3, max_tokens=2))[1]) == 3
 
 
+@pytest.mark.parametrize("path,body,last", [
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, b'"finish_reason":"'),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 16}, b"response.output_text.done"),
+])
+def test_a_client_that_leaves_after_the_last_token_leaves_no_traceback(server, caplog, path, body, last):
+    """The openai SDK's stream helpers close the connection as soon as a reply ends by length (before [DONE]);
+    the writes after it failed on the closed connection and aiohttp logged each as a traceback."""
+    import struct
+
+    payload = json.dumps({"model": MODEL_NAME, "stream": True, **body}).encode()
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
+                         b"\r\n\r\n" % (path.encode(), len(payload)) + payload)
+            seen = b""
+            while last not in seen and (chunk := sock.recv(65536)):
+                seen += chunk
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, at once
+            sock.close()
+        assert server.request("GET", "/health")[0] == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or "Error handling request" in r.getMessage()]
+    assert not errors, errors[0].getMessage()
+
+
 def test_loading_and_draining_are_503(start_server, async_engine):
     from tfserve.server.state import ServerState
 

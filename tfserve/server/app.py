@@ -22,9 +22,11 @@ from tfserve.server import admin, audio, chat, completions, conversations, healt
 from tfserve.server.errors import ApiError
 from tfserve.server.generation import USAGE
 from tfserve.server.residency import LEASE
+from tfserve.server.sse import EVENT_STREAM
 from tfserve.server.state import STATE, ServerState
 
 logger = logging.getLogger("tfserve.server")
+CLIENT_LEFT = web.RequestKey("tfserve_client_left", bool)  # request[CLIENT_LEFT]: its event stream lost the client
 access_logger = logging.getLogger("tfserve.access")
 
 DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
@@ -155,7 +157,7 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     status = 499  # the client went away before an answer
     try:
         response = await handler(request)
-        status = response.status
+        status = 499 if request.get(CLIENT_LEFT) else response.status
         return response
     finally:
         state.num_active -= counted
@@ -191,8 +193,12 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         error = ApiError(exc.status, message, code={413: "request_too_large"}.get(exc.status))
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return web.json_response(error.body(), status=exc.status, headers=headers)
-    except ConnectionResetError:
-        raise  # the client left mid-response: nothing to answer
+    except ConnectionResetError:  # the client left mid-response: nothing to answer
+        stream = request.get(EVENT_STREAM)
+        if stream is None or not stream.is_open:
+            raise
+        request[CLIENT_LEFT] = True
+        return stream.response  # ended by aiohttp quietly (it logged a traceback for the error raised)
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
         error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")

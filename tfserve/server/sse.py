@@ -10,10 +10,14 @@ from aiohttp import web
 
 from tfserve.server.errors import ApiError
 
+# request[EVENT_STREAM]: the request's event stream, once its handler made one
+EVENT_STREAM = web.RequestKey("tfserve_event_stream", object)
+
 
 class EventStream:
     """One SSE response. `open()` sends the headers; a write to a client that left raises
-    ConnectionResetError, which ends the handler (and so aborts its generation)."""
+    ConnectionResetError, which ends the handler (and so aborts its generation); the app's error middleware
+    then ends this response quietly (`request[EVENT_STREAM]`)."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
@@ -22,6 +26,7 @@ class EventStream:
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # nginx would otherwise buffer the whole stream
         })
+        request[EVENT_STREAM] = self
 
     @property
     def is_open(self) -> bool:
