@@ -169,6 +169,13 @@ DEEP = "[" * 5000
     # id or type, an output modality that does not exist, metadata past its limits
     (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "strict": "x"}}]}, "tools[0].function.strict"),
     (RESPONSES, {"tools": [{**FLAT_TOOL, "strict": 1}]}, "tools[0].strict"),
+    (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}, "strict": "yes"}}},
+     "text.format.strict"),
+    # a call's arguments are a JSON object: a string or array schema made them no JSON at all ("f", "[]")
+    (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    (RESPONSES, {"tools": [{**FLAT_TOOL, "parameters": {"type": "array"}}]}, "tools[0].parameters"),
+    (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "description": 7}}]}, "tools[0].function.description"),
     (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "a.b", "schema": {}}}}, "text.format.name"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b!", "schema": {}}}},
      "response_format.json_schema.name"),

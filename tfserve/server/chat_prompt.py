@@ -30,13 +30,25 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             continue
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
-        where = f"tools[{i}].function.name"
-        names.append((field(tool["function"], "name", str, required=True, param=where), where))
-        field(tool["function"], "strict", bool, param=f"tools[{i}].function.strict")
-        where = f"tools[{i}].function.parameters"
-        check_schema(field(tool["function"], "parameters", dict, param=where), where)
+        names.append(check_function(tool["function"], f"tools[{i}].function"))
     check_function_names(names)
     return None if tool_choice == "none" else tools
+
+
+def check_function(function: dict[str, Any], where: str) -> tuple[str, str]:
+    """400 for a function tool's fields as OpenAI checks them (chat's `function`, the Responses API's flat
+    tool): a name, a string description, a bool `strict`, and `parameters` that are an object's schema (a
+    call's arguments are a JSON object: a string schema made them no JSON at all). Returns (name, its field)."""
+    name = field(function, "name", str, required=True, param=f"{where}.name")
+    field(function, "description", str, param=f"{where}.description")
+    field(function, "strict", bool, param=f"{where}.strict")
+    parameters = field(function, "parameters", dict, param=f"{where}.parameters")
+    check_schema(parameters, f"{where}.parameters")
+    kind = (parameters or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise bad_request(f"{where}.parameters must be the schema of an object, a call's arguments (got type "
+                          f"{kind!r})", f"{where}.parameters")
+    return name, f"{where}.name"
 
 
 def check_function_names(names: list[tuple[str, str]]) -> None:

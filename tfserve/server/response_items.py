@@ -14,7 +14,7 @@ from typing import Any
 
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
-from tfserve.server.chat_prompt import (check_function_names, check_schema, refuse_tool_choice_without_tools,
+from tfserve.server.chat_prompt import (check_function, check_function_names, refuse_tool_choice_without_tools,
                                          template_arguments)
 from tfserve.server.protocol import check_name, field, one_of, shorten, text_of
 
@@ -125,9 +125,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         if tool.get("type") != "function":
             raise bad_request(f"{where}.type {tool.get('type')!r} is not supported; this server runs function "
                               "and mcp tools", f"{where}.type")
-        names.append((field(tool, "name", str, required=True, param=f"{where}.name"), f"{where}.name"))
-        field(tool, "strict", bool, param=f"{where}.strict")
-        check_schema(field(tool, "parameters", dict, param=f"{where}.parameters"), f"{where}.parameters")
+        names.append(check_function(tool, where))
     check_function_names(names)
     if not [tool for tool in tools if tool.get("type") == "function"]:
         refuse_tool_choice_without_tools(body, mcp=any(tool.get("type") == "mcp" for tool in tools))
@@ -168,6 +166,7 @@ def text_format(body: dict[str, Any]) -> dict[str, Any]:
     if fmt.get("type") == "json_schema":  # flat here; nested under json_schema on chat
         check_name(field(fmt, "name", str, required=True, param="text.format.name"), "text.format.name")
         field(fmt, "schema", dict, required=True, param="text.format.schema")
+        field(fmt, "strict", bool, param="text.format.strict")  # here, before chat's check names its own field
     return fmt
 
 
