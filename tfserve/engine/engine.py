@@ -275,11 +275,6 @@ class Engine:
                 f"This model's maximum context length is {capacity} tokens. However, you requested "
                 f"{num_tokens} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} in max_tokens): "
                 f"lower max_tokens or shorten the prompt", param="max_tokens")
-        num_blocks = self.block_pool.num_blocks_for(num_tokens)
-        if num_blocks > self.block_pool.num_blocks:
-            raise ValueError(
-                f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{num_blocks} KV blocks but the cache has {self.block_pool.num_blocks}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         outside = [t for t in params.logit_bias if t >= self.vocab_size]

@@ -75,9 +75,8 @@ def _resolve(spec: str) -> ResolvedModel:
         return ResolvedModel("gguf", _gguf_path(path), path.stem)
     if store.is_store_name(spec) and store.model_path(spec).is_dir():
         path = store.model_path(spec)
-        if not store.is_complete(path):
-            problem = ("incomplete: no config.json" if not (path / "config.json").is_file()
-                       else store.weights_problem(path) or "incomplete")
+        problem = store.load_problem(path)
+        if problem is not None:
             if get_known(spec) is not None:  # what a pull made, a pull makes again
                 raise ModelNotFoundError(f"store model {spec!r} cannot load ({problem}); run `tfserve models pull "
                                          f"{spec} --force`")

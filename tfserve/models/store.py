@@ -104,14 +104,20 @@ def model_path(name: str) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether `path` holds a loadable HF model: a config.json and weights, whose safetensors headers hold (no
-    file cut short). (A missing tokenizer is a `store_problem` too, which the load itself reports.)"""
-    if not path.is_dir() or not (path / "config.json").is_file():
-        return False
-    return weights_problem(path) is None
+    """Whether `path` holds a loadable HF model (`load_problem`)."""
+    return path.is_dir() and load_problem(path) is None
 
 
-def weights_problem(path: Path) -> str | None:
+def load_problem(path: Path) -> str | None:
+    """Why the model folder `path` cannot load, or None: no config.json, no weights, or weights whose safetensors
+    headers do not hold (a file cut short). (A missing tokenizer is a `store_problem` too, which the load itself
+    reports.)"""
+    if not (path / "config.json").is_file():
+        return "incomplete: no config.json"
+    return _weights_problem(path)
+
+
+def _weights_problem(path: Path) -> str | None:
     """What is wrong with the weights in model folder `path` ("no weights", "broken weights: ..."), or None."""
     try:
         names = sorted(p.name for p in path.iterdir())
@@ -183,7 +189,7 @@ def store_problem(path: Path, config: dict | None) -> str | None:
         missing.append("no tokenizer")
     if missing:
         return f"incomplete: {', '.join(missing)}"
-    return weights_problem(path)
+    return _weights_problem(path)
 
 
 def missing_tokenizer(path: Path) -> bool:
