@@ -110,6 +110,17 @@ class Fallback:
         """The windows decoding what one decode after another would not have reached yet: all but the coolest."""
         return sorted(self.windows, key=lambda w: w.temperature)[1:]
 
+    def hopeless(self, window: Window, max_sample_len: int) -> bool:
+        """Whether `window`'s decode can no longer change the outcome, however it goes on: even if every token to
+        come had probability 1, its average log-probability stays under the threshold (it cannot pass) and under
+        that of a fluent attempt already finished (it cannot be the likeliest either), and the window is not
+        likely silent (where a low average is what skips it). Such a decode stops: the transcript is the same."""
+        best_case = window.sum_logprob / (max_sample_len + 1)  # every token to come at log-probability 0
+        if best_case >= LOGPROB_THRESHOLD or window.no_speech_prob > NO_SPEECH_THRESHOLD:
+            return False
+        done = [self.greedy, *self.attempts.values()]
+        return any(a.compression_ratio <= COMPRESSION_RATIO_THRESHOLD and a.avg_logprob > best_case for a in done)
+
     def decide(self) -> Attempt | None:
         """The attempt taken once the cooler ones are known: the first that passes, or the likeliest of all when
         none does; None while a cooler one is still decoding."""
@@ -142,6 +153,7 @@ class TranscriberStats:
     num_windows: int = 0  # encoder passes, one per window (fallbacks reuse theirs)
     num_steps: int = 0  # decoder steps
     num_tokens: int = 0  # sampled
+    num_cut: int = 0  # hotter decodes stopped early: whatever came next, they could not change the transcript
     audio_seconds: float = 0.0  # of finished jobs
 
 
@@ -362,6 +374,9 @@ class Transcriber:
             if (token == self.tokens.eot or len(window.sampled) >= self.max_sample_len
                     or window.position + 1 >= self.tokens.max_len):
                 ended.append(window)
+            elif window.fallback is not None and window.fallback.hopeless(window, self.max_sample_len):
+                ended.append(window)  # judged as it stands: it can neither pass nor be the likeliest
+                self.stats.num_cut += 1
         return ended
 
     def _pick_language(self, window: Window, logits: torch.Tensor) -> None:

@@ -14,14 +14,17 @@ halves the bytes a step reads and changes no result.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tfserve.engine.attention import sdpa_backends
+from tfserve.engine.backends.cuda_graphs import CudaGraph, batch_buckets
 from tfserve.engine.cpu_linear import EngineLinear, can_pack
 
+logger = logging.getLogger("tfserve.audio")
 
 KEY_BUCKET = 64  # on a GPU, SDPA reads the self-attention's keys in multiples of this (masked past each row's own)
 
@@ -29,7 +32,7 @@ KEY_BUCKET = 64  # on a GPU, SDPA reads the self-attention's keys in multiples o
 class WhisperSlots:
     """The encoder and a slot-batched decoder of one Whisper model, with the caches of `num_slots` windows."""
 
-    def __init__(self, model, num_slots: int, ops=None) -> None:
+    def __init__(self, model, num_slots: int, ops=None, cuda_graphs: bool = True) -> None:
         config = model.config
         self.model = model
         self.decoder = model.model.decoder
@@ -82,6 +85,15 @@ class WhisperSlots:
         # SDPA reads keys in multiples of this: on a GPU a few shapes, not a new one each step (its attention plans
         # per shape); on a CPU exactly as many as the longest row reads (its time follows the keys read)
         self.key_bucket = 1 if self.device.type == "cpu" else KEY_BUCKET
+        # on a GPU, steps of one new token per window replay CUDA graphs (`DecodeGraphs`), unless turned off
+        self.graphs = None
+        if self.device.type == "cuda" and cuda_graphs:
+            self.graphs = DecodeGraphs(self).capture()
+        if self.device.type == "cuda":  # the encoder once per batch size: the first pass of each picks its kernels
+            with torch.inference_mode():  # (31 ms for a first batch of 8 windows on an H200, 4.7 ms after)
+                for batch in range(1, num_slots + 1):
+                    self._encoder(torch.zeros(batch, config.num_mel_bins, 2 * self.num_frames, dtype=dtype,
+                                              device=self.device))
 
     def _linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module(x)` through its engine copy, x: [..., in_features]."""
@@ -162,6 +174,10 @@ class WhisperSlots:
         by the LM head (its one read of the head's weights). The logits are on the CPU, whatever the model's
         device."""
         batch, num_new = len(tokens), max(len(t) for t in tokens)
+        if self.graphs is not None and num_new == 1:  # a row's one token may be the one whose logits are asked
+            logits = self.graphs.run([row[0] for row in tokens], starts)
+            if logits is not None:
+                return logits, {b: logits[b].clone() for b, p in enumerate(extra_positions or []) if p >= 0}
         ids = self._tensor([t for row in tokens for t in row + [0] * (num_new - len(row))])  # [B*T]
         # padding tokens past a row's own write future positions, overwritten before anything attends to them
         positions = [[min(start + t, self.max_len - 1) for t in range(num_new)] for start in starts]
@@ -169,20 +185,25 @@ class WhisperSlots:
         # causal: the token at position p is written there and reads positions 0..p
         reads = self._reads(list(range(batch)), [[p + 1 for p in row] for row in positions], new_keys=True)
         cross = self._reads(list(range(batch)), [[self.num_frames] * num_new] * batch)
-        decoder = self.decoder
-        hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[flat]  # [B*T, d_model]
-        for i, layer in enumerate(decoder.layers):
-            q, k, v = self._qkv[i](layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1)
-            out = self._attend(q, self.self_k[i], self.self_v[i], reads, layer.self_attn.scaling, k, v)
-            hidden = hidden + self._linear(layer.self_attn.out_proj, out)
-            hidden = self._cross_and_mlp(i, layer, hidden, cross)
-        hidden = decoder.layer_norm(hidden).view(batch, num_new, -1)
+        hidden = self._layers(ids, flat, reads, cross).view(batch, num_new, -1)
 
         extra = [(b, p) for b, p in enumerate(extra_positions or []) if p >= 0]
         rows = list(range(batch)) + [b for b, _ in extra]
         at = [len(t) - 1 for t in tokens] + [p for _, p in extra]
         logits = self._linear(self.model.proj_out, hidden[self._tensor(rows), self._tensor(at)]).float().cpu()
         return logits[:batch], {b: logits[batch + i] for i, (b, _) in enumerate(extra)}
+
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, reads: _Reads, cross: _Reads) -> torch.Tensor:
+        """The decoder over tokens `ids` at `positions` (each [rows]), writing their keys and values as `reads`
+        says -> the final norm's output [rows, d_model]."""
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(ids) + decoder.embed_positions.weight[positions]  # [rows, d_model]
+        for i, layer in enumerate(decoder.layers):
+            q, k, v = self._qkv[i](layer.self_attn_layer_norm(hidden)).chunk(3, dim=-1)
+            out = self._attend(q, self.self_k[i], self.self_v[i], reads, layer.self_attn.scaling, k, v)
+            hidden = hidden + self._linear(layer.self_attn.out_proj, out)
+            hidden = self._cross_and_mlp(i, layer, hidden, cross)
+        return decoder.layer_norm(hidden)
 
     @torch.inference_mode()
     def alignment(self, slot: int, tokens: list[int], heads: list[tuple[int, int]]) -> torch.Tensor:
@@ -287,13 +308,86 @@ def _stacked(*linears: torch.nn.Linear) -> torch.nn.Linear:
     return stacked
 
 
+class DecodeGraphs:
+    """The decoder steps of one new token per window, captured as CUDA graphs: such a step of tiny.en issues ~110
+    kernel launches from Python, 3.3 ms of host time (measured on an H200) for 0.4 ms of GPU work, so the windows'
+    steps were bound by the host. One graph per bucket (windows B in 1, 2, 4, 8, ... up to the slots; keys K in
+    multiples of KEY_BUCKET up to the decoder's positions), all captured with the slots (a few hundred ms at load)
+    into one shared memory pool. A step of n windows reading at most k keys replays the smallest bucket with B >= n
+    and K >= k: its inputs (each row's token and position) go to the graph's buffer in one copy; the B - n spare
+    rows decode token 0 at the last position of the free slots n..B-1 (a window writes a position before it reads
+    it) and their logits are dropped. A window's first step is one token too where its prompt is <|startoftranscript|>
+    alone (an English-only model without previous text); longer prompts run eagerly."""
+
+    def __init__(self, slots: WhisperSlots, graph=CudaGraph) -> None:
+        self.slots = slots
+        self.graph = graph  # tests on a CPU pass one that replays by running the step
+        n = slots.num_slots
+        self.batches = [b for b in batch_buckets(n) if b < n] + [n]
+        self.key_buckets = [*range(KEY_BUCKET, slots.max_len, KEY_BUCKET), slots.max_len]
+        self.inputs = torch.zeros(2 * n, dtype=torch.long, device=slots.device)  # tokens [n], then positions [n]
+        self.staged = torch.zeros(2 * n, dtype=torch.long, pin_memory=slots.device.type == "cuda")
+        self.logits = torch.empty(n, slots.model.proj_out.out_features, dtype=torch.float32, device=slots.device)
+        self.graphs: dict[tuple[int, int], object] = {}
+        self.num_replays = 0
+
+    @torch.inference_mode()
+    def capture(self) -> DecodeGraphs | None:
+        """Capture every bucket; None (with one line saying why) if one cannot be: every step then runs eagerly."""
+        try:
+            pool = self.graph.pool()
+            for batch in self.batches:
+                for keys in self.key_buckets:
+                    self.graphs[batch, keys] = self.graph(self._step(batch, keys), pool)
+        except Exception as e:  # an op that cannot be captured: eager steps
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            logger.warning("Whisper decoder steps run eagerly: capturing a CUDA graph failed: %s", reason[:300])
+            return None
+        return self
+
+    def _step(self, batch: int, keys: int):
+        slots, n = self.slots, self.slots.num_slots
+        tokens, positions = self.inputs[:batch], self.inputs[n:n + batch]
+        self.inputs[:n], self.inputs[n:] = 0, slots.max_len - 1  # the warm-up and the capture: spare rows
+
+        def step() -> None:
+            heads = slots.num_heads
+            key_lens = (positions + 1)[:, None]  # [B, 1]: row b reads through its own position
+            block = torch.arange(batch, device=positions.device)[:, None] * heads + torch.arange(
+                heads, device=positions.device)
+            write = (block * slots.max_len + positions[:, None]).view(-1)  # [(b, h)]
+            reads = _Reads(0, batch, key_lens, write, None, keys, True)
+            cross = _Reads(0, batch, None, None, None, slots.num_frames, False)
+            hidden = slots._layers(tokens, positions, reads, cross)
+            self.logits[:batch].copy_(slots._linear(slots.model.proj_out, hidden))
+
+        return step
+
+    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+        """The float32 logits [n, vocab] on the CPU of windows 0..n-1 appending `tokens` at `positions`, or None
+        where no bucket takes the step."""
+        batch, keys = len(tokens), max(positions) + 1
+        bucket = next((b for b in self.batches if b >= batch), None), next(
+            (k for k in self.key_buckets if k >= keys), None)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            return None
+        n, host = self.slots.num_slots, self.staged.numpy()
+        host[:n], host[n:] = 0, self.slots.max_len - 1  # spare rows: token 0 at the last position
+        host[:batch], host[n:n + batch] = tokens, positions
+        self.inputs.copy_(self.staged, non_blocking=True)
+        graph.replay()
+        self.num_replays += 1
+        return self.logits[:batch].to("cpu", copy=True)  # waits for the replay: `staged` is free again
+
+
 @dataclass(slots=True)
 class _Reads:
     """What the rows of one step read in the caches of a layer (`WhisperSlots._reads`)."""
 
     first_slot: int  # row b reads slot first_slot + b (SDPA)
     num_slots: int
-    key_lens: torch.Tensor  # keys each (b, t) reads: [B, T] (SDPA), or each (b, t, h) [B*T*H] (the kernel)
+    key_lens: torch.Tensor | None  # keys each (b, t) reads: [B, T] (SDPA), or each (b, t, h) [B*T*H] (the kernel)
     write: torch.Tensor | None  # cache rows (of a [slots*heads*positions, head_dim] view) of the new keys, (b, t, h)
     blocks: torch.Tensor | None  # the kernel's block table: (b, t, h) -> slot * heads + h, [B*T*H, 1]
     num_keys: int  # keys read per row (SDPA): the most any row reads, rounded up to the slots' key_bucket (kernel: 0)

@@ -158,8 +158,11 @@ class WhisperModel:
         import numpy as np
 
         padded = np.concatenate([audio, np.zeros(WINDOW_FRAMES * HOP_LENGTH, np.float32)])
-        return self.processor.feature_extractor(padded, sampling_rate=SAMPLE_RATE, truncation=False,
-                                                padding="longest", return_tensors="pt").input_features[0]
+        # on a GPU its STFT runs there (3 ms against 11-36 ms on the H200 machine's host for 40 s of audio); the
+        # features come back to the CPU, where a job keeps them until its windows are admitted
+        device = str(self.device) if self.device.type == "cuda" else "cpu"
+        return self.processor.feature_extractor(padded, sampling_rate=SAMPLE_RATE, truncation=False, device=device,
+                                                padding="longest", return_tensors="pt").input_features[0].cpu()
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.processor.tokenizer.decode([t for t in token_ids if t < self.tokens.eot])

@@ -114,7 +114,9 @@ def _offline(model: str, backend: AudioBackend, device: str):
             return transcriber.transcribe(audio).text
 
     def run(inputs, level: int) -> dict:
-        transcribe_one(inputs[0][:16000])  # warm up: first-call allocations, thread pools
+        # warm up at the level measured, a second of audio a request: first-call allocations, thread pools, and
+        # the first batch of each size's kernel choices (cuBLAS, cuDNN) are not the run's
+        run_offline(transcribe_one, [audio[:16000] for audio in inputs[:level]], level)
         records, wall_s = _with_progress(inputs, level, lambda done: run_offline(transcribe_one, inputs, level, done))
         return summarize(records, wall_s)
 

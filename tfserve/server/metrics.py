@@ -67,6 +67,8 @@ class ServerMetrics:
                lambda: speech().total("num_steps"))
         _gauge(registry, "tfserve_audio_tokens_decoded", "Speech: tokens sampled",
                lambda: speech().total("num_tokens"))
+        _gauge(registry, "tfserve_audio_decodes_cut", "Speech: hotter decodes of a failed window stopped early, "
+               "once they could no longer change its transcript", lambda: speech().total("num_cut"))
 
         registry.register(_ReplicaCollector(state))
 
