@@ -231,6 +231,19 @@ def test_word_timestamps_fall_inside_their_segment(transcriber):
     assert words[-1].end <= result.duration_s
 
 
+def test_word_times_of_long_audio_never_go_back_where_a_window_hands_over(transcriber):
+    """With word timestamps the next window starts at the last word's end, as openai-whisper's: starting at the
+    last timestamp (before that word's end) made the two windows' words overlap (by 0.08-0.14 s here)."""
+    from tfserve.audio.job import TranscriptionOptions
+
+    audio, _ = long_audio(3)
+    result = transcriber.transcribe(audio, TranscriptionOptions(word_timestamps=True))
+    words = [(segment.seek, word) for segment in result.segments for word in segment.words]
+    handovers = [(a, b) for (seek_a, a), (seek_b, b) in zip(words, words[1:]) if seek_a != seek_b]
+    assert len(handovers) >= 3
+    assert all(b.start >= a.end for (_, a), (_, b) in zip(words, words[1:])), handovers
+
+
 def test_an_aborted_job_frees_its_slot_and_the_others_finish(transcriber):
     from tfserve.audio.job import TranscriptionOptions
 

@@ -64,11 +64,16 @@ class RawSegment:
     first: int = 0  # where `tokens` start in the window's tokens
 
 
+def ends_with_single_timestamp(tokens: list[int], timestamp_begin: int) -> bool:
+    """The window's text ends with one timestamp, not a pair: nothing more is said in it."""
+    return len(tokens) >= 2 and tokens[-2] < timestamp_begin <= tokens[-1]
+
+
 def split_window(tokens: list[int], num_frames: int, timestamp_begin: int) -> tuple[list[RawSegment], int]:
     """Segments of a decoded window (its sampled tokens without the end of text) and how many mel frames the next
     window starts after this one's start. `num_frames` is the window's length in frames (<= 3000)."""
     is_ts = [t >= timestamp_begin for t in tokens]
-    single_timestamp_ending = is_ts[-2:] == [False, True]
+    single_timestamp_ending = ends_with_single_timestamp(tokens, timestamp_begin)
     cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]  # between the pair
     segments = []
     if cuts:

@@ -28,7 +28,7 @@ import torch
 from tfserve.audio.job import (COMPRESSION_RATIO_THRESHOLD, LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, TEMPERATURE_STEP,
                                Segment, Sink, TranscriptionJob, TranscriptionOptions, TranscriptionResult, Word,
                                compression_ratio)
-from tfserve.audio.timestamps import TimestampRules, split_window
+from tfserve.audio.timestamps import TimestampRules, ends_with_single_timestamp, split_window
 from tfserve.audio.whisper_forward import WhisperSlots
 from tfserve.audio.words import word_times
 from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
@@ -485,6 +485,12 @@ class Transcriber:
             job.all_tokens += piece.tokens
         if new and job.options.word_timestamps:
             self._time_words(window, new)
+            # as openai-whisper: unless the window's text ended, the next one starts at the last word's end (not
+            # at the last timestamp, which can be before it: the words of both windows would overlap)
+            last_end = next((w.end for segment in reversed(new) for w in reversed(segment.words)), None)
+            if (not ends_with_single_timestamp(attempt.tokens, self.tokens.timestamp_begin)
+                    and last_end is not None and last_end > offset):
+                advance = round(last_end * FRAMES_PER_SECOND) - window.seek
         if attempt.temperature > 0.5:  # a hot decode is not worth conditioning on
             job.prompt_reset_since = len(job.all_tokens)
         job.seek += max(advance, 1)
