@@ -9,6 +9,7 @@ import gzip
 import http.client
 import json
 import random
+import time
 import zlib
 
 import aiohttp
@@ -185,6 +186,17 @@ DEEP = "[" * 5000
         {"id": "c", "type": "zzz", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[1].tool_calls[0].type"),
     (CHAT, {"modalities": [1, "a"]}, "modalities[0]"),
+    # keywords whose values JSON Schema constrains: a multipleOf of 0 or less, a negative or fractional count
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"n": {"type": "number", "multipleOf": -2}}}}}},
+     "response_format.json_schema.schema.properties.n.multipleOf"),
+    (CHAT, {"tools": [{**TOOL, "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": -1}}}}}]},
+     "tools[0].function.parameters.properties.s.maxLength"),
+    (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "a", "schema": {
+        "type": "array", "minItems": 1.5}}}}, "text.format.schema.minItems"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "string", "pattern": 7}}}}, "response_format.json_schema.schema.pattern"),
     (CHAT, {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     (RESPONSES, {"metadata": {"k": "v" * 513}}, "metadata.k"),
 ])
@@ -521,3 +533,45 @@ def test_a_response_input_the_chat_template_rejects_names_input(server):
     """Only a reasoning item: no message for the template, whose error names the Responses field, not `messages`."""
     error = assert_400(server, RESPONSES, {**BASE[RESPONSES], "input": [{"type": "reasoning", "summary": []}]}, "input")
     assert "chat template" in error["message"]
+
+
+def _send_slowly(server, path: str, pieces: list[bytes], pause: float, length: int | None = None,
+                 content_type: str = "application/json"):
+    """POST `pieces` of a body `pause` seconds apart under a Content-Length of `length` (all the pieces' by
+    default); the status and the parsed body of the answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.connect()
+    total = sum(map(len, pieces)) if length is None else length
+    conn.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                      f"Content-Length: {total}\r\n\r\n".encode())
+    for piece in pieces:
+        conn.sock.sendall(piece)
+        time.sleep(pause)
+    response = http.client.HTTPResponse(conn.sock)
+    response.begin()
+    status, body = response.status, json.loads(response.read())
+    conn.close()
+    return status, body
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/audio/transcriptions"])
+def test_a_body_that_stops_arriving_is_a_408_and_a_slow_one_that_keeps_coming_is_read(server, monkeypatch, path):
+    """A client that sends part of its body and then nothing holds no handler for ever (a 408 once no byte came
+    for the idle limit, here 0.5 s), while a body that keeps arriving, however slowly, is read to its end."""
+    from tfserve.server import body as body_module
+
+    monkeypatch.setattr(body_module, "BODY_IDLE_TIMEOUT_S", 0.5)
+    start = time.monotonic()
+    if path == COMPLETIONS:
+        status, answer = _send_slowly(server, path, [b'{"prompt": "hi", '], 0, length=1000)
+    else:  # the multipart form of a transcription, its first field half sent
+        status, answer = _send_slowly(server, path, [b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n'],
+                                      0, length=1000, content_type="multipart/form-data; boundary=xyz")
+    assert status == 408 and answer["error"]["code"] == "request_timeout", answer
+    assert "stopped arriving" in answer["error"]["message"] and time.monotonic() - start < 10
+    if path == COMPLETIONS:  # eight pieces 0.25 s apart: 2 s in all, four times the idle limit
+        raw = json.dumps({**BASE[COMPLETIONS], "max_tokens": 2}).encode()
+        pieces = [raw[len(raw) * i // 8:len(raw) * (i + 1) // 8] for i in range(8)]
+        status, answer = _send_slowly(server, path, pieces, 0.25)
+        assert status == 200, answer
+    assert post(server, COMPLETIONS, BASE[COMPLETIONS])[0] == 200

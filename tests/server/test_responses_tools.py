@@ -194,7 +194,7 @@ def test_store_false_is_not_kept(server):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema.type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
     # an output must answer a call: of this input, or of the previous response

@@ -105,7 +105,7 @@ def test_cut_by_max_tokens_says_length(server):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format", "Invalid type"),
+     "response_format.json_schema.schema.type", "must be one of"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "if": {"type": "object"}, "then": {}}}}}, "response_format", "Unimplemented keys"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},

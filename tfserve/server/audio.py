@@ -17,6 +17,7 @@ from tfserve.audio.decode import AudioError, decode_audio
 from tfserve.audio.job import TranscriptionOptions
 from tfserve.audio.whisper_model import SpeechRequestError
 from tfserve.server.audio_form import AudioForm, read_form
+from tfserve.server.body import while_arriving
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -33,7 +34,7 @@ async def translations(request: web.Request) -> web.StreamResponse:
 async def _answer(request: web.Request, task: str) -> web.StreamResponse:
     state = request.app[STATE]
     state.check_available()
-    form = await read_form(request, task)
+    form = await while_arriving(request, read_form(request, task))
     speech = state.speech
     transcriber = await speech.get(form.model, state.model_aliases)
     try:

@@ -5,17 +5,23 @@ nesting, and strings that are valid Unicode (no lone UTF-16 surrogates from `\\u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 import zlib
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from tfserve.server.errors import ApiError, bad_request
 
 MAX_DEPTH = 64  # levels of arrays and objects; tool schemas need a dozen at most
+# a body none of whose bytes came for this long is given up (408): a client that opens a request and stops
+# sending would hold its handler, and a drain, for ever; a slow upload that keeps sending goes on
+BODY_IDLE_TIMEOUT_S = 30.0
+_T = TypeVar("_T")
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 _CONTAINERS = (dict, list)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a JSON body can hold a surrogate
@@ -28,7 +34,7 @@ class _StrictJsonError(ValueError):
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object; 400 when it is not one, 413 when it (decompressed) is over `client_max_size`,
     415 for a Content-Encoding other than identity, gzip and deflate."""
-    raw = await request.read()
+    raw = await while_arriving(request, request.read())
     for coding in reversed(_codings(request.headers.get("Content-Encoding", ""))):
         raw = _decode(raw, coding, request.client_max_size)
     if not raw:
@@ -39,6 +45,28 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if _SURROGATE_ESCAPE.search(raw):
         _check_unicode(body)
     return body
+
+
+async def while_arriving(request: web.Request, reading: Awaitable[_T]) -> _T:
+    """Await `reading` (what reads the body of `request`) while the body keeps arriving; a 408 once no byte of it
+    has come for BODY_IDLE_TIMEOUT_S (the connection then closes: the rest of the body is not read)."""
+    task = asyncio.ensure_future(reading)
+    poll = min(1.0, BODY_IDLE_TIMEOUT_S / 4)
+    received, idle = request.content.total_bytes, 0.0
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if request.content.total_bytes != received:
+                received, idle = request.content.total_bytes, 0.0
+                continue
+            idle += poll
+            if idle >= BODY_IDLE_TIMEOUT_S:
+                raise ApiError(408, f"the request body stopped arriving: no byte of it came for {idle:g} s "
+                               f"({received} received)", code="request_timeout", headers={"Connection": "close"})
+    finally:
+        task.cancel()  # a no-op once done; else the read stops with the request (given up, or its client gone)
 
 
 def loads(text: str | bytes, param: str | None = None) -> Any:

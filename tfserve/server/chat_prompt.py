@@ -12,7 +12,7 @@ from tfserve.engine import chat_template
 from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.errors import bad_request
 from tfserve.server.media import no_images, takes_images
-from tfserve.server.protocol import check_name, field
+from tfserve.server.protocol import check_name, check_schema, field
 from tfserve.server.threads import in_daemon_thread
 from tfserve.server.tool_choice import tool_choice_of
 
@@ -87,42 +87,6 @@ def template_arguments(arguments: Any, where: str) -> Any:
     except (ValueError, RecursionError):
         return arguments
     return value if isinstance(value, dict) else arguments
-
-
-_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
-
-
-def check_schema(schema: Any, where: str) -> None:
-    """400 naming the place for a JSON schema that cannot describe anything (a `type` that is no JSON type,
-    `properties` or `items` that are not schemas, `required` that is not a list of names), checked whether or
-    not a grammar is built from it."""
-    if schema is None or isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise bad_request(f"{where} must be a JSON schema object", where)
-    kind = schema.get("type")
-    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
-    if any(not isinstance(k, str) or k not in _SCHEMA_TYPES for k in kinds):
-        raise bad_request(f"{where}.type must be one of {', '.join(sorted(_SCHEMA_TYPES))} (got {kind!r})",
-                          f"{where}.type")
-    properties = schema.get("properties")
-    if properties is not None:
-        if not isinstance(properties, dict):
-            raise bad_request(f"{where}.properties must be an object of schemas", f"{where}.properties")
-        for name, sub in properties.items():
-            check_schema(sub, f"{where}.properties.{name}")
-    required = schema.get("required")
-    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-        raise bad_request(f"{where}.required must be a list of property names", f"{where}.required")
-    for key in ("items", "additionalProperties", "not"):
-        if isinstance(schema.get(key), dict):
-            check_schema(schema[key], f"{where}.{key}")
-    for key in ("anyOf", "oneOf", "allOf"):
-        if key in schema:
-            if not isinstance(schema[key], list):
-                raise bad_request(f"{where}.{key} must be a list of schemas", f"{where}.{key}")
-            for j, sub in enumerate(schema[key]):
-                check_schema(sub, f"{where}.{key}[{j}]")
 
 
 def template_kwargs(state: Any, body: dict[str, Any]) -> dict[str, Any]:

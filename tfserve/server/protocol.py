@@ -272,3 +272,68 @@ async def use_model(request: web.Request, body: dict[str, Any], state: Any) -> s
 
 def too_many(message: str) -> ApiError:
     return ApiError(429, message, code="rate_limit_exceeded")
+
+
+_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def check_schema(schema: Any, where: str) -> None:
+    """400 naming the place for a JSON schema that cannot describe anything (a `type` that is no JSON type,
+    `properties` or `items` that are not schemas, `required` that is not a list of names), checked whether or
+    not a grammar is built from it."""
+    if schema is None or isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where} must be a JSON schema object", where)
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    if any(not isinstance(k, str) or k not in _SCHEMA_TYPES for k in kinds):
+        raise bad_request(f"{where}.type must be one of {', '.join(sorted(_SCHEMA_TYPES))} (got {kind!r})",
+                          f"{where}.type")
+    properties = schema.get("properties")
+    if properties is not None:
+        if not isinstance(properties, dict):
+            raise bad_request(f"{where}.properties must be an object of schemas", f"{where}.properties")
+        for name, sub in properties.items():
+            check_schema(sub, f"{where}.properties.{name}")
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise bad_request(f"{where}.required must be a list of property names", f"{where}.required")
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            check_schema(schema[key], f"{where}.{key}")
+    _check_bounds(schema, where)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            if not isinstance(schema[key], list):
+                raise bad_request(f"{where}.{key} must be a list of schemas", f"{where}.{key}")
+            for j, sub in enumerate(schema[key]):
+                check_schema(sub, f"{where}.{key}[{j}]")
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _check_bounds(schema: dict, where: str) -> None:
+    """The keywords with a value the JSON Schema specification constrains: counts are non-negative integers,
+    `multipleOf` a number above 0, bounds numbers, `pattern` a string, `enum` a list."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for key in _COUNTS:
+        value = schema.get(key)
+        if value is not None and not (number(value) and value >= 0 and float(value).is_integer()):
+            raise bad_request(f"{where}.{key} must be a non-negative integer (got {value!r})", f"{where}.{key}")
+    value = schema.get("multipleOf")
+    if value is not None and not (number(value) and value > 0):
+        raise bad_request(f"{where}.multipleOf must be a number greater than 0 (got {value!r})", f"{where}.multipleOf")
+    for key in _NUMBERS:
+        value = schema.get(key)
+        # draft 4 wrote exclusiveMinimum/Maximum as booleans beside minimum/maximum
+        if value is not None and not number(value) and not (key.startswith("exclusive") and isinstance(value, bool)):
+            raise bad_request(f"{where}.{key} must be a number (got {value!r})", f"{where}.{key}")
+    if "pattern" in schema and not isinstance(schema["pattern"], str):
+        raise bad_request(f"{where}.pattern must be a string (a regular expression)", f"{where}.pattern")
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise bad_request(f"{where}.enum must be a list of values", f"{where}.enum")

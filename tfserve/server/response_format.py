@@ -16,7 +16,7 @@ from tfserve.engine.structured import GrammarError
 from tfserve.sampling_params import Grammar
 from tfserve.server.body import loads
 from tfserve.server.errors import bad_request
-from tfserve.server.protocol import check_name, field
+from tfserve.server.protocol import check_name, check_schema, field
 
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
@@ -60,6 +60,7 @@ def _from_response_format(response_format: dict[str, Any], where: str) -> Gramma
         check_name(field(spec, "name", str, required=True, param=name), name)
         field(spec, "strict", bool, param=f"{where}.json_schema.strict")  # enforced either way, as vLLM does
         schema = field(spec, "schema", dict, param=f"{where}.json_schema.schema")
+        check_schema(schema, f"{where}.json_schema.schema")
         return Grammar.json_object() if schema is None else Grammar.json_schema(schema)
     if kind == "regex":
         return Grammar.regex(_non_empty(response_format, "regex", f"{where}.regex"))
@@ -75,6 +76,7 @@ def _from_vllm(key: str, value: Any, where: str) -> Grammar:
             value = loads(value, where)
         if not isinstance(value, dict):
             raise bad_request(f"{where} must be a JSON schema object", where)
+        check_schema(value, where)
         return Grammar.json_schema(value)
     if key == "json_object":
         return Grammar.json_object()

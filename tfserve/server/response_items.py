@@ -16,7 +16,7 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media import ImageRef, content_of
 from tfserve.server.chat_prompt import (check_function, check_function_names, refuse_tool_choice_without_tools,
                                          template_arguments)
-from tfserve.server.protocol import check_name, field, one_of, shorten, text_of
+from tfserve.server.protocol import check_name, check_schema, field, one_of, shorten, text_of
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -165,7 +165,7 @@ def text_format(body: dict[str, Any]) -> dict[str, Any]:
                           "text.format.type")
     if fmt.get("type") == "json_schema":  # flat here; nested under json_schema on chat
         check_name(field(fmt, "name", str, required=True, param="text.format.name"), "text.format.name")
-        field(fmt, "schema", dict, required=True, param="text.format.schema")
+        check_schema(field(fmt, "schema", dict, required=True, param="text.format.schema"), "text.format.schema")
         field(fmt, "strict", bool, param="text.format.strict")  # here, before chat's check names its own field
     return fmt
 
