@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -708,3 +710,18 @@ def test_the_banner_says_the_context_the_kv_cache_allows():
 
     assert context_label(engine(1)).startswith("16 tokens: all the KV cache holds (the model's context is 8192)")
     assert context_label(engine(1024)) == "8192 tokens"
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="needs zsh")
+def test_zsh_reads_an_apostrophe_in_an_options_help_as_one():
+    """zsh evaluates the `_arguments '*: :((...))'` line tfserve prints: Typer's doubled apostrophe read as none
+    ("the models directory"); the help of --trust-remote-code must reach `_arguments` as "the model's directory"."""
+    beside = os.path.join(os.path.dirname(sys.executable), "tfserve")  # the console script of this environment
+    program = beside if os.path.exists(beside) else shutil.which("tfserve")
+    assert program, "the tfserve console script is not installed"
+    script = ('_arguments() { print -r -- "$@"; }; '
+              f'eval $(_TYPER_COMPLETE_ARGS="tfserve serve --trust" _TFSERVE_COMPLETE=complete_zsh '
+              f'{shlex.quote(program)})')
+    result = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True, timeout=120)
+    assert "--trust-remote-code" in result.stdout, result.stderr
+    assert "from the model's directory" in result.stdout, result.stdout

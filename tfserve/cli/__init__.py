@@ -85,6 +85,9 @@ def _run() -> None:
             text, exit_code = answered
             sys.stdout.write(text)
             sys.exit(exit_code)
+        from tfserve.cli.completion import fix_zsh_quoting
+
+        fix_zsh_quoting()
     from tfserve.cli.root import app
 
     app()

@@ -136,5 +136,26 @@ def _completion_args(shell: str, environ: Mapping[str, str]) -> tuple[list[str],
 
 
 def _zsh_escape(text: str) -> str:
-    return (text.replace('"', '""').replace("'", "''").replace("$", "\\$").replace("`", "\\`")
+    """`text` as an item of the `_arguments '*: :((...))'` line zsh evaluates: Typer's escapes, but an apostrophe
+    closes, escapes and reopens the single quotes (Typer doubles it, which zsh reads as no apostrophe at all:
+    "the model's directory" showed as "the models directory")."""
+    return (text.replace('"', '""').replace("'", "'\\''").replace("$", "\\$").replace("`", "\\`")
             .replace(":", r"\\:"))
+
+
+def fix_zsh_quoting() -> None:
+    """Make Typer's zsh completion (options and their help) quote apostrophes as `_zsh_escape` does: its class is
+    looked up by name when the app registers its completion classes, so a subclass put under that name serves."""
+    from typer import _completion_classes as classes
+
+    if getattr(classes.ZshComplete, "fixed_by_tfserve", False):
+        return
+
+    class ZshComplete(classes.ZshComplete):
+        fixed_by_tfserve = True
+
+        def format_completion(self, item) -> str:
+            value = f'"{_zsh_escape(item.value)}"'
+            return f'{value}:"{classes._sanitize_help_text(_zsh_escape(item.help))}"' if item.help else value
+
+    classes.ZshComplete = ZshComplete
