@@ -330,24 +330,35 @@ def _failing_clip():
     return clips([speech(name) for name in sorted(SENTENCES)], 16, 10.0)[6]
 
 
+def _failing_clip_with_and_without(whisper, monkeypatch, owner, name: str, off) -> dict:
+    """`_failing_clip()` transcribed with `owner.name` set to `off`, then as it is: {as it is: (its segments,
+    the transcriber's stats)}."""
+    from tfserve.audio.transcriber import Transcriber
+
+    runs = {}
+    for on in (False, True):
+        if not on:
+            monkeypatch.setattr(owner, name, off)
+        else:
+            monkeypatch.undo()
+        transcriber = Transcriber(whisper, max_num_windows=8).start()
+        try:
+            result = transcriber.transcribe(_failing_clip())
+        finally:
+            transcriber.stop()
+        runs[on] = ([(s.start, s.end, s.text, s.temperature, s.avg_logprob) for s in result.segments],
+                    transcriber.stats)
+    return runs
+
+
 def test_a_failed_window_is_decoded_hotter_side_by_side_to_the_same_transcript(whisper, monkeypatch):
     """The hotter decodes of a window run at once in free slots, not one after another, and give what one after
     another gives (each decode draws from a generator of its own)."""
     from tfserve.audio.transcriber import Transcriber
 
-    audio, results, steps = _failing_clip(), {}, {}
-    for side_by_side in (False, True):
-        if not side_by_side:
-            monkeypatch.setattr(Transcriber, "spread", lambda self: None)
-        else:
-            monkeypatch.undo()
-        transcriber = Transcriber(whisper, max_num_windows=8).start()
-        try:
-            result = transcriber.transcribe(audio)
-        finally:
-            transcriber.stop()
-        results[side_by_side] = [(s.start, s.end, s.text, s.temperature) for s in result.segments]
-        steps[side_by_side] = transcriber.stats.num_steps
+    runs = _failing_clip_with_and_without(whisper, monkeypatch, Transcriber, "spread", lambda self: None)
+    results = {side_by_side: segments for side_by_side, (segments, _) in runs.items()}
+    steps = {side_by_side: stats.num_steps for side_by_side, (_, stats) in runs.items()}
     assert results[True] == results[False] and results[True]
     assert steps[True] < 0.8 * steps[False], steps  # 123 against 279 measured (AVX-512)
 
@@ -356,21 +367,11 @@ def test_a_hotter_decode_that_can_no_longer_change_the_transcript_stops(whisper,
     """A fallback decode whose average log-probability can only stay under the threshold, and under a fluent
     attempt's already finished, stops early (the 0.8 decode of this clip rambles 172 tokens; it stops at 81): the
     transcript is the same as when it runs to its end."""
-    from tfserve.audio.transcriber import Fallback, Transcriber
+    from tfserve.audio.transcriber import Fallback
 
-    audio, results, stats = _failing_clip(), {}, {}
-    for cut in (False, True):
-        if not cut:
-            monkeypatch.setattr(Fallback, "hopeless", lambda *args: False)
-        else:
-            monkeypatch.undo()
-        transcriber = Transcriber(whisper, max_num_windows=8).start()
-        try:
-            result = transcriber.transcribe(audio)
-        finally:
-            transcriber.stop()
-        results[cut] = [(s.start, s.end, s.text, s.temperature, s.avg_logprob) for s in result.segments]
-        stats[cut] = transcriber.stats
+    runs = _failing_clip_with_and_without(whisper, monkeypatch, Fallback, "hopeless", lambda *args: False)
+    results = {cut: segments for cut, (segments, _) in runs.items()}
+    stats = {cut: run_stats for cut, (_, run_stats) in runs.items()}
     assert results[True] == results[False] and results[True]
     assert stats[False].num_cut == 0 and stats[True].num_cut >= 1
     assert stats[True].num_steps < stats[False].num_steps - 50, (stats[True], stats[False])
