@@ -32,18 +32,22 @@ def test_slot_decoder_logits_equal_hfs_forward(whisper):
     for ops, key_bucket in ((None, 1), (None, 64), (cpu_ops(), 1)):
         slots = WhisperSlots(model, 4, ops)
         slots.key_bucket = key_bucket
+        # float32 rounding through four layers, each side summing in its own order: outputs up to ~12.6 differed
+        # by 1.8e-4 (encoder) and logits up to ~24 by 1e-4 on the AVX-512 EPYC, and torch's kernels sum otherwise
+        # on other CPUs (an Intel host went past 2e-4); a wrong scale, bias or mask is off by 1e-2 and more
+        atol = 2e-4 if ops is None else 5e-4
         if ops is not None:  # the encoder's linears through the kernels: transformers' encoder within rounding
             with torch.inference_mode():
                 assert torch.allclose(slots._encoder(features), model.model.encoder(features).last_hidden_state,
-                                      atol=2e-4)
+                                      atol=1e-3)
         slots.encode([0, 1], features)
         alignments.append(slots.alignment(1, prompts[0], [(0, 0), (3, 5)]))
         logits, first = slots.decode(prompts, [0, 0], [0, 0])
         step, _ = slots.decode(nexts, [len(p) for p in prompts])
         for b, prompt in enumerate(prompts):  # causal: the longer prompt's logits hold the shorter one's
-            assert torch.allclose(logits[b], refs[b][len(prompt) - 1], atol=2e-4)
-            assert torch.allclose(first[b], refs[b][0], atol=2e-4)
-            assert torch.allclose(step[b], refs[b][len(prompt)], atol=2e-4)
+            assert torch.allclose(logits[b], refs[b][len(prompt) - 1], atol=atol)
+            assert torch.allclose(first[b], refs[b][0], atol=atol)
+            assert torch.allclose(step[b], refs[b][len(prompt)], atol=atol)
     assert all(torch.allclose(alignments[0], a, atol=1e-4) for a in alignments)  # the second window's cross-attention
 
 
