@@ -85,6 +85,20 @@ def test_models_lists_the_store(live):
     assert info.value.body["code"] == "model_not_found"
 
 
+def test_models_not_loaded_say_what_they_take_in_from_their_config(live, fake_store, tmp_path):
+    """`input_modalities` of a store model not loaded, from its config: an image-text-to-text model with a vision
+    tower takes images, a vision config on a text-only type does not, a Whisper model takes audio; the loaded
+    model's comes from its engine."""
+    (tmp_path / "models" / "model-b" / "config.json").write_text(
+        '{"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}}')
+    (tmp_path / "models" / "model-bad" / "config.json").write_text('{"model_type": "llama", "vision_config": {}}')
+    (tmp_path / "models" / "model-c" / "config.json").write_text('{"model_type": "whisper"}')
+    listed = {m.id: m.model_extra.get("input_modalities") for m in live.client().models.list()}
+    assert listed == {"model-a": ["text"], "model-b": ["text", "image"], "model-bad": ["text"], "model-c": ["audio"]}
+    assert live.client().models.retrieve("model-b").model_extra["input_modalities"] == ["text", "image"]
+    assert fake_store.loaded == ["model-a"]
+
+
 def test_a_request_for_another_model_loads_it_and_evicts_the_idle_one(live, fake_store):
     assert chat(live, "model-a").model == "model-a"
     assert chat(live, "model-b").model == "model-b"

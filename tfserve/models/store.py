@@ -314,6 +314,23 @@ def is_speech_model(name: str) -> bool:
     return is_store_name(name) and is_speech_dir(model_path(name))
 
 
+def input_modalities(name: str) -> list[str] | None:
+    """What the store model `name` takes in, read from its config without loading it (OpenAI's `input_modalities`
+    of /v1/models): ["audio"] for a speech model, ["text", "image"] for a vision-language one (a vision tower in
+    its config, of a model type transformers loads as image-text-to-text), else ["text"]; None for no store model."""
+    if not is_store_name(name) or not model_path(name).is_dir():
+        return None
+    config = _read_json(model_path(name) / "config.json") or {}
+    if config.get("model_type") == "whisper":
+        return ["audio"]
+    if isinstance(config.get("vision_config"), dict):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        if config.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return ["text", "image"]
+    return ["text"]
+
+
 def is_speech_dir(path: Path) -> bool:
     """Whether the model directory `path` holds a speech-to-text (Whisper) model."""
     return (_read_json(path / "config.json") or {}).get("model_type") == "whisper"

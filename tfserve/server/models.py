@@ -13,10 +13,12 @@ from tfserve.server.state import STATE
 
 def _model_object(state, name: str) -> dict:
     model = {"id": name, "object": "model", "created": state.created, "owned_by": "tfserve"}
-    if state.engine is not None and name == state.model_name:  # another model's inputs are known once loaded
+    if state.engine is not None and name == state.model_name:  # the loaded model's, as its engine takes them
         model["input_modalities"] = list(getattr(state.engine, "input_modalities", ["text"]))
-    elif name in state.speech.loaded or name in OPENAI_NAMES or store.is_speech_model(name):
+    elif name in state.speech.loaded or name in OPENAI_NAMES:
         model["input_modalities"] = ["audio"]
+    elif (modalities := store.input_modalities(name)) is not None:  # read from a store model's config
+        model["input_modalities"] = modalities
     return model
 
 
