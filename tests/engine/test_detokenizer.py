@@ -223,6 +223,24 @@ def test_include_stop_str_in_output():
     assert matched == "world" and detok.text == "".join(deltas) == "hello world"
 
 
+@pytest.mark.parametrize("rng_seed", [None, 0, 1])
+def test_no_stop_string_ends_in_the_text_of_the_first_min_tokens(rng_seed):
+    """vLLM's min_tokens: a stop string ending within the first min_tokens tokens' text does not count (one that
+    starts there and ends after does), whatever the step sizes."""
+    tokenizer = _tokenizer("byte_level")
+    text = "hello world, the quick brown fox"
+    token_ids = tokenizer.encode(text)
+    rng = None if rng_seed is None else random.Random(rng_seed)
+    for min_tokens in range(len(token_ids) + 1):
+        zone = len(tokenizer.decode(token_ids[:min_tokens]))
+        for stop in ("o", "he", "quick b"):
+            start = next((i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > zone), None)
+            expected = text if start is None else text[:start]
+            detok, deltas, matched = _stream(tokenizer, token_ids, rng, stop=[stop], min_tokens=min_tokens)
+            assert (detok.text, matched) == (expected, None if start is None else stop), (min_tokens, stop)
+            assert "".join(deltas) == expected
+
+
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace", "llama_style"])
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_strings_match_reference_and_deltas_are_never_taken_back(kind, include):

@@ -166,6 +166,68 @@ def test_stop_token_ids_end_a_reply_without_showing_the_token(server, tokenizer)
     choice = stopped["choices"][0]
     assert status == 200 and choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
     assert choice["logprobs"]["content"] == [] and stopped["usage"]["completion_tokens"] == 1
+    assert choice["stop_reason"] == token_id  # vLLM's: which stop fired
+    # include_stop_str_in_output shows it, text and logprob, as vLLM does for a stop token
+    status, _, shown = server.request("POST", "/v1/chat/completions",
+                                      {**body, "stop_token_ids": [token_id], "include_stop_str_in_output": True})
+    choice = shown["choices"][0]
+    assert choice["message"]["content"].encode() == raw and len(choice["logprobs"]["content"]) == 1
+    assert "stop_reason" not in first["choices"][0]  # a length cut: shaped as OpenAI's
+
+
+def test_a_stop_string_cannot_end_within_min_tokens(server):
+    """vLLM's min_tokens holds stop strings off as it holds EOS off: a match that ends in the text of the first
+    min_tokens tokens does not count; the first that ends after does."""
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0, "max_tokens": 30, "ignore_eos": True,
+            "logprobs": True}
+    whole = server.request("POST", "/v1/chat/completions", body)[2]["choices"][0]
+    text = whole["message"]["content"]
+    tokens = [bytes(item["bytes"]).decode("utf-8", errors="replace") for item in whole["logprobs"]["content"]]
+    first = tokens[0].strip()[:1]
+    assert first and text.count(first) >= 2, text  # a character that comes again later
+    early = server.request("POST", "/v1/chat/completions", {**body, "stop": first})[2]["choices"][0]
+    assert early["message"]["content"] == text[:text.index(first)] and early["stop_reason"] == first
+    zone = len("".join(tokens[:3]))
+    later = next((i for i in range(zone - len(first) + 1, len(text)) if text.startswith(first, i)), None)
+    held = server.request("POST", "/v1/chat/completions", {**body, "stop": first, "min_tokens": 3})[2]["choices"][0]
+    if later is None:
+        assert held["message"]["content"] == text and held["finish_reason"] == "length"
+    else:
+        assert held["message"]["content"] == text[:later] and held["finish_reason"] == "stop"
+
+
+def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0, "max_tokens": 6, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, extra in (("/v1/chat/completions", {}), ("/v1/completions", {"prompt": "hello"})):
+        request = {**body, **extra} if not extra else {k: v for k, v in {**body, **extra}.items() if k != "messages"}
+        chunks = sse_events(server.request("POST", path, request)[2])[:-1]
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+        assert all(c["choices"] == [] or c["usage"] is not None for c in chunks), path
+        assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1]["usage"]["completion_tokens"] == 6
+        assert len(set(c["usage"]["prompt_tokens"] for c in chunks)) == 1
+    bad = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}}
+    status, _, error = server.request("POST", "/v1/chat/completions", bad)
+    assert status == 400 and error["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+def test_echo_puts_the_continued_assistant_message_before_the_reply(server):
+    """vLLM's chat `echo`: with the last message the assistant's (continued), the reply's content starts with
+    it, whole and streamed; without it, nothing is echoed."""
+    messages = MESSAGES + [{"role": "assistant", "content": "Sure, "}]
+    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0, "max_tokens": 5, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    plain = server.request("POST", "/v1/chat/completions", body)[2]["choices"][0]["message"]["content"]
+    echoed = server.request("POST", "/v1/chat/completions", {**body, "echo": True})[2]
+    assert echoed["choices"][0]["message"]["content"] == "Sure, " + plain
+    chunks = sse_events(server.request("POST", "/v1/chat/completions", {**body, "echo": True, "stream": True})[2])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1] if c["choices"]) == "Sure, " + plain
+    status, _, user_last = server.request("POST", "/v1/chat/completions", {**body, "messages": MESSAGES, "echo": True,
+                                                                          "continue_final_message": False,
+                                                                          "add_generation_prompt": True})
+    assert status == 200 and not user_last["choices"][0]["message"]["content"].startswith("hello world")
+    status, _, error = server.request("POST", "/v1/chat/completions", {**body, "echo": "x"})
+    assert status == 400 and error["error"]["param"] == "echo"
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -321,3 +383,13 @@ def test_an_assistant_refusal_in_the_history_is_what_it_said(server, tokenizer):
     reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
     rendered = [messages[0], {"role": "assistant", "content": "I can't help with that."}, messages[2]]
     assert reply.usage.prompt_tokens == prompt_len(tokenizer, rendered)
+
+
+def test_errors_name_the_fields_and_values_as_the_client_wrote_them(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_completion_tokens": 5, "min_tokens": 10}
+    status, _, error = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and error["error"]["param"] == "min_tokens"
+    assert "max_completion_tokens" in error["error"]["message"] and "max_tokens]" not in error["error"]["message"]
+    status, _, error = server.request("POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES,
+                                                                      "logit_bias": {"5": None}})
+    assert status == 400 and "null" in error["error"]["message"] and "None" not in error["error"]["message"]

@@ -186,6 +186,10 @@ DEEP = "[" * 5000
         {"id": "c", "type": "zzz", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[1].tool_calls[0].type"),
     (CHAT, {"modalities": [1, "a"]}, "modalities[0]"),
+    (CHAT, {"best_of": 3}, "best_of"), (CHAT, {"best_of": "x"}, "best_of"),
+    (CHAT, {"spaces_between_special_tokens": "x"}, "spaces_between_special_tokens"),
+    (COMPLETIONS, {"spaces_between_special_tokens": 1}, "spaces_between_special_tokens"),
+    (CHAT, {"logit_bias": {"99999999": 5}}, "logit_bias.99999999"),
     # keywords whose values JSON Schema constrains: a multipleOf of 0 or less, a negative or fractional count
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "object", "properties": {"n": {"type": "number", "multipleOf": -2}}}}}},

@@ -40,6 +40,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         # Kept for callers and debugging; deliberately not decode context (see the module docstring).
@@ -47,6 +48,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)  # an empty stop string would match before any text
         self.include_stop_str_in_output = include_stop_str_in_output
+        # vLLM's min_tokens: no stop string may end in the text of the first min_tokens tokens
+        self.min_tokens = min_tokens if self.stop else 0
+        self._min_text_end: int | None = 0 if not self.min_tokens else None  # chars of that text; None: not known yet
+        self._num_chars = 0  # chars passed through the stop check (emitted, held, or cut)
         self.token_ids: list[int] = []  # generated ids, unknown/out-of-range ones dropped
         self.prefix_offset = 0  # window start: context that makes the next tokens render right
         self.read_offset = 0  # tokens before this are already turned into text
@@ -114,6 +119,14 @@ class IncrementalDetokenizer:
         self._finished = True
         return delta
 
+    def _min_match_end(self) -> float:
+        """Where in the text a stop string may end at the earliest: past the first min_tokens tokens' text."""
+        if self._min_text_end is None:
+            if len(self.token_ids) <= self.min_tokens:
+                return float("inf")  # every token so far is one of the first min_tokens
+            self._min_text_end = len(self._decode(self.token_ids[:self.min_tokens]))
+        return self._min_text_end
+
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -141,7 +154,9 @@ class IncrementalDetokenizer:
             # Held text never contains a whole stop string and emitted text never starts one, so only
             # (held + new) needs searching: at most max_stop_len - 1 characters of overlap.
             buffer = self._held_text + new_text
-            match = _first_stop_match(buffer, self.stop)
+            buffer_start = self._num_chars - len(self._held_text)
+            self._num_chars += len(new_text)
+            match = _first_stop_match(buffer, self.stop, self._min_match_end() - buffer_start)
             if match is not None:
                 start, stop_str = match
                 delta = buffer[: start + len(stop_str) if self.include_stop_str_in_output else start]
@@ -157,15 +172,18 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _first_stop_match(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """(start, stop) of the match that completes first in `text`; ties go to the earlier start.
+def _first_stop_match(text: str, stops: tuple[str, ...], min_end: float = 0) -> tuple[int, str] | None:
+    """(start, stop) of the match that completes first in `text`, ending past `min_end` characters; ties go to
+    the earlier start.
 
     "Completes first" makes the result independent of how many tokens each step brings: it is the match
     a token-by-token stream would have hit.
     """
+    if min_end >= len(text):
+        return None
     best: tuple[int, int, str] | None = None  # (end, start, stop)
     for stop_str in stops:
-        start = text.find(stop_str)
+        start = text.find(stop_str, max(0, int(min_end) - len(stop_str) + 1))
         if start >= 0:
             candidate = (start + len(stop_str), start, stop_str)
             if best is None or candidate[:2] < best[:2]:

@@ -215,7 +215,8 @@ class Engine:
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, skip_special_tokens=child_params.skip_special_tokens,
-                    stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output)
+                    stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output,
+                    min_tokens=child_params.min_tokens)
             requests.append(request)
         return requests
 
@@ -279,7 +280,8 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         outside = [t for t in params.logit_bias if t >= self.vocab_size]
         if outside:
-            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"logit_bias.{outside[0]}: token id {outside[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now and free its blocks. Unknown or finished ids are ignored."""
@@ -393,7 +395,9 @@ class Engine:
                     break
                 status = self._check_stop(request, token_id)
                 if detok is not None:
-                    hides_token = status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None
+                    # the EOS or stop token that ended it gives no text, unless asked for (as vLLM's)
+                    hides_token = (status == RequestStatus.FINISHED_STOPPED and request.stop_reason is not None
+                                   and not detok.include_stop_str_in_output)
                     text, stop_str = detok.step([] if hides_token else [token_id])
                     delta += text
                     if stop_str is not None:
@@ -465,6 +469,7 @@ class Engine:
             delta_tokens=delta_tokens,
             delta_logprobs=delta_logprobs,
             stop_reason=request.stop_reason,
+            stop_token_shown=isinstance(request.stop_reason, int) and request.params.include_stop_str_in_output,
             error=request.error,
             prompt_logprobs=None if request.needs_prompt_logits else request.prompt_logprobs,
         )

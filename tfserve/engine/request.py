@@ -157,6 +157,7 @@ class RequestOutput:
     delta_tokens: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[str, Any]] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    stop_token_shown: bool = False  # that token's text (and logprob) is part of the output: include_stop_str_in_output
     error: str | None = None
     # vLLM's prompt logprobs: per prompt token {"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]},
     # None for the first; on every output from the end of the prefill on (a request ended before has none)

@@ -17,8 +17,8 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, check_text_fits, run_choices
 from tfserve.server.logprobs import chat_logprobs, prompt_logprobs, requested_prompt_logprobs, shown, top_count
 from tfserve.server.media import ImageRef, content_of, gather_images
-from tfserve.server.protocol import (CHAT_FIELDS, check_fields, field, make_params, one_of, param_names, read_json,
-                                     sampling_kwargs, stream_options, use_model)
+from tfserve.server.protocol import (CHAT_FIELDS, check_fields, continuous_usage, field, make_params, one_of,
+                                     param_names, read_json, sampling_kwargs, stream_options, use_model)
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -58,6 +58,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     num_prompt_top = requested_prompt_logprobs(body, stream)
     if num_prompt_top is not None:
         kwargs["prompt_logprobs"] = num_prompt_top
+    echoed = _echoed(body, messages)
     variables, options = template_kwargs(state, body), render_options(body)
     check_text_fits(state, text_chars(messages), "messages")
     images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
@@ -71,10 +72,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reply = _Reply(state, model, num_top, parse_tools_enabled=bool(tools), tool_format=tool_format, legacy=legacy)
     reply.reasoning = reasoning_for(state.engine.tokenizer, prompt_ids)
     reply.num_prompt_top = num_prompt_top
+    reply.stop_token_ids = frozenset(params.stop_token_ids)
+    reply.echo = echoed
+    if continuous_usage(body):
+        reply.continuous = usage
     async with aclosing(run_choices(state, usage, engine_requests, reply.stopped)) as outputs:
         if stream:
             return await reply.stream(request, outputs, usage, include_usage, params.n)
         return await reply.complete(outputs, usage, params.n)
+
+
+def _echoed(body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat `echo`: the reply's content starts with the last message's text when that message is the
+    assistant's (the reply continues it, `continue_final_message`); else nothing."""
+    if not field(body, "echo", bool, False) or messages[-1]["role"] != "assistant":
+        return ""
+    content = messages[-1]["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
 def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
@@ -171,6 +187,7 @@ class _Reply(Reply):
         self.reasoning: Reasoning | None = None  # a reasoning model's split of the output (reasoning_for)
         self.num_reasoning_tokens = 0
         self.stopped: set[int] = set()  # choices ended early (a repeated tool call), for run_choices
+        self.echo = ""  # vLLM's `echo`: the last (assistant) message's text, which every choice's content begins with
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         if self.num_top is None:
@@ -208,8 +225,11 @@ class _Reply(Reply):
                     if self.legacy:
                         chat_functions.reply_message(message)
                         finish_reason = chat_functions.finish_reason(finish_reason)
+            if self.echo and isinstance(message["content"], str):
+                message["content"] = self.echo + message["content"]
             choices.append({"index": index, "message": message,
-                            "logprobs": self._logprobs(shown(output.logprobs, output)), "finish_reason": finish_reason})
+                            "logprobs": self._logprobs(shown(output.logprobs, output)), "finish_reason": finish_reason,
+                            **self.stop_reason(output)})
         return web.json_response(self.envelope("chat.completion", choices, usage=self._usage(usage),
                                                **self._prompt_logprobs(last[0])))
 
@@ -263,6 +283,9 @@ class _Reply(Reply):
                     opening = {"role": "assistant", "content": None if index in parsers else ""}
                     await sse.send(self.chunk([{"index": index, "delta": opening, "logprobs": None,
                                                  "finish_reason": None}], include_usage))
+                    if self.echo:
+                        await sse.send(self.chunk([{"index": index, "delta": {"content": self.echo},
+                                                     "logprobs": None, "finish_reason": None}], include_usage))
                 if index in splits:  # reasoning first, then the content goes on as the model's whole text would
                     reasoning, content = self._split(splits[index], output)
                     if reasoning:
@@ -278,7 +301,9 @@ class _Reply(Reply):
                         if self.legacy:
                             finish_reason = chat_functions.finish_reason(finish_reason)
                     await sse.send(self.chunk([{"index": index, "delta": {}, "logprobs": None,
-                                                 "finish_reason": finish_reason}], include_usage))
+                                                 "finish_reason": finish_reason,
+                                                 **(self.stop_reason(output) if output.finished else {})}],
+                                              include_usage))
             if include_usage:
                 await sse.send(self.chunk([], True, self._usage(usage)))
         except ApiError as exc:

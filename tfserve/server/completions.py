@@ -14,8 +14,8 @@ from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, check_sequences, check_text_fits, run_choices
 from tfserve.server.logprobs import (TextOffsets, completion_logprobs, echo_logprobs, prompt_logprobs,
                                      requested_prompt_logprobs, shown, top_count)
-from tfserve.server.protocol import (field, make_params, param_names, read_json, sampling_kwargs, shorten,
-                                     stream_options, use_model)
+from tfserve.server.protocol import (continuous_usage, field, make_params, param_names, read_json, sampling_kwargs,
+                                     shorten, stream_options, use_model)
 from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -46,9 +46,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         kwargs["logprobs"] = num_top
     if field(body, "suffix", str):
         raise bad_request("suffix is not supported", "suffix")
-    best_of = field(body, "best_of", int)
-    if best_of is not None and best_of != (kwargs.get("n") or 1):
-        raise bad_request("best_of other than n is not supported", "best_of")
     stream, include_usage = stream_options(body)
     num_prompt_top = requested_prompt_logprobs(body, stream)
     # the prompt's own logprobs come first in `logprobs` with echo; vLLM's field shows them on its own
@@ -60,6 +57,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     usage, engine_requests = admit(state, request, [p for p, _ in prompts], params, names)
     reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
     reply.num_prompt_top = num_prompt_top
+    reply.stop_token_ids = frozenset(params.stop_token_ids)
+    if continuous_usage(body):
+        reply.continuous = usage
     choices = run_choices(state, usage, engine_requests)
     async with aclosing(_prompt_only(choices, usage) if score_only else choices) as outputs:
         if stream:
@@ -157,7 +157,8 @@ class _Reply(Reply):
                 finals[index] = output
         choices = [{"index": i, "text": self._echo(i) + finals[i].text,
                     "logprobs": self._choice_logprobs(i, finals[i]),
-                    "finish_reason": finals[i].finish_reason, **self._prompt_logprobs(finals[i])}
+                    "finish_reason": finals[i].finish_reason, **self.stop_reason(finals[i]),
+                    **self._prompt_logprobs(finals[i])}
                    for i in sorted(finals)]
         return web.json_response(self.envelope("text_completion", choices, usage=usage.to_openai()))
 
@@ -179,7 +180,8 @@ class _Reply(Reply):
                                                  "finish_reason": None}], include_usage))
                 if output.finished:
                     await sse.send(self.chunk([{"index": index, "text": "", "logprobs": None,
-                                                 "finish_reason": output.finish_reason}], include_usage))
+                                                 "finish_reason": output.finish_reason,
+                                                 **self.stop_reason(output)}], include_usage))
             if include_usage:
                 await sse.send(self.chunk([], True, usage.to_openai()))
         except ApiError as exc:

@@ -54,9 +54,12 @@ def from_value_error(exc: ValueError, default_param: str | None = None,
             message = re.sub(rf"\b{exc.param}\b", names[exc.param], message)
         return ApiError(400, message, param=(names or {}).get(exc.param, exc.param), code="context_length_exceeded")
     first = message.split(" ", 1)[0].rstrip(":")
-    param = first if first.isidentifier() and first.islower() else default_param
+    # a field, or one of its entries (`logit_bias.50256`)
+    param = first if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*", first) else default_param
     if names and param in names:
         message = re.sub(rf"\b{param}\b", names[param], message)
         param = names[param]
+    elif names and "max_tokens" in names:  # another field's limit, in the words the client sent (min_tokens)
+        message = re.sub(r"\bmax_tokens\b", names["max_tokens"], message)
     code = "context_length_exceeded" if "context" in message or "KV blocks" in message else None
     return ApiError(400, message, param=param, code=code)

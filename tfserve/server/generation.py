@@ -35,6 +35,7 @@ class Usage:
     num_cached_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     outputs: list[Any] = field(default_factory=list)  # each sequence's final RequestOutput (for telemetry)
+    generated: dict[int, int] = field(default_factory=dict)  # tokens each choice has generated so far
 
     @property
     def cached_tokens(self) -> int:
@@ -45,6 +46,12 @@ class Usage:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def so_far(self) -> dict[str, Any]:
+        """The counts while the choices run (vLLM's `continuous_usage_stats`): the tokens generated so far."""
+        completion = sum(self.generated.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
 
 USAGE = web.RequestKey("tfserve_usage", Usage)  # request[USAGE]: what the access logger prints
@@ -151,6 +158,7 @@ async def run_choices(state: ServerState, usage: Usage, requests: list[Any],
                 state.metrics.inter_token.observe(now - last_token_time[index])
             last_token_time[index] = now
             last_output[index] = output
+            usage.generated[index] = len(output.generated_tokens)
             if usage.ttft_s is None and output.delta_tokens:
                 usage.ttft_s = now - usage.started
             if output.finished:
@@ -229,6 +237,15 @@ class Reply:
         self.model = model
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.continuous: Usage | None = None  # vLLM's continuous_usage_stats: every chunk says the counts so far
+        self.stop_token_ids: frozenset[int] = frozenset()  # the request's own (not EOS), for stop_reason
+
+    def stop_reason(self, output: Any) -> dict[str, Any]:
+        """vLLM's `stop_reason` of a finished choice, as a field to add: the stop string or stop token id of the
+        request's that ended it. Left out otherwise (the end of text, a length cut), so a choice is shaped as
+        OpenAI's unless the request's own stop fired."""
+        reason = output.stop_reason if output.finish_reason == "stop" else None
+        return {"stop_reason": reason} if isinstance(reason, str) or reason in self.stop_token_ids else {}
 
     def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
@@ -236,6 +253,8 @@ class Reply:
 
     def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> dict:
         body = self.envelope(self.chunk_object, choices)
+        if include_usage and usage is None and choices and self.continuous is not None:
+            usage = self.continuous.so_far()
         if include_usage and (usage is not None or self.null_usage):
             body["usage"] = usage
         return body

@@ -37,8 +37,9 @@ def _byte_decoder() -> dict[str, int]:
 
 def shown(entries: list[dict] | None, output: Any) -> list[dict] | None:
     """An output's logprob entries without the EOS / stop token's that ended it: that token is not part of the
-    text, so its logprob is not shown either."""
-    if entries and output.finish_reason == "stop" and isinstance(output.stop_reason, int):
+    text (unless include_stop_str_in_output), so its logprob is not shown either."""
+    if (entries and output.finish_reason == "stop" and isinstance(output.stop_reason, int)
+            and not output.stop_token_shown):
         return entries[:-1]
     return entries
 

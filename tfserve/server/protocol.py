@@ -177,6 +177,10 @@ def sampling_kwargs(body: dict[str, Any], *, max_tokens_fields: tuple[str, ...] 
     logit_bias = field(body, "logit_bias", dict)
     if logit_bias:
         kwargs["logit_bias"] = _logit_bias(logit_bias)
+    field(body, "spaces_between_special_tokens", bool)  # vLLM's; a fast tokenizer's decode has no such choice
+    best_of = field(body, "best_of", int)
+    if best_of is not None and best_of != (kwargs.get("n") or 1):
+        raise bad_request("best_of other than n is not supported", "best_of")
     min_tokens = field(body, "min_tokens", int)
     if min_tokens:
         if min_tokens < 0:
@@ -219,8 +223,12 @@ def make_params(kwargs: dict[str, Any], num_prompt_tokens: int, engine: Any,
 
 
 def shorten(value: Any, limit: int = 40) -> str:
-    """`repr(value)`, cut to `limit` characters for an error message (a client may send 4,000 digits)."""
-    text = repr(value)
+    """`repr(value)`, cut to `limit` characters for an error message (a client may send 4,000 digits); JSON's
+    words for null and the booleans."""
+    if value is None or isinstance(value, bool):
+        text = "null" if value is None else str(value).lower()
+    else:
+        text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -229,9 +237,18 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = field(body, "stream", bool, False)
     options = field(body, "stream_options", dict, {})
     include_usage = field(options, "include_usage", bool, False, param="stream_options.include_usage")
+    continuous_usage(body)
     if options and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     return stream, include_usage
+
+
+def continuous_usage(body: dict[str, Any]) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk carries the counts so
+    far, not only the last."""
+    options = field(body, "stream_options", dict, {})
+    continuous = field(options, "continuous_usage_stats", bool, False, param="stream_options.continuous_usage_stats")
+    return continuous and bool(options.get("include_usage"))
 
 
 def text_of(content: Any, param: str) -> str:
