@@ -62,6 +62,12 @@ def test_the_longest_shared_prefix_decides():
     assert router.pick([7, 8], loads=[3, 3, 0]) == 2  # the least busy, whoever's turn it is
 
 
+async def _through(replicated, replica, prompt, params):
+    """One request's outputs from `replica` itself, past the router."""
+    request = replicated.engine.make_requests(prompt, params)[0]
+    return [output async for output in replicated._stream(replica, request)]
+
+
 @pytest.mark.slow
 def test_two_replicas_keep_prefixes_where_they_are_cached_and_a_third_comes_and_goes(tmp_path):
     """Streamed requests through two replicas (one a process) give one engine's tokens, with more prefix hits than
@@ -114,6 +120,47 @@ def test_two_replicas_keep_prefixes_where_they_are_cached_and_a_third_comes_and_
     added.process.join(10)
     assert not added.process.is_alive()
     assert [t for o in again for t in o.delta_tokens] == expected[0].generated_tokens
+
+
+@pytest.mark.slow
+def test_a_replica_that_hangs_or_dies_leaves_the_others_serving_and_scale_replaces_it(tmp_path, caplog):
+    """A replica process stopped (SIGSTOP) never blocks the caller that sends it a request (the event loop: a full
+    pipe blocked it); one killed is said once in the log with its signal, its requests fail, its gauges go to 0,
+    the router avoids it, and scale() to the same count starts another in its place, which serves."""
+    import os
+    import signal
+
+    from tfserve import SamplingParams
+
+    path, config, replicated = _tiny_replicas(tmp_path, num_blocks=64)
+    remote = replicated.remotes[0]
+    params = SamplingParams(**PARAMS)
+    try:
+        os.kill(remote.process.pid, signal.SIGSTOP)
+        big = replicated.engine.make_requests([7] * 200, SamplingParams(max_tokens=2))[0]
+        big.token_ids = big.token_ids * 2000  # 400,000 ids: far past a pipe's buffer
+        failed = []
+        started = time.monotonic()
+        remote.add_requests([big], sink=failed.append)
+        assert time.monotonic() - started < 1.0
+        os.kill(remote.process.pid, signal.SIGCONT)
+        os.kill(remote.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while replicated.states() != ["ready", "dead"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert replicated.states() == ["ready", "dead"]
+        assert failed and failed[-1].finish_reason == "error" and "killed by SIGKILL" in failed[-1].error
+        assert [r.getMessage() for r in caplog.records].count(
+            f"{failed[-1].error}: its requests fail and it takes no new ones (POST /admin/replicas starts another)") == 1
+        assert replicated.replica_stats()[1]["num_running"] == 0
+        served = asyncio.run(_stream(replicated, [1, 2, 3, 4, 5], params))  # the router avoids the dead one
+        assert served[-1].finished and served[-1].finish_reason == "length"
+        described = asyncio.run(replicated.scale(2))
+        assert [r["state"] for r in described["replicas"]] == ["ready", "ready"]
+        again = asyncio.run(_through(replicated, replicated.remotes[0], [1, 2, 3, 4, 5], params))
+        assert [t for o in again for t in o.delta_tokens] == [t for o in served for t in o.delta_tokens]
+    finally:
+        replicated.stop()
 
 
 def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():

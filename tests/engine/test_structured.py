@@ -238,3 +238,24 @@ def test_the_mask_kernel_equals_torch():
     expected[rows] = torch.where(unpack_bitmask(bitmask, vocab), logits[rows], float("-inf"))
     kernels.cpu_ops().apply_token_bitmask_(logits, bitmask, rows)
     assert torch.equal(logits, expected)
+
+
+def test_a_constrained_request_sent_to_another_process_is_held_to_its_grammar_there(make_engine):
+    """A replica's request crosses a pipe pickled: without its matcher (which cannot be pickled) and detokenizer
+    (a tokenizer is megabytes); the receiving engine makes both (`Engine.attach`), and the output is the one the
+    sending engine gives."""
+    import pickle
+
+    front, replica = make_engine(), make_engine()
+    params = SamplingParams(grammar=Grammar.choice(["yes", "no", "maybe"]), stop=["zz"], max_tokens=10,
+                            temperature=1.2, seed=5)
+    request = front.make_requests(PROMPT, params)[0]
+    assert request.matcher is not None and request.detokenizer is not None
+    crossed = pickle.loads(pickle.dumps(request))
+    assert crossed.matcher is None and crossed.detokenizer is None and crossed.prompt_token_ids == request.prompt_token_ids
+    replica.enqueue(replica.attach(crossed))
+    outputs = []
+    while replica.has_unfinished:
+        outputs += [o for o in replica.step() if o.finished]
+    expected = run(make_engine(), [(PROMPT, params)])[0]
+    assert outputs[0].finish_reason == "stop" and outputs[0].text == expected.text in ("yes", "no", "maybe")

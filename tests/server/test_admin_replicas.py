@@ -49,6 +49,14 @@ def test_replicas_are_listed_added_and_retired(start_server, replicated):
     metrics = live.request("GET", "/metrics")[2]
     assert 'tfserve_replica_num_routed{replica="1"}' in metrics
     assert 'replica="2"' not in metrics
+    health = live.request("GET", "/health")[2]
+    assert health["status"] == "ok" and health["replicas"] == {"ready": 2, "retiring": 0, "dead": 0}
+    replicated.remotes[0]._died("replica 1 exited (killed by SIGKILL)")  # /health says so; the others serve on
+    status, _, health = live.request("GET", "/health")
+    assert status == 200 and health["status"] == "degraded" and health["replicas"]["dead"] == 1
+    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 2})  # another in its place
+    assert status == 200 and [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    assert replicated.remotes[0] is not added[0] and added[0].stopped
 
 
 @pytest.mark.parametrize("body", [{"num_replicas": 0}, {"num_replicas": "2"}, {"num_replicas": True}, {},

@@ -21,6 +21,7 @@ from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt
                                  Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt,
                                  CudaGraphOpt)
 from tfserve.cli.serve_compat import Reasoning
+from tfserve.distributed.autoscale import MAX_REPLICAS
 from tfserve.distributed.workers import torchrun_rank
 from tfserve.errors import ModelNotFoundError, TfserveError, UsageError
 
@@ -137,7 +138,7 @@ def serve(
         help="The ranks' rendezvous, tcp://HOST:PORT (default: a free local port).", rich_help_panel=DISTRIBUTED,
         show_default=False)] = None,
     data_parallel_size: Annotated[int, typer.Option(
-        "--data-parallel-size", "-dp", min=1,
+        "--data-parallel-size", "-dp", min=1, max=MAX_REPLICAS,
         help="Engine replicas, each a process with its own KV cache; a request goes to the one most likely to hold "
              "its prompt's prefix unless that one is much busier.", rich_help_panel=DISTRIBUTED)] = 1,
     min_replicas: Annotated[int | None, typer.Option(
@@ -145,7 +146,7 @@ def serve(
         help="Scale the replicas with the load, never below this (default: 1 with --max-replicas).",
         rich_help_panel=DISTRIBUTED)] = None,
     max_replicas: Annotated[int | None, typer.Option(
-        "--max-replicas", min=1, show_default=False,
+        "--max-replicas", min=1, max=MAX_REPLICAS, show_default=False,
         help="Scale the replicas with the load, up to this: one per --target-requests-per-replica requests in "
              "flight, added after 5 s of such load, retired after 60 s without (--data-parallel-size: the count "
              "at start).", rich_help_panel=DISTRIBUTED)] = None,
@@ -412,7 +413,10 @@ def serve(
         except ImportError:
             raise TfserveError("--ray needs Ray: pip install ray") from None
         # on this, the main thread: a local cluster's processes end with the thread that starts them
-        connect(ray)
+        try:
+            connect(ray)
+        except (ValueError, ConnectionError, RuntimeError) as exc:  # a bad address, no cluster there
+            raise TfserveError(f"--ray {ray}: cannot join a Ray cluster there: {exc}") from None
     served = None
     try:
         served = asyncio.run(run_server(app, host, port, drain_timeout=drain_timeout, load=load,

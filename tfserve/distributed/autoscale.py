@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_REPLICAS = 256  # the most replicas a server runs (--data-parallel-size, --max-replicas, POST /admin/replicas)
+
 
 @dataclass(frozen=True)
 class AutoscalePolicy:

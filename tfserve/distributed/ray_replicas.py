@@ -43,8 +43,9 @@ class ReplicaActor:
     def ready(self) -> bool:
         return True
 
-    def add(self, requests: list) -> None:
-        self.manager.add_requests(requests, stream=True, sink=self.outputs.put)
+    def add(self, requests: list) -> None:  # (pickled without matcher and detokenizer: this engine makes them)
+        self.manager.add_requests([self.engine.attach(request) for request in requests], stream=True,
+                                  sink=self.outputs.put)
 
     def abort(self, request_id: str) -> None:
         self.manager.abort(request_id)

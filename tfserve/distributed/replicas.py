@@ -2,8 +2,9 @@
 
 Replica 0 is the front-end's own engine (it also validates and tokenizes every request, as with one engine); the
 others run in processes of their own (`replica_main`), each an Engine stepped by a BatchingManager. A request
-built by `Engine.make_requests` goes down a pipe to its replica as it is, and its outputs come back up the same
-pipe. The router sends a request to the replica most likely to hold its prefix in cache (the last one that
+built by `Engine.make_requests` goes down a pipe to its replica (without its grammar matcher and detokenizer, which
+the replica's engine makes: `Engine.attach`), and its outputs come back up the same pipe. Sends go through a thread
+of each replica's, so a replica that stops reading (hung, stopped) never blocks the event loop. The router sends a request to the replica most likely to hold its prefix in cache (the last one that
 served the same first blocks of a prompt) unless that one is much busier than the least busy, and a prompt
 never seen goes to the least busy.
 """
@@ -14,6 +15,8 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import queue
+import signal
 import sys
 import threading
 from collections import OrderedDict
@@ -79,6 +82,15 @@ class Replica:
             sink(_failed(request_id, self.error))
         self._sinks.clear()
 
+    def _died(self, message: str) -> None:
+        """The replica is gone for good: said once in the log, its requests failed, its gauges zeroed (it runs
+        nothing now); the router no longer picks it (`error` set) until `scale` starts another in its place."""
+        if self.error is None:
+            logger.error("%s: its requests fail and it takes no new ones (POST /admin/replicas starts another)",
+                         message)
+        self._fail_all(message)
+        self.stats = {**self.stats, "num_running": 0, "num_waiting": 0, "kv_cache_blocks_used": 0}
+
 
 class RemoteReplica(Replica):
     """An engine in a process of its own on this machine, fed down a pipe."""
@@ -93,10 +105,11 @@ class RemoteReplica(Replica):
                                        daemon=getattr(spec.config, "tensor_parallel_size", 1) == 1)
         self.process.start()
         child.close()
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the sender thread writes down the pipe
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"tfserve-replica{index}-reader", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._send_loop, name=f"tfserve-replica{index}-sender", daemon=True).start()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self._ready.wait(timeout) or self.error is not None:
@@ -109,25 +122,38 @@ class RemoteReplica(Replica):
         self._send(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
-        try:
-            self._send(("stop", None))
-        except (BrokenPipeError, OSError):
-            pass
+        self._stopping = True
+        self._send(("stop", None))
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(2)
 
+    _stopping = False
+
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        """Queue `message` for the pipe: it never blocks the caller (the event loop), whatever the replica does."""
+        self._outbox.put(message)
+
+    def _send_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):  # the process ended: the reader tells
+                return
+            if message[0] == "stop":
+                return
 
     def _read(self) -> None:
         while True:
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):  # the process ended: what it was running fails
-                self._fail_all(f"replica {self.index} exited (code {self.process.exitcode})")
+                self.process.join(5)  # (reaped: its exit code, not None)
+                if not self._stopping:
+                    self._died(f"replica {self.index} exited ({_exit_reason(self.process.exitcode)})")
+                self._fail_all(f"replica {self.index} stopped")
                 self._ready.set()
                 return
             if kind == "out":
@@ -136,9 +162,23 @@ class RemoteReplica(Replica):
                 self.stats = payload
             elif kind == "ready":
                 self._ready.set()
-            elif kind == "error":
+            elif kind == "error":  # failed to start, or its engine failed for good (a dead tensor-parallel rank)
+                if self._ready.is_set():
+                    self._died(payload)
                 self.error = payload
                 self._ready.set()
+
+
+def _exit_reason(code: int | None) -> str:
+    """How a process ended, in words: `killed by SIGKILL`, `exit code 1`."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _failed(request_id: str, message: str):
@@ -193,6 +233,9 @@ def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
         with send_lock:
             conn.send(message)
 
+    # the engine failed for good (a dead tensor-parallel rank): the front-end marks this replica dead at once
+    manager.on_failure = lambda failure: send(("error", f"replica {index}: the engine failed: {failure}"))
+
     def sink(output) -> None:
         send(("out", [output]))
 
@@ -211,8 +254,8 @@ def _serve_replica(spec: ReplicaSpec, conn, index: int) -> None:
                 kind, payload = conn.recv()
             except EOFError:
                 break
-            if kind == "add":
-                manager.add_requests(payload, stream=True, sink=sink)
+            if kind == "add":  # (a request pickled without its matcher and detokenizer: this engine makes them)
+                manager.add_requests([engine.attach(request) for request in payload], stream=True, sink=sink)
             elif kind == "abort":
                 manager.abort(payload)
             else:
@@ -344,6 +387,7 @@ class ReplicatedEngine(AsyncEngine):
             raise ValueError("these replicas cannot be scaled (no start-up spec)")
         self._scaling = self._scaling or asyncio.Lock()
         async with self._scaling:
+            await self._replace_dead(num_replicas)
             current = 1 + len(self.remotes)
             if num_replicas > current:
                 await self._add(num_replicas - current)
@@ -374,6 +418,20 @@ class ReplicatedEngine(AsyncEngine):
                     logger.warning("autoscaling to %d replicas failed: %s", target, exc)
         finally:
             self.policy = None
+
+    async def _replace_dead(self, num_replicas: int) -> None:
+        """Start a replica in the place of each dead one that stays (index < `num_replicas`)."""
+        for position, remote in enumerate(self.remotes):
+            if remote.error is None or remote.index >= num_replicas:
+                continue
+            await asyncio.to_thread(remote.stop, 0)
+            self.starting += 1
+            try:
+                self.remotes[position] = await asyncio.to_thread(self._start_remote, remote.index)
+            finally:
+                self.starting -= 1
+            self.in_flight[remote.index] = 0
+            logger.info("replica %d is serving again (a new one in the place of the dead one)", remote.index)
 
     async def _add(self, count: int) -> None:
         self.starting = count

@@ -209,16 +209,22 @@ class Engine:
                 raise ValueError(f"request_id {child_id!r} is already in use")
         requests = []
         for child_id, child_params in children:
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, mm=mm)
-            if child_params.grammar is not None:  # compiled once, here, off the step loop
-                request.matcher = self.structured.matcher(child_params.grammar)
-            if self.tokenizer is not None:
-                request.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, skip_special_tokens=child_params.skip_special_tokens,
-                    stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output,
-                    min_tokens=child_params.min_tokens)
-            requests.append(request)
+            requests.append(self.attach(Request(child_id, prompt_ids, child_params, self.eos_token_ids, mm=mm)))
         return requests
+
+    def attach(self, request: Request) -> Request:
+        """Give `request` what this engine makes for it from its params: the grammar's matcher (compiled once,
+        here, off the step loop) and the detokenizer. A request made by another process's engine (a replica's
+        front-end) comes without them."""
+        params = request.params
+        if params.grammar is not None and request.matcher is None:
+            request.matcher = self.structured.matcher(params.grammar)
+        if self.tokenizer is not None and request.detokenizer is None:
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
+        return request
 
     def sampling_params(self, num_prompt_tokens: int, **kwargs: Any) -> SamplingParams:
         """SamplingParams for a prompt of `num_prompt_tokens`: fields left out (or None) take the model's

@@ -91,6 +91,18 @@ class Request:
         self.generator = None
         self.matcher = None  # the grammar's state when params.grammar constrains the output (engine.structured)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What crosses to another process (an engine replica): all but the grammar's matcher and the
+        detokenizer, which hold the grammar engine's and the tokenizer's objects (a matcher cannot be pickled, a
+        tokenizer is megabytes); the engine that takes the request makes its own (`Engine.attach`)."""
+        state = {name: getattr(self, name) for name in self.__slots__ if name != "__weakref__" and hasattr(self, name)}
+        state["matcher"] = state["detokenizer"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from tfserve.distributed.autoscale import MAX_REPLICAS
 from tfserve.server.body import read_json
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.state import STATE
 
-MAX_REPLICAS = 256
 
 
 def _replicated(request: web.Request):

@@ -23,9 +23,15 @@ async def health(request: web.Request) -> web.Response:
         error = ApiError(503, "no model is loaded; a request naming one loads it", code="model_not_loaded")
         return web.json_response({"status": "no_model", **error.body()}, status=503)
     # a model being swapped in keeps the server healthy: requests for it wait, they do not fail
-    return web.json_response({"status": "ok", "model": state.model_name, "loading": loading,
-                              "num_running": engine.num_running if engine else 0,
-                              "num_waiting": engine.num_waiting if engine else 0})
+    body = {"status": "ok", "model": state.model_name, "loading": loading,
+            "num_running": engine.num_running if engine else 0, "num_waiting": engine.num_waiting if engine else 0}
+    states = getattr(state.async_engine, "states", None)  # engine replicas (-dp): how many serve
+    if callable(states):
+        states = states()
+        body["replicas"] = {kind: states.count(kind) for kind in ("ready", "retiring", "dead")}
+        if "dead" in states:  # the others serve on (200); a replica that died is said here and in the log
+            body["status"] = "degraded"
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
