@@ -15,7 +15,7 @@ from mcp_servers import toy_stdio_config
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tiny import MODEL_NAME, build_llama, free_port, make_state, wait_healthy
+from tiny import MODEL_NAME, build_engine, build_llama, free_port, make_state, wait_healthy
 
 runner = CliRunner()
 
@@ -104,6 +104,18 @@ def test_banner(async_engine, monkeypatch):
     assert (f"paged, CPU kernel ({ops.isa})" if ops is not None else "SDPA over the KV blocks") in text
 
 
+def test_banner_counts_the_replicas(tokenizer, monkeypatch):
+    from tfserve.cli import output
+    from tfserve.cli.serve import print_banner
+    from tfserve.distributed.replicas import Replica, ReplicatedEngine
+
+    engine = build_engine(tokenizer, num_blocks=64)
+    capture = Console(file=io.StringIO(), width=120, force_terminal=False)
+    monkeypatch.setattr(output, "console", capture)
+    print_banner(make_state(ReplicatedEngine(engine, [Replica(), Replica()])), "http://127.0.0.1:8000", False)
+    assert "Replicas" in capture.file.getvalue() and "3 (replica 0 here, the others processes" in capture.file.getvalue()
+
+
 def test_banner_names_the_draft_model(tokenizer, monkeypatch):
     from tfserve import Engine
     from tfserve.cli import output
@@ -184,7 +196,6 @@ def test_default_seed_makes_unseeded_sampling_repeatable(tokenizer):
     import torch
 
     from tfserve import SamplingParams
-    from tiny import build_engine
 
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     runs = []

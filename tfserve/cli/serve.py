@@ -501,6 +501,10 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
         formats = "/".join(sorted(getattr(draft.runner.forward, "weight_formats", None) or {"float32": 1}))
         table.add_row("Speculative", f"draft {config.speculative_model or 'model'} ({formats}), up to "
                                      f"{config.num_speculative_tokens} tokens a step, KV {decimal(draft.kv_cache_bytes)}")
+    states = getattr(state.async_engine, "states", None)
+    if callable(states):  # engine replicas (-dp): the KV cache above is each one's
+        where = "Ray actors" if getattr(state.async_engine, "ray_address", None) else "processes"
+        table.add_row("Replicas", f"{len(states())} (replica 0 here, the others {where}; each its own KV cache)")
     table.add_row("URL", f"{url}/v1" + ("  (API key required)" if has_api_key else ""))
     console.print(Panel(table, title="tfserve serve", expand=False))
     console.print(f"Health: {url}/health   Metrics: {url}/metrics   Ctrl+C drains and stops.")
