@@ -96,3 +96,24 @@ def test_without_the_cpu_kernels_the_collectives_go_through_gloo(tmp_path):
         assert greedy(engine, prompts) == whole
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_an_idle_engine_keeps_its_ranks_past_the_collectives_timeout(tmp_path):
+    """The worker ranks wait for the next step in a broadcast with the collectives' timeout: rank 0 keeps them
+    alive while it has no step to send (an idle server's ranks all failed once --distributed-timeout passed)."""
+    import time
+
+    from tfserve import Engine
+
+    path = save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
+    prompts = [[5, 17, 42, 7, 99, 3]]
+    engine = Engine.from_pretrained(str(path), tensor_parallel_size=2, num_blocks=64, block_size=4,
+                                    distributed_timeout_s=10.0)  # (the ranks load within it)
+    try:
+        first = greedy(engine, prompts)
+        time.sleep(22)  # idle for more than twice the timeout
+        assert not engine._workers.dead() and greedy(engine, prompts) == first
+    finally:
+        engine.close()
+    assert all(not p.is_alive() for p in engine._workers.processes)

@@ -188,10 +188,10 @@ def test_a_draft_model_is_needed_and_must_share_the_tokenizer(make_engine, llama
     assert out.generated_tokens == want.generated_tokens and engine.num_draft_tokens > 0
 
 
-def test_proposals_under_a_grammar_are_checked_against_its_masked_choice():
-    """A constrained greedy request speculates too: each proposal is checked against the token the grammar's mask
-    leaves likeliest at its position, so the output is the one of one token a step; proposals the grammar refuses
-    are cut there."""
+def test_a_request_held_to_a_grammar_decodes_a_token_a_step_beside_speculating_ones():
+    """Under speculation a request held to a grammar gets no proposals (checked under its grammar, proposals
+    changed such replies: an outside audit saw a draft model break JSON output), so its tokens are one token a
+    step's; a free request beside it in the batch still speculates."""
     from tfserve import Engine
     from tfserve.sampling_params import Grammar
     from tiny import build_llama, build_tokenizer
@@ -200,17 +200,25 @@ def test_proposals_under_a_grammar_are_checked_against_its_masked_choice():
     model = build_llama(tokenizer)
     grammar = Grammar.regex("(the cat sat |on the mat )+")
     prompts = [tokenizer.encode(text) for text in (
-        "the cat sat on the mat the cat sat on the mat on the mat",  # the grammar's own words: proposals it takes
-        "hello world hello world hello world",  # proposals the grammar refuses
+        "the cat sat on the mat the cat sat on the mat on the mat",  # the grammar's own words
+        "hello world hello world hello world",
     )]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, grammar=grammar)
-    outputs = {}
+    constrained = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, grammar=grammar)
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outputs, drafted = {}, {}
     for speculative in (None, "ngram"):
         engine = Engine(model, tokenizer, block_size=8, num_blocks=64, speculative=speculative,
                         num_speculative_tokens=4)
-        outputs[speculative] = [o.generated_tokens for o in engine.generate_batch(prompts, params).values()]
+        outputs[speculative] = [o.generated_tokens for o in engine.generate_batch(prompts, constrained).values()]
+        drafted[speculative] = engine.num_draft_tokens
+        (held,) = engine.add_request(prompts[0], constrained)  # and a free request beside it
+        engine.add_request(prompts[1], free)
+        finals = {}
+        while engine.has_unfinished:
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert finals[held].generated_tokens == outputs[speculative][0]
         assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    assert outputs["ngram"] == outputs[None]
-    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0
+    assert outputs["ngram"] == outputs[None] and drafted["ngram"] == 0
+    assert engine.num_draft_tokens > 0  # the free request of the mixed batch speculated
     for tokens in outputs[None]:  # max_tokens may cut the last word
         assert set(tokenizer.decode(tokens).split()[:-1]) <= {"the", "cat", "sat", "on", "mat"}

@@ -24,6 +24,8 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,10 @@ class TensorParallel:
     vocab_size: int
     group: Any = None  # the process group; None: the default one
     shm: SharedMemory | None = None  # the ranks share a machine: collectives through shared memory
+    # rank 0: one step's collectives at a time (a step's broadcast and its all-reduces, or a keep-alive)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    last_sent: float = dataclasses.field(default_factory=time.monotonic)  # when rank 0 last broadcast
+    stopped: bool = False  # rank 0 sent stop: no keep-alive after it
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
@@ -254,19 +260,53 @@ class BroadcastForward:
         from tfserve.engine import attention
 
         meta = dataclasses.replace(attention.get_metadata(), kv_caches=None, cpu_ops=None, flash_layout=None)
-        send_step((input_ids, positions, logits_index, meta, extra), self.tp)
-        return self.inner(input_ids, positions, logits_index, **extra)
+        with self.tp.lock:  # the broadcast and the step's all-reduces, with no keep-alive between them
+            send_step((input_ids, positions, logits_index, meta, extra), self.tp, locked=True)
+            return self.inner(input_ids, positions, logits_index, **extra)
 
 
-def send_step(step: Any, tp: TensorParallel) -> None:
+KEEP_ALIVE = "keep-alive"  # what rank 0 sends when it has had no step to send for a while
+
+
+def send_step(step: Any, tp: TensorParallel, locked: bool = False) -> None:
     """Rank 0: hand `step` (None: stop) to every other rank."""
+    if not locked:
+        with tp.lock:
+            return send_step(step, tp, locked=True)
+    tp.stopped = tp.stopped or step is None
     _collective(torch.distributed.broadcast_object_list, [step], src=0, group=tp.group)
+    tp.last_sent = time.monotonic()
+
+
+def keep_alive(tp: TensorParallel, timeout_s: float) -> threading.Thread:
+    """Rank 0: while no step comes (an idle server), tell the other ranks every quarter of the collectives'
+    timeout that it is there: they wait for the next step in a broadcast that would otherwise time out (an idle
+    server's ranks all failed after `--distributed-timeout`, 60 s)."""
+    interval = max(0.05, min(timeout_s / 4, 10.0))
+
+    def run() -> None:
+        while not tp.stopped:
+            time.sleep(interval / 2)
+            with tp.lock:
+                if tp.stopped or time.monotonic() - tp.last_sent < interval:
+                    continue
+                try:
+                    send_step(KEEP_ALIVE, tp, locked=True)
+                except TensorParallelError:  # a rank died: the next step fails and says so
+                    return
+
+    thread = threading.Thread(target=run, name="tfserve-tp-keep-alive", daemon=True)
+    thread.start()
+    return thread
 
 
 def receive_step(tp: TensorParallel) -> Any:
-    box = [None]
-    _collective(torch.distributed.broadcast_object_list, box, src=0, group=tp.group)
-    return box[0]
+    """The next step rank 0 sends (None: stop), past its keep-alives."""
+    while True:
+        box = [None]
+        _collective(torch.distributed.broadcast_object_list, box, src=0, group=tp.group)
+        if box[0] != KEEP_ALIVE:
+            return box[0]
 
 
 def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

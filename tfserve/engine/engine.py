@@ -675,12 +675,19 @@ def _tensor_parallel(cls, spec, progress) -> Engine:
         torch.set_num_threads(tensor_parallel.torch_threads(world, config.nnodes))
         tensor_parallel.init_process_group(0, world, init_method, config.distributed_timeout_s)
         loaded = load_model(model, progress=progress, **load_kwargs)
+        from tfserve.models.gguf_weights import gguf_source
+
+        if loaded.device == "cpu" and gguf_source(loaded.path) is not None:  # as one engine would have run it
+            logger.warning("tensor parallelism splits %s's %s weights; the GGUF file's quantized blocks, which one "
+                           "engine runs, are not split across ranks (about 4x the memory of Q4 blocks)",
+                           loaded.name, loaded.dtype)
         tp = tensor_parallel.shard(loaded.model, 0, world)
         report("Allocating the KV cache")
         engine = cls(loaded.model, loaded.tokenizer, config, processor=loaded.processor, tensor_parallel=tp)
         tensor_parallel.send_step(engine.runner.num_blocks, tp)  # the workers size their slices alike
         tensor_parallel.connect_shared_memory(tp, engine.runner.cpu_ops, tensor_parallel.one_machine(config),
                                               config.distributed_timeout_s)
+        tensor_parallel.keep_alive(tp, config.distributed_timeout_s)  # an idle server's ranks wait on
     except BaseException:
         started.stop(timeout=0)
         if torch.distributed.is_initialized():

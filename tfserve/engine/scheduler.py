@@ -140,9 +140,13 @@ class Scheduler:
         return request.mm.chunk_size(start, num_new)
 
     def _proposals(self, request: Request, budget: int) -> list[int]:
-        """Proposals for a greedy decode (none past its max_tokens or the step's budget)."""
+        """Proposals for a greedy decode (none past its max_tokens or the step's budget). None for a request held
+        to a grammar: checked under its grammar, proposals changed such replies (a draft model's broke JSON
+        output, n-gram ones changed a forced tool call's tokens: an outside audit), so those decode one token a
+        step, as without speculation."""
         params = request.params
-        if not self.num_speculative_tokens or not params.greedy or params.logprobs is not None or params.shapes_logits:
+        if (not self.num_speculative_tokens or not params.greedy or params.logprobs is not None or params.shapes_logits
+                or params.grammar is not None):
             return []
         room = min(self.num_speculative_tokens, budget - 1, params.max_tokens - request.num_output_tokens - 1)
         return self.propose(request, room) if room > 0 else []
