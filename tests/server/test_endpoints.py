@@ -230,6 +230,20 @@ def test_force_model_ignores_the_request_model(start_server):
     assert reply.model == MODEL_NAME
 
 
+def test_health_is_503_at_once_when_a_tensor_parallel_rank_is_gone(server, monkeypatch):
+    """A dead rank fails the next step only after the collectives' timeout: /health says it as soon as the
+    worker process has exited."""
+    class Workers:
+        def dead(self, wait_s: float = 1.0) -> list[str]:
+            return ["rank 1 (killed by SIGKILL)"]
+
+    monkeypatch.setattr(server.state.engine, "_workers", Workers(), raising=False)
+    status, _, body = server.request("GET", "/health")
+    assert status == 503 and body["status"] == "failed" and "rank 1 (killed by SIGKILL)" in body["error"]["message"]
+    monkeypatch.undo()
+    assert server.request("GET", "/health")[0] == 200
+
+
 def test_health_and_metrics(server):
     server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=3, stream=True).close()

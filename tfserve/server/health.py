@@ -19,6 +19,12 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": state.status, **error.body()}, status=error.status,
                                  headers=error.headers)
     engine, loading = state.engine, state.models.loading
+    workers = getattr(engine, "_workers", None)  # tensor-parallel ranks: one gone fails the next step, so say it now
+    dead = workers.dead(wait_s=0) if workers is not None else []
+    if dead:
+        error = ApiError(503, f"tensor-parallel {', '.join(dead)} exited: the engine cannot step",
+                         code="engine_failed")
+        return web.json_response({"status": "failed", **error.body()}, status=503)
     if engine is None and loading is None and state.models.asleep is None:  # asleep: the next request loads it
         error = ApiError(503, "no model is loaded; a request naming one loads it", code="model_not_loaded")
         return web.json_response({"status": "no_model", **error.body()}, status=503)
