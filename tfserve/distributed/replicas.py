@@ -4,9 +4,9 @@ Replica 0 is the front-end's own engine (it also validates and tokenizes every r
 others run in processes of their own (`replica_main`), each an Engine stepped by a BatchingManager. A request
 built by `Engine.make_requests` goes down a pipe to its replica (without its grammar matcher and detokenizer, which
 the replica's engine makes: `Engine.attach`), and its outputs come back up the same pipe. Sends go through a thread
-of each replica's, so a replica that stops reading (hung, stopped) never blocks the event loop. The router sends a request to the replica most likely to hold its prefix in cache (the last one that
-served the same first blocks of a prompt) unless that one is much busier than the least busy, and a prompt
-never seen goes to the least busy.
+of each replica's, so a replica that stops reading (hung, stopped) never blocks the event loop. The router sends
+a request to the replica most likely to hold its prefix in cache (the last one that served the same first blocks
+of a prompt) unless that one is much busier than the least busy, and a prompt never seen goes to the least busy.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class RemoteReplica(Replica):
         self.process.start()
         child.close()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the sender thread writes down the pipe
+        self._stopping = False  # stop() asked for its end: not a death to report
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"tfserve-replica{index}-reader", daemon=True)
         self._reader.start()
@@ -128,8 +129,6 @@ class RemoteReplica(Replica):
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(2)
-
-    _stopping = False
 
     def _send(self, message: tuple) -> None:
         """Queue `message` for the pipe: it never blocks the caller (the event loop), whatever the replica does."""

@@ -67,7 +67,7 @@ class TensorParallel:
     group: Any = None  # the process group; None: the default one
     shm: SharedMemory | None = None  # the ranks share a machine: collectives through shared memory
     # rank 0: one step's collectives at a time (a step's broadcast and its all-reduces, or a keep-alive)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     last_sent: float = dataclasses.field(default_factory=time.monotonic)  # when rank 0 last broadcast
     stopped: bool = False  # rank 0 sent stop: no keep-alive after it
 
@@ -261,21 +261,19 @@ class BroadcastForward:
 
         meta = dataclasses.replace(attention.get_metadata(), kv_caches=None, cpu_ops=None, flash_layout=None)
         with self.tp.lock:  # the broadcast and the step's all-reduces, with no keep-alive between them
-            send_step((input_ids, positions, logits_index, meta, extra), self.tp, locked=True)
+            send_step((input_ids, positions, logits_index, meta, extra), self.tp)
             return self.inner(input_ids, positions, logits_index, **extra)
 
 
 KEEP_ALIVE = "keep-alive"  # what rank 0 sends when it has had no step to send for a while
 
 
-def send_step(step: Any, tp: TensorParallel, locked: bool = False) -> None:
+def send_step(step: Any, tp: TensorParallel) -> None:
     """Rank 0: hand `step` (None: stop) to every other rank."""
-    if not locked:
-        with tp.lock:
-            return send_step(step, tp, locked=True)
-    tp.stopped = tp.stopped or step is None
-    _collective(torch.distributed.broadcast_object_list, [step], src=0, group=tp.group)
-    tp.last_sent = time.monotonic()
+    with tp.lock:
+        tp.stopped = tp.stopped or step is None
+        _collective(torch.distributed.broadcast_object_list, [step], src=0, group=tp.group)
+        tp.last_sent = time.monotonic()
 
 
 def keep_alive(tp: TensorParallel, timeout_s: float) -> threading.Thread:
@@ -291,7 +289,7 @@ def keep_alive(tp: TensorParallel, timeout_s: float) -> threading.Thread:
                 if tp.stopped or time.monotonic() - tp.last_sent < interval:
                     continue
                 try:
-                    send_step(KEEP_ALIVE, tp, locked=True)
+                    send_step(KEEP_ALIVE, tp)
                 except TensorParallelError:  # a rank died: the next step fails and says so
                     return
 

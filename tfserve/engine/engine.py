@@ -361,8 +361,12 @@ class Engine:
             outputs.extend(self._finish_step(single, sampled, samples, verified))
         return outputs
 
+    def dead_ranks(self, wait_s: float = 1.0) -> list[str]:
+        """The tensor-parallel worker ranks this process started whose process has exited ("rank N (how)")."""
+        return self._workers.dead(wait_s) if self._workers is not None else []
+
     def _failure(self, exc: Exception) -> str:
-        dead = self._workers.dead() if self._workers is not None else []
+        dead = self.dead_ranks()
         if dead:
             return f"tensor-parallel {', '.join(dead)} failed; the engine stopped"
         return str(exc)

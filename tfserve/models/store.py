@@ -321,7 +321,7 @@ def input_modalities(name: str) -> list[str] | None:
     if not is_store_name(name) or not model_path(name).is_dir():
         return None
     config = _read_json(model_path(name) / "config.json") or {}
-    if config.get("model_type") == "whisper":
+    if _is_speech(config):
         return ["audio"]
     if isinstance(config.get("vision_config"), dict):
         from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -333,7 +333,11 @@ def input_modalities(name: str) -> list[str] | None:
 
 def is_speech_dir(path: Path) -> bool:
     """Whether the model directory `path` holds a speech-to-text (Whisper) model."""
-    return (_read_json(path / "config.json") or {}).get("model_type") == "whisper"
+    return _is_speech(_read_json(path / "config.json") or {})
+
+
+def _is_speech(config: dict) -> bool:
+    return config.get("model_type") == "whisper"
 
 
 def has_chat_template(path: Path) -> bool:

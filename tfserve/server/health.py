@@ -19,8 +19,7 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": state.status, **error.body()}, status=error.status,
                                  headers=error.headers)
     engine, loading = state.engine, state.models.loading
-    workers = getattr(engine, "_workers", None)  # tensor-parallel ranks: one gone fails the next step, so say it now
-    dead = workers.dead(wait_s=0) if workers is not None else []
+    dead = engine.dead_ranks(wait_s=0) if engine is not None else []  # one gone fails the next step: say it now
     if dead:
         error = ApiError(503, f"tensor-parallel {', '.join(dead)} exited: the engine cannot step",
                          code="engine_failed")
