@@ -57,9 +57,13 @@ def _end_at_once_on_ctrl_c() -> None:
 
 def _end_if_torch_work_abandoned(code) -> None:
     """End now, without the interpreter's teardown, where an interrupted model load still runs torch on a thread
-    of its own (`tfserve.engine.threads.abandoned_torch_work`): the teardown would abort the process."""
+    of its own (`tfserve.engine.threads.abandoned_torch_work`), or where this process was a tensor-parallel rank
+    (a C++ thread of torch's distributed backend, still joinable, now and then aborted the teardown: -6, as the
+    worker ranks saw, `distributed.workers`): the teardown would abort the process."""
     threads = sys.modules.get("tfserve.engine.threads")
-    if threads is None or not threads.abandoned_torch_work():
+    tensor_parallel = sys.modules.get("tfserve.distributed.tensor_parallel")
+    if not ((threads is not None and threads.abandoned_torch_work())
+            or (tensor_parallel is not None and tensor_parallel.joined())):
         return
     if isinstance(code, str):  # SystemExit's message, which the teardown would have printed
         print(code, file=sys.stderr)

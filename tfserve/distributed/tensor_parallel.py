@@ -307,9 +307,20 @@ def receive_step(tp: TensorParallel) -> Any:
             return box[0]
 
 
+_joined = False  # this process joined a process group (an interpreter teardown after it may abort: cli.main)
+
+
+def joined() -> bool:
+    """Whether this process ever joined a process group."""
+    return _joined
+
+
 def init_process_group(rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the group (gloo); every later collective fails after `timeout_s`."""
     import torch.distributed as dist
+
+    global _joined
+    _joined = True
 
     backend = "gloo"  # CPU ranks (Engine.from_pretrained refuses CUDA ones for now; they would take "nccl")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
