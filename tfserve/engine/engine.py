@@ -82,6 +82,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.load_seconds: float | None = None  # from_pretrained: from the start of the load to a ready engine
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None, *, dtype: str = "auto",
@@ -102,6 +103,8 @@ class Engine:
         `tfserve.engine.threads`)."""
         from tfserve.engine import kernels
         from tfserve.models.loading import DEFAULT_MODEL, load_model, resolve_device
+        from tfserve.engine.backends.lean import SUPPORTED
+        from tfserve.models.gguf_native import is_native
         from tfserve.models.gguf_weights import gguf_source
         from tfserve.models.pull import no_progress
 
@@ -118,9 +121,15 @@ class Engine:
             return _tensor_parallel(cls, _worker_spec(model or DEFAULT_MODEL, config, load_kwargs), progress)
         if config.cpu_kernels and resolve_device(device) == "cpu":
             kernels.start_building()  # a first run compiles while the model is pulled and loaded
-        loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)  # None: transformers' bars
+        # a .gguf file the lean forward runs loads natively: no weight expanded, the kernels multiply its blocks
+        native = frozenset(SUPPORTED) if (config.cpu_kernels and config.forward_backend != "hf"
+                                          and config.weights in ("auto", "gguf")) else frozenset()
+        start = time.perf_counter()
+        loaded = load_model(model or DEFAULT_MODEL, progress=progress, gguf_native=native, **load_kwargs)
         if config.cpu_kernels and loaded.device == "cpu":
             kernels.build_with_progress(report)
+        if is_native(loaded.model) and kernels.cpu_ops() is None:  # no compiler here: transformers expands it
+            loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)
         gguf_file = gguf_source(loaded.path) if loaded.device == "cpu" and dtype == "auto" else None
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
@@ -141,6 +150,9 @@ class Engine:
         formats = getattr(engine.runner.forward, "weight_formats", {})
         if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
             engine.quantization = "/".join(sorted(formats))
+        engine.load_seconds = time.perf_counter() - start
+        logger.info("%s ready in %.1f s (%s)", loaded.name, engine.load_seconds,
+                    "its GGUF blocks as stored" if is_native(loaded.model) else f"weights {engine.quantization}")
         return engine
 
     def close(self) -> None:

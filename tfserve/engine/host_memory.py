@@ -45,3 +45,18 @@ def keep_freed_memory() -> bool:
     if not done:
         logger.debug("mallopt refused the allocator thresholds; freed memory goes back to the OS as before")
     return done
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
+    """A CPU tensor of zeros whose pages the OS fills only when first touched: an anonymous mapping, not
+    malloc'd memory that must be cleared. A KV cache of gigabytes is made at once (`torch.zeros` wrote every
+    page: seconds, and the whole cache resident from the start); its pages join the process as blocks are
+    used."""
+    import mmap
+
+    import torch
+
+    num_bytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps the mapping alive; the mapping is freed with the last tensor that views it
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)

@@ -57,11 +57,13 @@ class ModelRunner:
             graphs = False
         # with graphs, one block more than the pool hands out: the spare rows of a padded batch write there
         shape = (self.num_blocks + graphs, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+        if self.device.type == "cpu":  # one mapping, its pages made as blocks are first written
+            whole = host_memory.lazy_zeros((self.num_layers, 2, *shape), self.dtype)
+            self.kv_caches = [(whole[i, 0], whole[i, 1]) for i in range(self.num_layers)]
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device))
+                              for _ in range(self.num_layers)]
         attention.register()
         sub_configs = getattr(model.config, "sub_configs", {}) or {}
         if "vision_config" in sub_configs and "text_config" in sub_configs:  # the vision tower keeps its own

@@ -20,24 +20,10 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path, *, show_hf_progress: bool = True,
                sampling: dict[str, float] | None = None) -> None:
     """Write `gguf_path` as a float32 HF model directory `out_dir` (created; must not exist), with
     `sampling` (the model's recommended temperature, top_p...) in its generation_config.json."""
-    with hf_progress_bars(enabled=show_hf_progress), _parse_once():
+    from tfserve.models.gguf_reader import serving_gguf_readers
+
+    with hf_progress_bars(enabled=show_hf_progress), serving_gguf_readers():
         _convert(gguf_path, out_dir, sampling or {})
-
-
-@contextmanager
-def _parse_once():
-    """transformers reads a GGUF's metadata three times (tokenizer, config, weights: ~10 s each for SmolLM2's
-    49k-token vocabulary) and builds gguf-py's tensor name map once per submodule (~200): while converting, one
-    reader per file and one map per architecture (converting the default model: 78 -> 39 s)."""
-    import gguf
-
-    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.lru_cache(maxsize=2)(lambda path, mode="r": make_reader(path, mode))
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(make_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 `tfserve models info FILE.gguf` shows, and why a file that is no whole GGUF cannot load.
 
 transformers' own reader fails on a cut file with whatever broke first (`struct.error: unpack_from requires a
-buffer of at least 1006 bytes`, a numpy reshape error); `gguf.GGUFReader` maps the whole file and checks every
+buffer of at least 1006 bytes`, a numpy reshape error); tfserve's reader maps the whole file and checks every
 tensor against it, so it tells a truncated download from a model transformers cannot load.
 """
 
@@ -25,7 +25,7 @@ def unreadable_error(path: Path) -> ModelLoadError | None:
     """The one-line error for a `path` that cannot be read whole (truncated, no GGUF at all, not readable);
     None where it reads."""
     try:
-        _read(path)
+        read(path)
     except ModelLoadError as exc:
         return exc
     return None
@@ -33,7 +33,7 @@ def unreadable_error(path: Path) -> ModelLoadError | None:
 
 def gguf_info(path: Path) -> ModelInfo:
     """`models info` of a .gguf file: architecture, sizes, context, tensor types, chat template presence."""
-    reader = _read(path)
+    reader = read(path)
     arch = _value(reader, "general.architecture")
     heads = _value(reader, f"{arch}.attention.head_count")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -46,7 +46,7 @@ def gguf_info(path: Path) -> ModelInfo:
         num_attention_heads=heads,
         num_key_value_heads=_value(reader, f"{arch}.attention.head_count_kv") or heads,
         max_position_embeddings=_value(reader, f"{arch}.context_length"),
-        vocab_size=_value(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None),
+        vocab_size=_value(reader, f"{arch}.vocab_size") or (len(tokens.parts) if tokens is not None else None),
         dtype=_file_type(_value(reader, "general.file_type")),
         num_parameters=sum(int(tensor.n_elements) for tensor in reader.tensors),
         size_bytes=path.stat().st_size,
@@ -57,9 +57,9 @@ def gguf_info(path: Path) -> ModelInfo:
     )
 
 
-def _read(path: Path):
-    """`gguf.GGUFReader(path)`, or a ModelLoadError saying why the file cannot be read."""
-    import gguf
+def read(path: Path):
+    """The file's `Reader` (tfserve.models.gguf_reader), or a ModelLoadError saying why it cannot be read."""
+    from tfserve.models.gguf_reader import Reader
 
     try:
         with open(path, "rb") as file:
@@ -70,8 +70,8 @@ def _read(path: Path):
     if magic != MAGIC:
         raise _cut_short(path, f"it does not begin with the GGUF magic bytes, {MAGIC.decode()}")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # a cut file fails wherever its end comes: IndexError, ValueError, struct.error
+        return Reader(path)
+    except (ValueError, OSError) as exc:  # a cut file fails wherever its end comes
         logger.debug("reading %s: %s", path, first_line(exc))
         raise _cut_short(path, f"its {size:,} bytes do not hold the header and tensors it describes") from None
 
@@ -82,15 +82,8 @@ def _cut_short(path: Path, reason: str) -> ModelLoadError:
 
 def _value(reader, key: str) -> Any:
     """A scalar metadata value (int, float, bool or str); None where the key is missing or holds an array."""
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None or not field.data or not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
-        return None
-    part = field.parts[field.data[0]]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8", "replace")
-    return part[0].item()
+    value = reader.value(key)
+    return None if isinstance(value, list) else value
 
 
 def _file_type(value: int | None) -> str | None:

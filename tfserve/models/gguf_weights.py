@@ -1,7 +1,7 @@
 """A GGUF file's quantized linear weights as they are stored, for the engine's block kernels.
 
 transformers reads a GGUF by expanding every tensor to float; the engine can instead multiply by the file's
-own blocks (Q4_0, Q4_1, Q8_0), 4 to 7 times fewer bytes per token than float32. This maps the file's tensor
+own blocks (BLOCK_TYPES: Q4_0 ... Q8_0 and the K-quants), 4 to 7 times fewer bytes per token than float32. This maps the file's tensor
 names to the model's module names (transformers' own GGUF name map) and hands over each quantized tensor as
 a uint8 array of whole blocks, one row per output feature, rows in the model's order: llama.cpp stores the
 query and key rows of Llama models permuted for its rotary layout, and permuting whole rows undoes that on
@@ -14,14 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the kernels' formats, by GGUF's type ids
+# the kernels' formats, by GGUF's type ids: blocks of 32 weights, and the K-quants' super-blocks of 256
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+               "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 STORE_FILE = "model.gguf"  # where the store keeps a pulled model's original file, beside its HF files
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    blocks: Any  # numpy uint8 [out_features, bytes per row], writable
-    qtype: int  # GGUF's type id: 2 Q4_0, 3 Q4_1, 8 Q8_0
+    blocks: Any  # numpy uint8 [out_features, bytes per row]
+    qtype: int  # GGUF's type id (BLOCK_TYPES)
     type_name: str
 
 
@@ -34,53 +36,83 @@ def gguf_source(path: str | Path) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, QuantizedWeight]:
-    """`{module name: QuantizedWeight}` for every linear weight of `model` that the file stores as Q4_0, Q4_1
-    or Q8_0 with a shape matching the module (a tied LM head takes the embedding's blocks)."""
-    import gguf
+def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Any]:
+    """`{module name: weight}` for the linear layers and embedding of `model`, from the file: a QuantizedWeight
+    for every tensor stored in one of BLOCK_TYPES with a shape matching the module (a tied LM head takes the
+    embedding's blocks), and where the model holds no weight of its own (a natively loaded GGUF's placeholders,
+    tfserve.models.gguf_native), a float32/float16/bfloat16 tensor for a tensor the file keeps in floats.
+    Blocks are views of the mapped file; whoever keeps them past the load copies them (the kernels repack)."""
     import numpy as np
+    import torch
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    from tfserve.models.gguf_file import read
+    from tfserve.models.gguf_native import is_placeholder
+
+    reader = read(Path(gguf_path))
     config = model.config
-    names = _gguf_names(model)  # gguf tensor name (no suffix) -> hf module name
+    names = tensor_names(model)  # gguf tensor name -> hf parameter name
     params = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, QuantizedWeight] = {}
+    held = {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+    out: dict[str, Any] = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
-        hf_name = names.get(tensor.name.removesuffix(".weight"))
-        if type_name not in BLOCK_TYPES or hf_name is None:
+        hf_name = names.get(tensor.name)
+        if hf_name not in held:
             continue
-        hf_name += ".weight"
-        blocks = np.asarray(tensor.data)  # [rows, bytes per row], a view of the memory-mapped file
-        rows = _row_order(tensor.name, blocks.shape[0], config)
-        # a copy, not a view of the mapped file: the file may be replaced while the engine runs
-        weight = QuantizedWeight(np.array(blocks if rows is None else blocks[rows], order="C"),
-                                 BLOCK_TYPES[type_name], type_name)
+        rows = _row_order(tensor.name, tensor.data.shape[0], config)
+        data = tensor.data if rows is None else tensor.data[rows]
         for target in _targets(hf_name, params, model):
-            if tuple(params[target].shape) == _shape(tensor):
-                out[target.removesuffix(".weight")] = weight
+            if tuple(params[target].shape) != _shape(tensor):
+                continue
+            if type_name in BLOCK_TYPES:
+                out[target.removesuffix(".weight")] = QuantizedWeight(data, BLOCK_TYPES[type_name], type_name)
+            elif type_name in _FLOAT_TYPES and is_placeholder(params[target]):
+                out[target.removesuffix(".weight")] = _float_tensor(np.ascontiguousarray(data), type_name)
     return out
 
 
-def _gguf_names(model) -> dict[str, str]:
-    """gguf-py's own tensor-name map (what transformers' GGUF loader uses), for the model's linear layers and
-    embedding only: `{"blk.0.attn_q": "model.layers.0.self_attn.q_proj", ...}`."""
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _float_tensor(data, type_name: str):
+    """A float tensor of the file's own type (a BF16 tensor's bytes read as bfloat16)."""
+    import numpy as np
     import torch
+
+    if type_name == "BF16":
+        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(data.copy())
+
+
+def runs_as_stored(type_name: str) -> bool:
+    """Whether the engine multiplies by a tensor of this GGUF type as the file stores it."""
+    return type_name in BLOCK_TYPES or type_name in _FLOAT_TYPES
+
+
+def tensor_names(model) -> dict[str, str]:
+    """gguf-py's own tensor-name map (what transformers' GGUF loader uses) over every parameter of `model`:
+    `{"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight", ...}`; empty for an architecture gguf-py
+    does not know. One map for the whole model (transformers builds one per submodule: seconds)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     config = model.config
-    model_type = {"mistral": "llama"}.get(config.model_type, config.model_type)
+    model_type = _GGUF_ARCHITECTURES.get(config.model_type, config.model_type)
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == model_type), None)
     if arch is None:
         return {}
     name_map = get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            gguf_name = name_map.get_name(name)
-            if gguf_name is not None:
-                names[gguf_name] = name
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        base, _, suffix = name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = name
     return names
+
+
+# transformers' model types whose GGUF architecture is named otherwise
+_GGUF_ARCHITECTURES = {"mistral": "llama", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
 def _targets(hf_name: str, params: dict, model) -> list[str]:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from tfserve.errors import DeviceError, ModelLoadError, ModelNotFoundError, first_line, one_line
 from tfserve.models import store
 from tfserve.models.convert import hf_progress_bars
+from tfserve.models.gguf_native import alone
 from tfserve.models.pull import pull
 from tfserve.models.catalog import DEFAULT_MODEL, get_known, recommend_sampling
 
@@ -164,9 +165,11 @@ def _hf_download(repo_id: str, revision: str | None, filename: str | None = None
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto", quantization: str = "none",
                attn_implementation: str | None = None, trust_remote_code: bool = False,
-               progress=None) -> LoadedModel:
+               progress=None, gguf_native: frozenset[str] = frozenset()) -> LoadedModel:
     """Load `spec` for inference; the default model is pulled first when the store lacks it.
-    `progress(step)` (optional) is told each step, and the pull's bytes (see `tfserve.models.pull`)."""
+    `progress(step)` (optional) is told each step, and the pull's bytes (see `tfserve.models.pull`).
+    `gguf_native`: the model classes (`Qwen2ForCausalLM` ...) whose .gguf files the caller runs from their own
+    blocks: such a file on the CPU in float32 loads natively (tfserve.models.gguf_native), no weight expanded."""
     spec = str(getattr(spec, "value", spec))  # accept the CLI's enums as well as strings
     dtype, quantization = str(getattr(dtype, "value", dtype)), str(getattr(quantization, "value", quantization))
     # check the options before a possibly long pull
@@ -184,6 +187,11 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     if quantization != "none" and resolved.kind == "gguf":
         raise DeviceError(f"--quantization {quantization} cannot re-quantize a .gguf file; "
                           "load it with --quantization none, or convert it to an HF directory first")
+
+    if resolved.kind == "gguf" and gguf_native and device == "cpu" and dtype == "auto" and quantization == "none":
+        native = _load_native(resolved, gguf_native, progress)
+        if native is not None:
+            return native
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -218,21 +226,38 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
                        processor)
 
 
+def _load_native(resolved: ResolvedModel, architectures: frozenset[str], progress) -> LoadedModel | None:
+    """The GGUF file as tfserve.models.gguf_native loads it, or None where it holds what only transformers' loader
+    reads (another architecture, a tensor type the kernels do not run)."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tfserve.models import gguf_native
+
+    if progress is not None:
+        progress(f"Loading {resolved.name}")
+    try:
+        config, tokenizer = gguf_native.load_config_and_tokenizer(resolved.path)
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        why_not = (f"{architecture or config.model_type} is not one of {', '.join(sorted(architectures))}"
+                   if architecture not in architectures else gguf_native.why_not(resolved.path))
+        if why_not is not None:
+            logger.info("%s loads through transformers, every weight expanded to float32: %s", resolved.name, why_not)
+            return None
+        model = gguf_native.build_model(resolved.path, config)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError, struct.error, IndexError) as exc:
+        raise _load_error(resolved, exc) from None
+    return LoadedModel(model, tokenizer, resolved.name, resolved.path, "cpu", torch.float32)
+
+
 @contextmanager
 def _source(resolved: ResolvedModel) -> Iterator[str]:
-    """The folder transformers loads from. A .gguf file's own folder may hold other files (the store keeps the
-    HF files converted from it beside it; a file dropped among another model's): transformers would read their
-    tokenizer.json and tokenizer_config.json over the file's own, so the tokenizer, and the chat template
-    (tokenizer.chat_template, absent from a converted tokenizer_config.json), would not be the file's. So a
-    GGUF loads from a folder that holds it alone, a link to it."""
+    """The folder transformers loads from: a GGUF file's from a folder that holds it alone
+    (`gguf_native.alone`)."""
     if resolved.kind != "gguf":
         yield str(resolved.path)
         return
-    with tempfile.TemporaryDirectory(prefix="tfserve-gguf-") as folder:
-        try:
-            (Path(folder) / resolved.path.name).symlink_to(resolved.path)
-        except OSError:  # no links here (some filesystems): its own folder, files beside it included
-            folder = str(resolved.path.parent)
+    with alone(resolved.path) as folder:
         yield folder
 
 

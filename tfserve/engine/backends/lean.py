@@ -21,6 +21,7 @@ from tfserve.engine import attention
 from tfserve.engine.attention import paged_attention_forward
 from tfserve.engine import cpu_linear
 from tfserve.engine.cpu_linear import EngineLinear
+from tfserve.models.gguf_native import is_placeholder
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
              "Phi3ForCausalLM", "Gemma3ForCausalLM"}
@@ -59,15 +60,27 @@ class LeanForward:
         names = {id(module): name for name, module in model.named_modules()}
         blocks = blocks or {}
 
+        def source(layer: torch.nn.Linear):
+            """(what EngineLinear reads of the layer, its GGUF blocks or None). A natively loaded GGUF's layer holds
+            no weight (tfserve.models.gguf_native): a tensor the file keeps in floats comes with the blocks."""
+            held = blocks.get(names[id(layer)])
+            if isinstance(held, torch.Tensor):
+                return _Weights(held, layer.bias, layer.out_features), None
+            return layer, held
+
         def format_of(layer: torch.nn.Linear) -> str:
+            held = blocks.get(names[id(layer)])
+            if isinstance(held, torch.Tensor):  # a float tensor of a natively loaded GGUF: panels of its type
+                return _PANEL_NAMES[held.dtype]
             if ops is None:
                 return "torch"
-            if layer is model.lm_head and weights in ("gguf", "int8"):
+            if layer is model.lm_head and weights in ("gguf", "int8") and not is_placeholder(layer.weight):
                 # The head picks the token: int8 activations there flip near-ties (SmolLM2's first answer
-                # token), float16 panels of its (dequantized) weights do not, and are as fast at one row
+                # token), float16 panels of its (dequantized) weights do not, and are as fast at one row. A
+                # natively loaded GGUF has no dequantized head: its blocks, as llama.cpp runs them
                 return "float16"
             if weights == "gguf":  # a tensor the file keeps in another type: expanded, as transformers read it
-                return "gguf" if names[id(layer)] in blocks else ("float32" if pack else "torch")
+                return "gguf" if held is not None else ("float32" if pack else "torch")
             if weights == "int8" and layer.in_features % 32:
                 return "float32" if pack else "torch"  # Q8_0 blocks need whole blocks of 32 inputs
             return "torch" if weights == "float32" and not pack else weights
@@ -75,16 +88,19 @@ class LeanForward:
         def linear(*layers: torch.nn.Linear) -> _Projection:
             """The layers' projections, as one stacked kernel call where their weights share a format."""
             fmts = [format_of(layer) for layer in layers]
-            parts = [blocks.get(names[id(layer)]) for layer in layers]
+            sources = [source(layer) for layer in layers]
+            parts = [part for _, part in sources]
             if len(layers) > 1 and len(set(fmts)) == 1 and fmts[0] != "torch" and \
                     len({p.qtype for p in parts if p is not None}) <= 1:
-                return _Projection([cpu_linear.fused(list(layers), ops, fmts[0], parts if fmts[0] == "gguf" else None)],
+                return _Projection([cpu_linear.fused([held for held, _ in sources], ops, fmts[0],
+                                                     parts if fmts[0] == "gguf" else None)],
                                    [layer.out_features for layer in layers])
-            return _Projection([EngineLinear(layer, ops, fmt, part) for layer, fmt, part in zip(layers, fmts, parts)])
+            return _Projection([EngineLinear(held, ops, fmt, part) for (held, part), fmt in zip(sources, fmts)])
 
         def fused(layer: torch.nn.Linear, sizes: list[int]) -> _Projection:
             """One layer that holds several projections (Phi-3's qkv_proj, gate_up_proj), split after it."""
-            return _Projection([EngineLinear(layer, ops, format_of(layer), blocks.get(names[id(layer)]))], sizes)
+            held, part = source(layer)
+            return _Projection([EngineLinear(held, ops, format_of(layer), part)], sizes)
 
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
 
@@ -114,6 +130,7 @@ class LeanForward:
             for l, window in zip(self.layers, self.windows)
         ]))
         self.lm_head = linear(model.lm_head)
+        self.embed = self._embedding(model.model.embed_tokens, blocks.get(names[id(model.model.embed_tokens)]))
         self.final_norm = _norm_weight(model.model.norm)
         self.ropes = {kind: _RopeTable(model.model.rotary_emb, kind) for kind in set(self._layers[-1])}
         self.stack = self._decoder_stack(sandwich or by_type)
@@ -121,6 +138,22 @@ class LeanForward:
         for projection in (*(p for column in self._layers[1:5] for p in column), self.lm_head):
             formats.update(projection.labels)
         self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
+
+    def _embedding(self, embed: torch.nn.Embedding, held):
+        """`embed(input_ids) -> [num_tokens, hidden]`: the model's own module, or for a natively loaded GGUF (no
+        weight of its own) rows of the file's tensor, dequantized from the blocks the LM head multiplies by
+        where the two are tied (one copy), with Gemma's scale."""
+        if not is_placeholder(embed.weight):
+            return embed
+        scale = getattr(embed, "embed_scale", None)
+        if isinstance(held, torch.Tensor):
+            rows = lambda ids: F.embedding(ids, held).float()  # noqa: E731
+        else:
+            head = self.lm_head.linears[0]
+            tied = getattr(self.config, "tie_word_embeddings", False) and head.format == "gguf"
+            table = head if tied else EngineLinear(_Weights(None, None, embed.num_embeddings), self.ops, "gguf", held)
+            rows = table.rows
+        return rows if scale is None else (lambda ids: rows(ids).mul_(scale))
 
     def weight_bytes(self) -> int:
         """Bytes of weight one decode step reads: every linear layer's as the kernels hold it (a GGUF's blocks,
@@ -203,7 +236,7 @@ class LeanForward:
         # from here on, in float32
         num_decodes = meta.num_decode_tokens
         tp = self.tp
-        x = model.model.embed_tokens(input_ids) if tp is None else tp.embed(model.model.embed_tokens, input_ids)
+        x = self.embed(input_ids) if tp is None else tp.embed(model.model.embed_tokens, input_ids)
         # [num_tokens, hidden]
         ropes = {kind: rope(x, positions) for kind, rope in self.ropes.items()}  # [num_tokens, head_dim] each
         residual = None  # the last block's output, added to x by the next norm
@@ -254,6 +287,18 @@ class LeanForward:
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
         (logits,) = self.lm_head(rms_norm(x, self.final_norm, eps, residual))
         return logits if tp is None else tp.gather_logits(logits)
+
+_PANEL_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class _Weights:
+    """What EngineLinear reads of a layer, with a weight the layer does not hold."""
+
+    __slots__ = ("weight", "bias", "out_features")
+
+    def __init__(self, weight, bias, out_features: int) -> None:
+        self.weight, self.bias, self.out_features = weight, bias, out_features
+
 
 class _Projection:
     """`projection(x) -> (y, ...)`: one output per layer, from one stacked EngineLinear (`sizes`: each layer's

@@ -1,0 +1,94 @@
+"""A GGUF file read natively: tfserve's reader against gguf-py's, the config and tokenizer cache, and the model
+whose linear weights are placeholders for the file's blocks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tfserve.models import gguf_native
+from tfserve.models.gguf_reader import GGUFFormatError, Reader
+from tiny_gguf import HIDDEN, LAYERS, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSERVE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_the_reader_reads_what_gguf_py_reads(tiny):
+    ours, theirs = Reader(tiny), gguf.GGUFReader(str(tiny))
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):  # gguf-py's own framing fields
+            continue
+        assert ours.fields[key].types == field.types
+        assert ours.fields[key].contents() == field.contents(), key
+
+
+@pytest.mark.parametrize("keep", [0, 7, 100, 4000])
+def test_a_cut_file_is_a_format_error(tiny, tmp_path, keep):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[:keep])
+    with pytest.raises(GGUFFormatError):
+        Reader(cut)
+
+
+def test_config_and_tokenizer_come_from_the_cache_on_a_second_load(tiny, home, monkeypatch):
+    from transformers import AutoTokenizer
+
+    config, tokenizer = gguf_native.load_config_and_tokenizer(tiny)
+    assert config.hidden_size == HIDDEN and config.num_hidden_layers == LAYERS
+    expected = AutoTokenizer.from_pretrained(str(tiny.parent), gguf_file=tiny.name)
+    text = "hello world, the quick brown fox"
+    assert tokenizer(text)["input_ids"] == expected(text)["input_ids"]
+    assert tokenizer.chat_template == expected.chat_template
+
+    def no_metadata_reads(*args, **kwargs):
+        raise AssertionError("the metadata was read again")
+
+    monkeypatch.setattr("transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint", no_metadata_reads)
+    again, again_tokenizer = gguf_native.load_config_and_tokenizer(tiny)
+    assert again.to_dict() == config.to_dict()
+    assert again_tokenizer(text)["input_ids"] == expected(text)["input_ids"]
+
+
+def test_a_changed_file_is_read_again_and_the_cache_stays_bounded(tiny, home, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_native, "MAX_CACHED_FILES", 2)
+    copies = []
+    for i in range(4):
+        copy = tmp_path / f"copy{i}.gguf"
+        copy.write_bytes(tiny.read_bytes())
+        gguf_native.load_config_and_tokenizer(copy)
+        copies.append(copy)
+    assert len([p for p in gguf_native.cache_root().iterdir() if p.is_dir()]) == 2
+
+
+def test_the_model_holds_the_files_norms_and_no_linear_weight(tiny):
+    from transformers import AutoModelForCausalLM
+
+    config, _ = gguf_native.load_config_and_tokenizer(tiny)
+    model = gguf_native.build_model(tiny, config)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny.parent), gguf_file=tiny.name, dtype=torch.float32)
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if name.endswith("_proj.weight") or "embed_tokens" in name or name == "lm_head.weight":
+            assert gguf_native.is_placeholder(param), name
+            assert param.untyped_storage().nbytes() == 4  # one float, seen through zero strides
+        else:
+            assert torch.equal(param, expected[name]), name
+    assert gguf_native.is_native(model) and not gguf_native.is_native(reference)
+    for name, buffer in model.named_buffers():  # the rotary tables are computed, not left empty
+        assert buffer.device.type == "cpu"
+        torch.testing.assert_close(buffer, dict(reference.named_buffers())[name])

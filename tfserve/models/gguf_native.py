@@ -1,0 +1,203 @@
+"""A GGUF file loaded natively: the model's config and tokenizer from the file's metadata, a model whose small
+tensors (norms, biases) come from the file and whose linear layers and embedding hold no weights at all; the
+engine then multiplies by the file's own blocks (tfserve.models.gguf_weights).
+
+transformers' own GGUF loader dequantizes every tensor into a float32 model: a minute and more for a 0.5B
+file, and a float32 copy of the weights in memory. Here nothing of the weights is expanded: the config and
+tokenizer come from transformers' mapping of GGUF metadata (the part of its loader that is not dequantizing),
+and are kept in a cache keyed by the file, so a second start reads neither the metadata's vocabulary nor its
+merges again. Linear weights and the embedding are placeholders of their shape that take no memory (one
+number seen through a zero stride); only the engine's lean forward runs such a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tfserve.errors import ModelLoadError, first_line
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = "1"  # bump when what the cache holds changes shape
+MAX_CACHED_FILES = 16  # config + tokenizer folders kept; the oldest used go first
+
+
+def architecture(path: Path) -> str | None:
+    """The file's `general.architecture` (llama, qwen2, gemma3 ...); a ModelLoadError where it cannot be read."""
+    from tfserve.models.gguf_file import read
+
+    value = read(path).value("general.architecture")
+    return value if isinstance(value, str) else None
+
+
+def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
+    """(config, tokenizer) of a GGUF file: from the cache when this file was read before, else from its metadata
+    through transformers' mapping (then cached)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tfserve.models.gguf_reader import serving_gguf_readers
+
+    folder = _cache_dir(path)
+    if (folder / "config.json").is_file():
+        try:
+            os.utime(folder)  # used now: the last to go when the cache is pruned
+            return _named(path, AutoConfig.from_pretrained(folder, local_files_only=True),
+                          AutoTokenizer.from_pretrained(folder, local_files_only=True))
+        except (OSError, ValueError, KeyError) as exc:  # a cache left damaged: read the file again
+            logger.debug("GGUF cache %s unreadable (%s); reading %s", folder, first_line(exc), path)
+    start = time.perf_counter()
+    with alone(path) as source, serving_gguf_readers():
+        config = AutoConfig.from_pretrained(source, gguf_file=path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=path.name, local_files_only=True)
+    logger.info("read %s's config and tokenizer from its metadata in %.1f s (cached for the next start)",
+                path.name, time.perf_counter() - start)
+    _save(folder, config, tokenizer)
+    return _named(path, config, tokenizer)
+
+
+def _named(path: Path, config: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Both named by the file, wherever they were read from."""
+    config._name_or_path = tokenizer.name_or_path = str(path)
+    return config, tokenizer
+
+
+def build_model(path: Path, config: Any):
+    """The model of `config` with the file's norms and biases, its linear layers' and embedding's weights
+    placeholders (`is_placeholder`): what the engine's lean forward needs besides the blocks it reads itself."""
+    import gguf
+    import torch
+    from accelerate import init_empty_weights
+
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from tfserve.models.gguf_file import read
+    from tfserve.models.gguf_weights import tensor_names
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reader = read(path)
+    arch = reader.value("general.architecture")
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = tensor_names(model)  # "blk.0.attn_norm.weight" -> "model.layers.0.input_layernorm.weight"
+    tensors = {names[t.name]: t for t in reader.tensors if t.name in names}
+    held = {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if name in held:
+            value = placeholder(param.shape)
+        elif name in tensors:
+            tensor = tensors[name]
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            data = processor.process(weights=data, name=tensor.name).weights
+            value = torch.from_numpy(data.astype("float32", copy=True)).reshape(param.shape)
+        else:
+            raise ModelLoadError(f"cannot load {path}: it has no tensor for {name}")
+        _set_parameter(model, name, value)
+    model.eval()
+    return model
+
+
+def why_not(path: Path) -> str | None:
+    """Why the engine cannot run the file's tensors as stored (a type its kernels lack), or None."""
+    from tfserve.models.gguf_file import read
+    from tfserve.models.gguf_weights import runs_as_stored
+
+    other = sorted({t.tensor_type.name for t in read(path).tensors if not runs_as_stored(t.tensor_type.name)})
+    return f"its {', '.join(other)} tensors are not a type the kernels run" if other else None
+
+
+def placeholder(shape) -> Any:
+    """A float32 tensor of `shape` that takes 4 bytes: zeros seen through zero strides."""
+    import torch
+
+    return torch.zeros(1).expand(tuple(shape))
+
+
+def is_placeholder(tensor) -> bool:
+    """True for a weight `build_model` left to the engine's blocks."""
+    return tensor.dim() > 0 and tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+
+
+def is_native(model) -> bool:
+    """True for a model `build_model` made (its weights are placeholders for the file's blocks)."""
+    return any(is_placeholder(param) for param in model.parameters())
+
+
+def _set_parameter(model, name: str, value) -> None:
+    import torch
+
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _file_key(path: Path) -> str:
+    """The cache's name for one file as it is now: where it is, its size, when it was written, the versions that
+    shape what is cached."""
+    import transformers
+
+    stat = path.stat()
+    parts = [str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ino), CACHE_VERSION,
+             transformers.__version__]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def cache_root() -> Path:
+    """Where the config and tokenizer of GGUF files read before are kept: `$TFSERVE_HOME/cache/gguf`."""
+    from tfserve.models.store import home
+
+    return home() / "cache" / "gguf"
+
+
+def _cache_dir(path: Path) -> Path:
+    return cache_root() / _file_key(path)
+
+
+def _save(folder: Path, config: Any, tokenizer: Any) -> None:
+    """Write the cache folder whole or not at all (a folder made aside, then renamed); never fails a load."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        config.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        try:
+            os.rename(work, folder)
+        except OSError:  # another process cached it first
+            shutil.rmtree(work, ignore_errors=True)
+        _prune(folder.parent)
+    except OSError as exc:
+        logger.warning("cannot cache the GGUF file's config and tokenizer in %s (%s)", folder, first_line(exc))
+
+
+def _prune(root: Path) -> None:
+    """Keep the MAX_CACHED_FILES folders used last: the cache never grows past that many files' tokenizers."""
+    folders = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in folders[MAX_CACHED_FILES:]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def alone(path: Path) -> Iterator[str]:
+    """A folder that holds only a link to the GGUF file, for transformers to read it from. A file's own folder
+    may hold other files (the store keeps the HF files converted from it beside it; a file dropped among
+    another model's): transformers would read their tokenizer.json and tokenizer_config.json over the file's
+    own, so the tokenizer and the chat template would not be the file's."""
+    with tempfile.TemporaryDirectory(prefix="tfserve-gguf-") as folder:
+        try:
+            (Path(folder) / path.name).symlink_to(path)
+        except OSError:  # no links here (some filesystems): its own folder, files beside it included
+            folder = str(path.parent)
+        yield folder
