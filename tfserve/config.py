@@ -26,6 +26,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # longest prompt + output; None: the model's context length
+    chat_template: str | None = None  # a Jinja chat template over the model's own (vLLM's --chat-template); None: its own
     generation_config: str = "auto"  # "auto": the model's generation_config gives absent sampling fields; "none"
     # how a step's packed tokens become logits (engine/backends): "auto" picks the lean forward where it
     # applies, "hf" the model's own forward, "lean" insists on the lean forward (an error where it cannot run)

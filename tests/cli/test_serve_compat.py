@@ -120,6 +120,14 @@ def test_flags_map_to_tfserve_options(served):
     assert "--model-timeout has no effect with a pinned model" in seen["result"].output
 
 
+def test_a_chat_template_is_a_file_or_the_template_itself(served, tmp_path):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert ok(served("--chat-template", str(tmp_path / "t.jinja")))["engine_kwargs"].chat_template == template
+    assert ok(served("--chat-template", template))["engine_kwargs"].chat_template == template
+    assert ok(served())["engine_kwargs"].chat_template is None
+
+
 def test_model_timeout_unloads_on_demand_models_only_when_asked(served):
     assert ok(served("--model-timeout", "30"))["state"].models.idle_timeout_s == 30
     assert ok(served())["state"].models.idle_timeout_s is None  # -1: never (transformers' default is 300)
@@ -303,6 +311,8 @@ def assert_one_line(result, fragment: str) -> None:
     (["--model-timeout", "-7"], "--model-timeout"), (["--default-seed", str(-2**63 - 1)], "--default-seed"),
     (["--default-seed", str(2**64)], "--default-seed"), (["--chat-template-kwargs", "{bad"], "not JSON"),
     (["--chat-template-kwargs", "[1]"], "JSON object"), (["--reasoning", "maybe"], "--reasoning"),
+    (["--chat-template", "/no/such/template.jinja"], "No such file"),
+    (["--chat-template", "{% for m in messages %}{{ m.content }}"], "not a Jinja template"),
     (["--log-level", "loud"], "--log-level"), (["--generation-config", "x"], "--generation-config"),
     (["--attn-implementation", "flash_attention_3"], "flash_attention_2"), (["--dtype", "float8"], "--dtype"),
     (["--torch-dtype", "float8"], "--torch-dtype"), (["--quantization", "bnb-2bit"], "--quantization"),

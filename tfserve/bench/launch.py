@@ -38,7 +38,7 @@ def wait_until_ready(base_url: str, timeout_s: float, process: subprocess.Popen 
         status = _status(root + "/health")
         if status == 200 or (status == 404 and _status(root + "/v1/models") == 200):
             return
-        time.sleep(0.5)
+        time.sleep(0.1)
     shown = _show_tail(log)
     raise TfserveError(f"{root} did not answer /health or /v1/models within {timeout_s:.0f} s"
                        + (" (the launched server's last output is above)" if shown else ""))
@@ -108,7 +108,7 @@ def _status(url: str) -> int | None:
 def launched(command: str | None, base_url: str, timeout_s: float = 600.0, log_path: str | None = None):
     """Run `command` (a shell command line) for the duration of the block; None: nothing to launch. Its output
     goes to `log_path`, else to a temporary file, removed afterwards: either way its last lines are shown if it
-    dies before it is ready."""
+    dies before it is ready. The process yielded has `ready_s`: seconds from its start until it answered."""
     if not command:
         yield None
         return
@@ -121,7 +121,9 @@ def launched(command: str | None, base_url: str, timeout_s: float = 600.0, log_p
         process = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
+            started = time.monotonic()
             wait_until_ready(base_url, timeout_s, process, log)
+            process.ready_s = time.monotonic() - started
             yield process
         finally:
             _stop(process)
@@ -140,3 +142,27 @@ def _stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
         process.wait()
     except ProcessLookupError:
         pass
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` and every process under it (a shell's server, a server's workers), from
+    /proc; 0 where it cannot be read."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                fields = file.read().rpartition(")")[2].split()
+            with open(f"/proc/{entry}/statm") as file:
+                rss[int(entry)] = int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        total += rss.get(current, 0)
+        todo.extend(children.get(current, ()))
+    return total

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated
@@ -244,6 +245,11 @@ def serve(
                                                    "are text only), spread evenly.")] = 1.0,
     api_key: Annotated[str, typer.Option("--api-key", envvar="TFSERVE_API_KEY", help="Bearer token.")] = "EMPTY",
     launch: Annotated[str | None, typer.Option("--launch", help="Start this server command first; stop it after.")] = None,
+    models: Annotated[str | None, typer.Option(
+        "--models", metavar="FILE,FILE",
+        help="Run everything once per model: --launch starts the server with each in place of {model} (GGUF files, "
+             "directories, names), and each run reports the server's start time and resident memory.",
+        show_default=False)] = None,
     launch_timeout: Annotated[float, typer.Option("--launch-timeout", min=0.001,
                                                   help="Seconds to wait for it.")] = 600.0,
     sweep: Annotated[str | None, typer.Option("--sweep", help="A series, e.g. concurrency=1,8,32.")] = None,
@@ -265,6 +271,8 @@ def serve(
       tfserve bench serve --url localhost:8000 --request-rate 4 --dataset prompts.jsonl -o run.json
       tfserve bench serve --url localhost:8000 --image cat.png --image-fraction 0.5   # a vision model
       tfserve bench serve --launch "llama-server -m model.gguf -np 32 -c 32768 -t 2 --port 8080" --url localhost:8080
+      tfserve bench serve --launch "tfserve serve --model {model} --port 8011" --url localhost:8011 \\
+          --models a.Q4_K_M.gguf,b.Q8_0.gguf --sweep concurrency=1,32   # start time, memory, tok/s per file
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -294,10 +302,9 @@ def serve(
     else:
         all_prompts = take(builtin_prompts(), largest)
 
-    runs = []
-    with launched(launch, base_url, launch_timeout):
-        check_reachable(base_url, loading_timeout_s=launch_timeout)
-        model = served_model(base_url, api_key, model)  # a refused key, no such model: one line, no load sent
+    def serve_runs(model: str) -> list[dict]:
+        """One run per sweep value against the server at base_url."""
+        runs = []
         for value in sweep_values:
             config = OnlineConfig(base_url=base_url, model=model, max_tokens=max_tokens, concurrency=concurrency,
                                   request_rate=request_rate, endpoint=endpoint, api_key=api_key,
@@ -325,6 +332,33 @@ def serve(
                 err_console.print(f"[red]failed:[/] {message}", highlight=False)
             runs.append(result)
             _show(result, f"{base_url} {model} {sweep_key}={value}", None)
+        return runs
+
+    model_files = _models(models, launch)
+    per_model = []
+    for model_file in model_files:
+        command = launch.replace("{model}", shlex.quote(model_file)) if model_file is not None else launch
+        with launched(command, base_url, launch_timeout) as process:
+            check_reachable(base_url, loading_timeout_s=launch_timeout)
+            served = served_model(base_url, api_key, None if model_file else model)  # a refused key...: one line
+            memory = {"start_s": round(process.ready_s, 2), "rss_mb_ready": _rss_mb(process)} if process else {}
+            runs = serve_runs(served)
+            if process is not None:
+                memory["rss_mb_after"] = _rss_mb(process)
+                err_console.print(f"{model_file or served}: ready in {memory['start_s']:.1f} s, resident "
+                                  f"{memory['rss_mb_ready']:,} MB after the load, {memory['rss_mb_after']:,} MB after "
+                                  "the runs", highlight=False)
+        per_model.append({"model": model_file or served, **memory, "runs": runs})
+    if models is not None:
+        console.print(_models_table(per_model, sweep_key, sweep_values))
+        if output_json is not None:
+            settings = run_settings("serve", ctx.params, url=base_url)
+            write_text(output_json, to_json({"sweep": sweep_key, "values": sweep_values, "models": per_model,
+                                             "settings": settings}))
+        if all(run["completed"] == 0 for entry in per_model for run in entry["runs"]):
+            raise TfserveError("every request failed (see above)")
+        return
+    runs, model = per_model[0]["runs"], per_model[0]["model"]
     if output_json is not None:
         settings = run_settings("serve", ctx.params, url=base_url, model=model)
         payload = runs[0] if not sweep else {"sweep": sweep_key, "values": sweep_values, "runs": runs}
@@ -333,6 +367,41 @@ def serve(
         plot_sweep([(model, sweep_values, runs)], plot, sweep_key)
     if all(run["completed"] == 0 for run in runs):
         raise TfserveError("every request failed (see above)")
+
+
+def _models(models: str | None, launch: str | None) -> list[str | None]:
+    """--models as a list (one None: the server --launch or --url names), checked against --launch."""
+    if models is None:
+        return [None]
+    if not launch or "{model}" not in launch:
+        raise UsageError("--models needs --launch with {model} where each model goes, e.g. --launch "
+                         "\"tfserve serve --model {model} --port 8011\"")
+    names = [name.strip() for name in models.split(",") if name.strip()]
+    if not names:
+        raise UsageError("--models names no model")
+    return names
+
+
+def _rss_mb(process) -> int:
+    from tfserve.bench.launch import tree_rss_bytes
+
+    return round(tree_rss_bytes(process.pid) / 2**20)
+
+
+def _models_table(per_model: list[dict], sweep_key: str, values: list):
+    """One row per model: start, memory, output tokens per second at each sweep value."""
+    from rich.table import Table
+
+    table = Table(title="models")
+    for column in ("model", "start s", "RSS MB (loaded)", "RSS MB (after)"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for value in values:
+        table.add_column(f"tok/s {sweep_key}={value}", justify="right")
+    for entry in per_model:
+        rates = [f"{run.get('output_throughput', 0):.1f}" for run in entry["runs"]]
+        table.add_row(Path(entry["model"]).name, f"{entry.get('start_s', 0):.1f}", f"{entry.get('rss_mb_ready', 0):,}",
+                      f"{entry.get('rss_mb_after', 0):,}", *rates)
+    return table
 
 
 def _image_data_url(path: Path, endpoint: str) -> str:

@@ -200,6 +200,11 @@ def serve(
     reasoning: Annotated[Reasoning, typer.Option(
         help="on/off: render chat templates with enable_thinking true/false (Qwen3 and other reasoning models); "
              "auto: the template's default.", rich_help_panel=SERVER)] = Reasoning.auto,
+    chat_template: Annotated[str | None, typer.Option(
+        metavar="FILE", callback=compat.chat_template, show_default=False,
+        help="A Jinja chat template (a file, or the template itself) used over the model's own, as vLLM's "
+             "--chat-template: a base model without one then serves /v1/chat/completions too.",
+        rich_help_panel=SERVER)] = None,
     chat_template_kwargs: Annotated[str | None, typer.Option(
         metavar="JSON", callback=compat.check_json_object, show_default=False,
         help="Chat template variables for every request, a JSON object (e.g. '{\"enable_thinking\": false}'); "
@@ -341,6 +346,7 @@ def serve(
         "num_blocks": _same(ctx, "num_blocks", num_blocks, cb_num_blocks),
         "kv_cache_memory": _kv_cache_memory(kv_cache_memory, cb_max_memory_percent),
         "enable_prefix_caching": not no_prefix_caching, "generation_config": generation_config.value,
+        "chat_template": chat_template,
         "speculative": speculative, "speculative_model": speculative_model, "num_speculative_tokens": num_speculative_tokens,
         "tensor_parallel_size": tensor_parallel_size, "distributed_init_method": _init_method(distributed_init_method),
         "distributed_timeout_s": distributed_timeout, "nnodes": nnodes, "compile": compile_model,

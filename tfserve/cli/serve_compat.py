@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -197,6 +198,28 @@ def check_json_object(value: str | None) -> str | None:
                                  "e.g. '{\"enable_thinking\": false}'") from None
     if not isinstance(parsed, dict):
         raise typer.BadParameter(f"{value!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline (as vLLM takes it); one line where it is
+    neither or does not parse as Jinja."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{" not in value:  # no template syntax: a file name
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise typer.BadParameter(f"{path}: {reason} (give a template file, or the template itself)") from None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(value)
+    except TemplateSyntaxError as exc:
+        raise typer.BadParameter(f"not a Jinja template: {exc.message} (line {exc.lineno})") from None
     return value
 
 

@@ -130,6 +130,7 @@ class Engine:
             kernels.build_with_progress(report)
         if is_native(loaded.model) and kernels.cpu_ops() is None:  # no compiler here: transformers expands it
             loaded = load_model(model or DEFAULT_MODEL, progress=progress, **load_kwargs)
+        _use_chat_template(loaded, config)
         gguf_file = gguf_source(loaded.path) if loaded.device == "cpu" and dtype == "auto" else None
         if gguf_file is not None and config.weights in ("auto", "gguf") and not config.gguf_file:
             config = dataclasses.replace(config, gguf_file=str(gguf_file))
@@ -654,6 +655,12 @@ def worker_spec(model: str | None, config: EngineConfig, *, dtype: str = "auto",
     return _worker_spec(model or DEFAULT_MODEL, config, load_kwargs)
 
 
+def _use_chat_template(loaded, config: EngineConfig) -> None:
+    """The caller's chat template over the model's own (a base model has none)."""
+    if config.chat_template is not None:
+        loaded.tokenizer.chat_template = config.chat_template
+
+
 def _load_plan(config: EngineConfig, dtype: str, device: str, quantization: str, attn_implementation: str | None,
                trust_remote_code: bool) -> tuple[EngineConfig, dict[str, Any]]:
     """`config` with the weight format the user's dtype and quantization mean, and `load_model`'s keywords."""
@@ -691,6 +698,7 @@ def _tensor_parallel(cls, spec, progress) -> Engine:
         torch.set_num_threads(tensor_parallel.torch_threads(world, config.nnodes))
         tensor_parallel.init_process_group(0, world, init_method, config.distributed_timeout_s)
         loaded = load_model(model, progress=progress, **load_kwargs)
+        _use_chat_template(loaded, config)
         from tfserve.models.gguf_weights import gguf_source
 
         if loaded.device == "cpu" and gguf_source(loaded.path) is not None:  # as one engine would have run it

@@ -16,6 +16,10 @@ import logging
 import os
 import sys
 from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("tfserve.engine")
 
@@ -47,7 +51,7 @@ def keep_freed_memory() -> bool:
     return done
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
+def lazy_zeros(shape: tuple[int, ...], dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS fills only when first touched: an anonymous mapping, not
     malloc'd memory that must be cleared. A KV cache of gigabytes is made at once (`torch.zeros` wrote every
     page: seconds, and the whole cache resident from the start); its pages join the process as blocks are
