@@ -493,6 +493,9 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     else:
         table.add_row("Dtype", dtype)
     table.add_row("Device", str(engine.device))
+    load_seconds = getattr(engine, "load_seconds", None)
+    if load_seconds is not None:  # from the start of the load (the file read, the kernels) to a ready engine
+        table.add_row("Loaded in", f"{load_seconds:.1f} s")
     table.add_row("Attention", attention_label(engine.runner))
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
                               f"{decimal(engine.runner.kv_cache_bytes)}")
