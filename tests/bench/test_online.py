@@ -265,6 +265,38 @@ def test_launch_starts_waits_and_stops_the_server(tmp_path):
     assert not _listening(port)  # the launched server is gone
 
 
+def test_models_launch_the_server_once_per_model_with_its_start_and_memory(tmp_path):
+    port = _free_port()
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys\nsys.path.insert(0, %r)\n" % str(__import__('pathlib').Path(__file__).parent)
+        + "open(%r, 'a').write(sys.argv[1] + '\\n')\n" % str(tmp_path / "launched.txt")
+        + "from aiohttp import web\nfrom test_online import _fake_app\n"
+        + f"web.run_app(_fake_app(), host='127.0.0.1', port={port})\n")
+    out = tmp_path / "models.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{port}", "-n", "2",
+                                      "--launch", f"{sys.executable} {script} {{model}}", "--launch-timeout", "60",
+                                      "--models", "a model.gguf,b.gguf", "--sweep", "concurrency=1,2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "launched.txt").read_text().splitlines() == ["a model.gguf", "b.gguf"]  # quoted, in turn
+    data = json.loads(out.read_text())
+    assert [entry["model"] for entry in data["models"]] == ["a model.gguf", "b.gguf"]
+    for entry in data["models"]:
+        assert entry["start_s"] > 0 and entry["rss_mb_ready"] > 10 and entry["rss_mb_after"] > 10
+        assert [run["completed"] for run in entry["runs"]] == [2, 2]
+    assert result.output.count("ready in") == 2  # each model's start and memory, as it finishes
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--models", "a.gguf"], "--models needs --launch with {model}"),
+    (["--models", "a.gguf", "--launch", "tfserve serve"], "--models needs --launch with {model}"),
+    (["--models", ",", "--launch", "x {model}"], "--models names no model"),
+])
+def test_models_without_a_launch_to_put_them_in_are_one_line(args, fragment):
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{_free_port()}", *args])
+    assert result.exit_code == 2 and fragment in result.output and "Traceback" not in result.output, result.output
+
+
 def test_launch_that_dies_is_one_readable_line(tmp_path):
     result = CliRunner().invoke(app, ["bench", "serve", "--url", f"127.0.0.1:{_free_port()}", "-n", "1",
                                       "--launch", f"{sys.executable} -c 'raise SystemExit(3)'"])
