@@ -5,6 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from transformers import (  # noqa: E402
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -59,6 +61,18 @@ def _model(arch):
                 if "norm" in name:  # initialised to zeros: make (1 + weight) matter
                     param.normal_(0, 0.3)
         return model
+    if arch == "gemma2":  # sandwich norms, windows on alternate layers, tanh-capped attention scores and logits
+        config = Gemma2Config(**SIZES, head_dim=16, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+        model = Gemma2ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0, 0.3)
+                elif name.endswith("proj.weight"):  # scores large enough for the caps to bite
+                    param.mul_(8)
+        return model
     raise ValueError(arch)
 
 
@@ -81,7 +95,7 @@ def _step_logits(model, use_lean: bool, kernels: bool = True, pack: bool = False
 
 @pytest.mark.parametrize("arch,kernels", [("llama", True), ("mistral", True), ("qwen3", True), ("smollm3", True),
                                          ("phi3", True), ("phi3", False), ("gemma3", True), ("gemma3", False),
-                                         ("llama", False)])
+                                         ("gemma2", True), ("gemma2", False), ("llama", False)])
 def test_lean_logits_are_bit_identical(arch, kernels):
     model = _model(arch).eval()
     assert LeanForward.why_not(model) is None

@@ -27,7 +27,7 @@ from tfserve.errors import ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "1"  # bump when what the cache holds changes shape
+CACHE_VERSION = "3"  # bump when what the cache holds changes shape
 MAX_CACHED_FILES = 16  # config + tokenizer folders kept; the oldest used go first
 
 
@@ -58,10 +58,33 @@ def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
     with alone(path) as source, serving_gguf_readers():
         config = AutoConfig.from_pretrained(source, gguf_file=path.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=path.name, local_files_only=True)
+    _stated_fields(path, config)
     logger.info("read %s's config and tokenizer from its metadata in %.1f s (cached for the next start)",
                 path.name, time.perf_counter() - start)
     _save(folder, config, tokenizer)
     return _named(path, config, tokenizer)
+
+
+# what llama.cpp writes that transformers' mapping leaves out for some architectures, where the config class's
+# default would apply instead: Qwen3Config's head_dim of 128 (wrong for a Qwen3 of any other head size),
+# Gemma2Config's caps (right for Google's releases, not for every fine-tune)
+_STATED = {"attention.key_length": "head_dim", "attn_logit_softcapping": "attn_logit_softcapping",
+           "final_logit_softcapping": "final_logit_softcapping"}
+
+
+def _stated_fields(path: Path, config: Any) -> None:
+    """The config fields the file states (`_STATED`) where transformers' mapping reads none for the architecture."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    from tfserve.models.gguf_file import read
+
+    reader = read(path)
+    arch = reader.value("general.architecture")
+    mapped = GGUF_CONFIG_MAPPING.get(arch, {})
+    for key, field in _STATED.items():
+        value = reader.value(f"{arch}.{key}")
+        if isinstance(value, (int, float)) and key not in mapped and hasattr(config, field):
+            setattr(config, field, value)
 
 
 def _named(path: Path, config: Any, tokenizer: Any) -> tuple[Any, Any]:

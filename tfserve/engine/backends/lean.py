@@ -1,4 +1,4 @@
-"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3 text) in
+"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 2 and 3 text) in
 float32.
 
 The model's own forward spends most of a small step outside arithmetic: module calls, keyword plumbing,
@@ -24,9 +24,10 @@ from tfserve.engine.cpu_linear import EngineLinear
 from tfserve.models.gguf_native import is_placeholder
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
-             "Phi3ForCausalLM", "Gemma3ForCausalLM"}
+             "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm",
-          "Gemma3RMSNorm"}
+          "Gemma2RMSNorm", "Gemma3RMSNorm"}
+_GEMMA_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")  # they multiply by (1 + weight)
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # Gemma: tanh GELU
 
 
@@ -49,6 +50,7 @@ class LeanForward:
         self.num_heads = tp.num_heads if tp is not None else config.num_attention_heads
         self.num_kv_heads = tp.num_kv_heads if tp is not None else config.num_key_value_heads
         self.eps = config.rms_norm_eps
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
         # Mistral and Phi-3 pass the config's window to attention; Qwen2/3, SmolLM3 keep one per layer; Llama has none.
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
@@ -114,7 +116,7 @@ class LeanForward:
                 return fused(mlp.gate_up_proj, [mlp.down_proj.in_features] * 2)
             return linear(mlp.gate_proj, mlp.up_proj)
 
-        # Gemma 3 normalises each block's output before the residual add ("sandwich" norms): its
+        # Gemma 2 and 3 normalise each block's output before the residual add ("sandwich" norms): its
         # post_attention_layernorm does that, and pre_feedforward_layernorm is the MLP's input norm
         sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
         # Gemma 3 turns sliding-window and full layers by two rotary tables (other bases): one per layer type
@@ -204,8 +206,6 @@ class LeanForward:
         config = model.config
         if _activation(config) not in _ACTIVATIONS or getattr(config, "mlp_bias", False):
             return "its MLP is not a bias-free SiLU or tanh-GELU gate"
-        if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
-            return "it caps its logits (softcapping)"
         for module in model.modules():
             if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
                 return "it has forward hooks that only its own forward would run"
@@ -264,11 +264,11 @@ class LeanForward:
                     rotary(q, k, cos, sin)
             if decode is not None:  # one call: cache write and attention
                 o = self.ops.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.key_lens,
-                                                    attn.scaling, window or -1, 0.0, k, v, meta.slot_mapping)
+                                                    attn.scaling, window or -1, attn.softcap, k, v, meta.slot_mapping)
             else:  # [1, heads, num_tokens, head_dim] views, as transformers hands them to attention
                 o, _ = paged_attention_forward(attn.module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], None, scaling=attn.scaling,
-                                               sliding_window=window)
+                                               sliding_window=window, softcap=attn.softcap or None)
             (residual,) = o_proj(o.view(num_tokens, heads * head_dim), num_decodes)
             if tp is not None:  # every rank's heads' share of the output
                 tp.all_reduce(residual)
@@ -286,6 +286,8 @@ class LeanForward:
                 residual = rms_norm(residual, post_mlp_norm, eps)
         x, residual = x.index_select(0, logits_index), residual.index_select(0, logits_index)
         (logits,) = self.lm_head(rms_norm(x, self.final_norm, eps, residual))
+        if self.final_softcap:  # Gemma 2: tanh caps the logits, in transformers' three steps
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits if tp is None else tp.gather_logits(logits)
 
 _PANEL_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -369,6 +371,7 @@ class _Attention:
         self.q_norm = _norm_args(module.q_norm) if hasattr(module, "q_norm") else None
         self.k_norm = _norm_args(module.k_norm) if hasattr(module, "k_norm") else None
         self.rope = bool(getattr(module, "use_rope", True))
+        self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)  # Gemma 2: tanh-capped scores
 
 
 def _activation(config) -> str | None:
@@ -377,7 +380,7 @@ def _activation(config) -> str | None:
 
 def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     """The weight an RMSNorm multiplies by: Gemma's (1 + weight), in float32 as its forward adds it."""
-    return norm.weight.float() + 1.0 if type(norm).__name__ == "Gemma3RMSNorm" else norm.weight
+    return norm.weight.float() + 1.0 if type(norm).__name__ in _GEMMA_NORMS else norm.weight
 
 
 def _norm_args(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
