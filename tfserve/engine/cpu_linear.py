@@ -9,12 +9,14 @@ by reading the weights; a general GEMM reads them at about half the memory bandw
                       checkpoint loaded in float32): the same products from half the bytes
     float16/bfloat16  panels in 16 bits, widened in registers: half the bytes, float32 arithmetic
     int8              GGUF Q8_0 blocks quantized from the float weight (32 weights per float16 scale)
-    gguf              a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, as stored
+    gguf              a GGUF file's own blocks, as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
+                      Q2_K .. Q6_K (those need in_features % 256 == 0)
 
 The block formats multiply decode tokens with activations quantized to int8 per block of 32 (integer dot
 products, as llama.cpp does) and prompt tokens in float32 over the exactly dequantized weights (faster for
-many rows, and what the float32 engine computes). Every kernel computes every row the same way whatever the number of rows, so a request's
-output does not depend on the rest of its batch. The caller's `nn.Linear` is never changed, so the model
+many rows, and what the float32 engine computes). `rows(ids)` reads weight rows back in float32, so that a
+token embedding tied to the LM head is looked up in the head's own copy. Every kernel computes every row the
+same way whatever the number of rows, so a request's output does not depend on the rest of its batch. The caller's `nn.Linear` is never changed, so the model
 outside the engine (its own `generate`, training) runs exactly as before.
 """
 
@@ -35,7 +37,7 @@ class EngineLinear:
     `ops` (the compiled kernels) it is F.linear; with them the weight is held in `weights` format (`blocks`:
     the layer's GGUF blocks for "gguf")."""
 
-    __slots__ = ("weight", "bias", "out_features", "format", "packed", "qtype", "ops")
+    __slots__ = ("bias", "format", "ops", "out_features", "packed", "qtype", "weight")
 
     def __init__(self, layer: torch.nn.Linear, ops=None, weights: str = "float32", blocks=None) -> None:
         self.bias, self.out_features = layer.bias, layer.out_features
@@ -63,6 +65,16 @@ class EngineLinear:
         if self.qtype:
             return self.ops.quant_linear(x, self.packed, self.qtype, self.out_features, self.bias, float_from)
         return self.ops.linear(x, self.packed, self.out_features, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [n]) of the weight, i.e. output features, as float32 [n, in_features]: exactly the
+        weights the layer multiplies by (GGUF blocks as gguf-py dequantizes them)."""
+        if self.qtype:
+            return self.ops.dequantize_rows(self.packed, self.qtype, self.out_features, ids)
+        if self.format == "torch":
+            return self.weight.detach()[ids].float()
+        panel_cols = self.packed.shape[2]  # panels [num_panels, in_features, panel_cols]
+        return self.packed[ids // panel_cols, :, ids % panel_cols].float()
 
     @property
     def label(self) -> str:

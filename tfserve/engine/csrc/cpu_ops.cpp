@@ -641,10 +641,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("full_attention", &full_attention, "Attention without a mask over windows of rows, e.g. Whisper's encoder (CPU)",
         nogil, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("t_len"), py::arg("heads"), py::arg("scale"));
-  m.def("repack_blocks", &repack_blocks, "GGUF blocks (Q4_0, Q4_1, Q8_0) in the layout of quant_linear (CPU)", nogil);
+  m.def("repack_blocks", &repack_blocks, "GGUF blocks (Q4_0 .. Q8_0, Q2_K .. Q6_K) in the layout of quant_linear (CPU)",
+        nogil, py::arg("blocks"), py::arg("qtype"));
   m.def("quant_linear", &quant_linear, "x @ W.T + bias with W from repack_blocks (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("float_from") = -1);
+  m.def("dequantize_rows", &dequantize_rows, "Rows of a repacked weight as GGUF dequantizes them (CPU)", nogil,
+        py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("ids"));
   m.def("quantize_q8_0", &quantize_q8_0, "A float weight as GGUF Q8_0 blocks (CPU)", nogil);
   m.def("split_qkv_rotary", &split_qkv_rotary, "Split a packed q/k/v projection, rotary on q and k (CPU)", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a packed gate/up projection (CPU)", nogil);

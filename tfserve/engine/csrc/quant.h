@@ -1,259 +1,185 @@
-// Linear layers over block-quantized weights, read as GGUF stores them: Q4_0, Q4_1 and Q8_0 (blocks of 32
-// weights along the input dimension with a float16 scale, and for Q4_1 a float16 minimum). The activations
-// are quantized per block of 32 to int8 with a float scale (as llama.cpp's Q8_0/Q8_1), so every block's dot
-// product is integer arithmetic (maddubs + madd on AVX2), 8 output columns per vector over blocks regrouped
-// at load (`repack_blocks`, below), then one float multiply-add by the two scales per 8 columns. A tile of
-// up to 4 rows unpacks each group block once. Plain C++ elsewhere (the compiler vectorises the loops).
+// Linear layers over block-quantized weights, read as GGUF stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of
+// 32 weights along the input dimension) and the K-quants Q2_K .. Q6_K (super-blocks of 256); quant_types.h says
+// how each type's blocks are regrouped at load (`repack_blocks`) and decoded.
+//
+// Decode rows: the activations are quantized per block of 32 to int8 with a float scale (as llama.cpp's Q8_0,
+// also for K-quants, where llama.cpp's Q8_K keeps one scale per 256: coarser), so every block's dot product is
+// integer arithmetic (maddubs + madd on AVX2, dpbusd with VNNI), 8 output columns per vector, then float
+// multiply-adds by the scales per 8 columns. A tile of up to 8 rows unpacks each block once.
 //
 // Rows from `float_from` on (a step's prompt tokens: the runner packs decodes first) take the other road:
-// each panel of columns is dequantized exactly as GGUF defines it (d * q + m, every product and sum rounded)
-// and multiplied in float32 by the panel kernel of linear.h, which is faster for many rows and computes what
-// the float32 engine computes over the same file. Which road a row takes depends only on what kind of token
-// it is, so a request's results still do not depend on its batch.
+// each panel of columns is dequantized exactly as GGUF defines it (every product and sum rounded as numpy
+// rounds them) and multiplied in float32 by the panel kernel of linear.h, which is faster for many rows and
+// computes what the float32 engine computes over the same file. Which road a row takes depends only on what
+// kind of token it is, so a request's results still do not depend on its batch.
 #pragma once
 #include "torch_api.h"
 #include "linear.h"
-#include "vec.h"
+#include "quant_types.h"
 
 namespace tfs {
 
-constexpr int64_t QK = 32;  // weights per block
+// Activations of one row as int8 blocks: x[i] ~ d * q[i]; s = sum(x), exact (float32), for the types with a minimum;
+// per 16 inputs, s16 = sum(x) (Q2_K's minimums are per 16) and q16 = sum(q) (an offset such as Q6_K's 32 is
+// subtracted in integers: sum (u - 32) q = sum u q - 32 sum q, no error beyond the activations' own).
+struct QuantRows {
+  std::vector<int8_t> q;        // [rows, k]
+  std::vector<float> d, s;      // [rows, k / 32]
+  std::vector<float> s16;       // [rows, k / 16]
+  std::vector<int32_t> q16;     // [rows, k / 16]
+};
 
-enum class QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGUF's type ids
-
-struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
-struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
-struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
-
-inline int64_t block_bytes(QType t) {
-  return t == QType::Q4_0 ? 18 : t == QType::Q4_1 ? 20 : 34;
-}
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
+// One block of 32 activations to int8: d = max|x| / 127, q = round(x / d) (half to even); the sums of x and of
+// q per 16, and of x over all 32.
+inline void quantize_block(const float* x, int8_t* q, float& d, float& s, float* s16, int32_t* q16) {
+#if TFS_AVX512
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  d = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(d ? 1.f / d : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  s16[0] = _mm512_reduce_add_ps(a), s16[1] = _mm512_reduce_add_ps(b), s = s16[0] + s16[1];
+  q16[0] = _mm512_reduce_add_epi32(qa), q16[1] = _mm512_reduce_add_epi32(qb);
+#elif TFS_AVX2
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(x + 8 * i)));
+  d = Vec{m}.max() / 127.f;
+  const __m256 inv = _mm256_set1_ps(d ? 1.f / d : 0.f);
+  __m256i n[4];  // rounded half to even, as the default rounding mode
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  for (int h = 0; h < 2; ++h) {
+    s16[h] = Vec{_mm256_add_ps(v[2 * h], v[2 * h + 1])}.sum();
+    const __m256i t = _mm256_add_epi32(n[2 * h], n[2 * h + 1]);
+    const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    const __m128i w = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    q16[h] = _mm_cvtsi128_si32(_mm_add_epi32(w, _mm_shuffle_epi32(w, 0xB1)));
+  }
+  s = s16[0] + s16[1];
 #else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  d = amax / 127.f;
+  const float inv = d ? 1.f / d : 0.f;
+  for (int h = 0; h < 2; ++h) {
+    s16[h] = 0.f, q16[h] = 0;
+    for (int j = 16 * h; j < 16 * h + 16; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+      s16[h] += x[j], q16[h] += q[j];
+    }
+  }
+  s = s16[0] + s16[1];
 #endif
 }
-
-// Activations of one row as int8 blocks: x[i] ~ d * q[i]; s = sum(x), exact, for the minimum of Q4_0/Q4_1
-// (llama.cpp's Q8_1 keeps d * sum(q): the quantized sum, a larger error where the minimum is large).
-struct QuantRows {
-  std::vector<int8_t> q;   // [rows, k]
-  std::vector<float> d, s; // [rows, k / 32]
-};
 
 inline void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   const int64_t nb = k / QK;
   out.q.resize(rows * k);
   out.d.resize(rows * nb);
   out.s.resize(rows * nb);
-  at::parallel_for(0, rows * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xb = x + i * QK;
-      float amax = 0.f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, inv = d ? 1.f / d : 0.f;
-      float sum = 0.f;
-      int8_t* qb = out.q.data() + i * QK;
-      for (int j = 0; j < QK; ++j) {
-        qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-        sum += xb[j];
-      }
-      out.d[i] = d;
-      out.s[i] = sum;
-    }
+  out.s16.resize(2 * rows * nb);
+  out.q16.resize(2 * rows * nb);
+  at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_block(x + i * QK, out.q.data() + i * QK, out.d[i], out.s[i], out.s16.data() + 2 * i, out.q16.data() + 2 * i);
   });
 }
 
-// ---- Repacked blocks: 8 output columns per vector ---------------------------------------------------------
-// The kernels read the blocks regrouped: per group of 8 output columns and block of 32 inputs, the 8 scales,
-// then (4-bit) the 8 minimums, then the quants laid out so that one 32-byte load holds 4 consecutive inputs of
-// all 8 columns. Multiplied by 4 activations broadcast to every lane, `maddubs` + `madd` give 8 columns' sums
-// at once: no horizontal sums, and one float multiply-add per 8 columns per block instead of one per column.
-//   4-bit: uint16 d[8], uint16 m[8] (Q4_0: m = -8 d, exact in float16), uint8 q[4][32] where byte
-//          q[p][4c + i] is column c's original qs[4p + i]: weight 4p + i in its low nibble, 16 + 4p + i in its high.
-//   8-bit: uint16 d[8], int8 q[8][32] where q[j][4c + i] is column c's weight 4j + i.
-constexpr int64_t kGroup = 8;
+constexpr int64_t kAheadBytes = 2048;  // about 13 blocks of Q4_0: as many loads in flight as the memory needs
 
-inline bool four_bit(QType t) { return t != QType::Q8_0; }
-constexpr int64_t group_block_bytes(bool four) { return four ? 32 + 128 : 16 + 256; }
-inline int64_t group_block_bytes(QType t) { return group_block_bytes(four_bit(t)); }
+// Quads whose maddubs pairs may be summed in int16 (|pair| <= 2 x 127 x max u): 8 of 4-bit quants (2 x 127 x 15
+// x 8 < 32768), 4 of 5-bit, 2 of 6-bit; never across the halves of a type with scales per 16.
+template <QType T>
+constexpr int kRun = std::min(Spec<T>::kHalves ? 4 : 8, Spec<T>::kBits <= 4 ? 8 : Spec<T>::kBits == 5 ? 4 : 2);
 
-// blocks: [n][nb] GGUF blocks -> [ceil(n / 8)][nb] group blocks (columns past n: zero).
-inline void repack(const uint8_t* src, uint8_t* dst, int64_t n, int64_t nb, QType t) {
-  const int64_t bb = block_bytes(t), gbb = group_block_bytes(t), groups = (n + kGroup - 1) / kGroup;
-  std::memset(dst, 0, groups * nb * gbb);
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* out = dst + (g * nb + b) * gbb;
-        auto* d = reinterpret_cast<uint16_t*>(out);
-        for (int64_t c = 0; c < kGroup && g * kGroup + c < n; ++c) {
-          const uint8_t* blk = src + ((g * kGroup + c) * nb + b) * bb;
-          d[c] = *reinterpret_cast<const uint16_t*>(blk);
-          if (t == QType::Q8_0) {
-            const int8_t* q = reinterpret_cast<const BlockQ8_0*>(blk)->qs;
-            for (int j = 0; j < 8; ++j)
-              for (int i = 0; i < 4; ++i) out[16 + j * 32 + 4 * c + i] = static_cast<uint8_t>(q[4 * j + i]);
+// y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nbk group blocks of type T), activations
+// rows r0..r0+R of xq. y: row stride ldy.
+template <QType T, int R>
+static inline void group_tile(const uint8_t* group, int64_t nbk, const QuantRows& xq, int64_t r0, int64_t k,
+                              float* y, int64_t ldy, int64_t cols) {
+  using namespace lanes;
+  using S = Spec<T>;
+  constexpr int64_t gbb = kGroupBytes<T>, kSubs = kSubBlocks<T>, kStep = gbb / kSubs;
+  const int64_t nb = k / QK;
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  for (int64_t b = 0; b < nbk; ++b) {
+    const uint8_t* gb = group + b * gbb;
+    for (int j = 0; j < kSubs; ++j) {
+      // the blocks are read front to back (and the next group's follow): ask for the bytes kAheadBytes on
+      for (int64_t line = 0; line < kStep; line += 64) __builtin_prefetch(gb + j * kStep + kAheadBytes + line);
+      const int64_t blk = b * kSubs + j;  // the block of 32 inputs
+      const uint8_t* quants = gb + kQuantsAt<T> + j * kBlockBytes<T>;
+      I lo[R], hi[R];  // the sums over inputs 0-15 and 16-31 (kHalves), else all in lo
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+      [[maybe_unused]] P run[R];  // int16 pair sums of the last kRun quads (kPairsInInt16)
+      static_for<8>([&](auto qd) {
+        constexpr int Qd = decltype(qd)::value;
+        const Q u = quad<S::kBits, Qd>(quants);
+        for (int r = 0; r < R; ++r) {
+          int32_t x;
+          std::memcpy(&x, xq.q.data() + (r0 + r) * k + blk * QK + 4 * Qd, 4);
+          I& sum = S::kHalves && Qd >= 4 ? hi[r] : lo[r];
+          if constexpr (kPairsInInt16 && !S::kSigned) {
+            run[r] = Qd % kRun<T> == 0 ? pairs(u, x) : run[r] + pairs(u, x);
+            if constexpr (Qd % kRun<T> == kRun<T> - 1) sum = sum + widen(run[r]);
           } else {
-            const bool q41 = t == QType::Q4_1;
-            d[kGroup + c] = q41 ? reinterpret_cast<const BlockQ4_1*>(blk)->m
-                                : c10::Half(-8.f * half_to_float(d[c])).x;
-            const uint8_t* q = q41 ? reinterpret_cast<const BlockQ4_1*>(blk)->qs : reinterpret_cast<const BlockQ4_0*>(blk)->qs;
-            for (int p = 0; p < 4; ++p)
-              for (int i = 0; i < 4; ++i) out[32 + p * 32 + 4 * c + i] = q[4 * p + i];
+            sum = S::kSigned ? dot_signed(sum, u, x) : dot(sum, u, x);
           }
         }
-      }
-  });
-}
-
-// Column c's weight k (0..31) of a group block, as GGUF dequantizes it: d * q + m (Q4_1), d * (q - 8) (Q4_0),
-// d * q (Q8_0), every product and sum rounded.
-inline float group_weight(const uint8_t* gb, QType t, int64_t c, int64_t k) {
-  const auto* h = reinterpret_cast<const uint16_t*>(gb);
-  const float d = half_to_float(h[c]);
-  if (t == QType::Q8_0) {
-    return d * static_cast<float>(static_cast<int8_t>(gb[16 + (k / 4) * 32 + 4 * c + k % 4]));
-  }
-  const int64_t kk = k % 16;
-  const uint8_t byte = gb[32 + (kk / 4) * 32 + 4 * c + kk % 4];
-  const int q = k < 16 ? (byte & 0x0F) : (byte >> 4);
-  if (t == QType::Q4_0) return d * static_cast<float>(q - 8);
-  return d * static_cast<float>(q) + half_to_float(h[kGroup + c]);
-}
-
-// VNNI (AVX512-VNNI with VL, or AVX-VNNI: Zen 4 and later, Intel since Ice Lake / Alder Lake) multiplies 4
-// u8 x s8 pairs and adds them into an int32 lane in one instruction, where AVX2 needs maddubs (to int16), an
-// int16 add and a final madd: the same integers, as no int16 sum here can saturate.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define TFS_VNNI 1
-#define TFS_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#elif defined(__AVXVNNI__)
-#define TFS_VNNI 1
-#define TFS_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#endif
-
-constexpr int64_t kAheadBytes = 2048;  // about 13 group blocks: as many loads in flight as the memory needs
-
-// y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nb group blocks). The activations are
-// int8 blocks (QuantRows) of rows r0..r0+R. y: row stride ldy.
-template <bool kFour, int R>
-static inline void group_tile(const uint8_t* group, int64_t nb, const QuantRows& xq, int64_t r0, int64_t k,
-                              float* y, int64_t ldy, int64_t cols) {
-  constexpr int64_t gbb = group_block_bytes(kFour);
-#if TFS_AVX2 || TFS_AVX512
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* gb = group + b * gbb;
-    // the blocks are read front to back (and the next group's follow): ask for the bytes kAheadBytes on
-    for (int64_t line = 0; line < gbb; line += 64) __builtin_prefetch(gb + kAheadBytes + line);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
-    __m256i sums[R];
-    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
-    if constexpr (kFour) {  // int16 sums cannot overflow: 8 x 2 x 15 x 128 < 32768
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32 + 32 * p));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xb = xq.q.data() + (r0 + r) * k + b * QK;
-          int32_t a, c;
-          std::memcpy(&a, xb + 4 * p, 4);
-          std::memcpy(&c, xb + 16 + 4 * p, 4);
-#if TFS_VNNI
-          sums[r] = TFS_DPBUSD(sums[r], lo, _mm256_set1_epi32(a));
-          sums[r] = TFS_DPBUSD(sums[r], hi, _mm256_set1_epi32(c));
-#else
-          sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-          sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
-#endif
+      });
+      const BlockScales sc = S::scales(gb, j);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + blk;
+        const F xd = set1(xq.d[i]);
+        if constexpr (S::kHalves) {
+          I a = lo[r], c = hi[r];
+          if constexpr (S::kOffset != 0) a = a - S::kOffset * xq.q16[2 * i], c = c - S::kOffset * xq.q16[2 * i + 1];
+          F t = fma(to_float(c), sc.s[1] * xd, to_float(a) * (sc.s[0] * xd));
+          if constexpr (S::kMin) t = fma(sc.m[1], set1(xq.s16[2 * i + 1]), fma(sc.m[0], set1(xq.s16[2 * i]), t));
+          acc[r] = acc[r] + t;
+        } else {
+          I a = lo[r];
+          if constexpr (S::kOffset != 0 && !S::kOffsetAsMin) a = a - S::kOffset * (xq.q16[2 * i] + xq.q16[2 * i + 1]);
+          acc[r] = fma(to_float(a), sc.s[0] * xd, acc[r]);
+          if constexpr (S::kMin) acc[r] = fma(sc.m[0], set1(xq.s[i]), acc[r]);
+          if constexpr (S::kOffsetAsMin) acc[r] = fma(sc.s[0] * set1(-S::kOffset), set1(xq.s[i]), acc[r]);
         }
       }
-#if !TFS_VNNI
-      for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);
-#endif
-    } else {  // s8 x s8: |w| (u8) times x with w's sign, as maddubs wants (no pair reaches 2 x 127 x 127 > 32767)
-      for (int j = 0; j < 8; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * j));
-        const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; ++r) {
-          int32_t a;
-          std::memcpy(&a, xq.q.data() + (r0 + r) * k + b * QK + 4 * j, 4);
-          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
-#if TFS_VNNI
-          sums[r] = TFS_DPBUSD(sums[r], aw, xs);
-#else
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
-#endif
-        }
-      }
-    }
-    const __m256 m = kFour ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)))
-                           : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * (k / QK) + b;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xq.d[i])), acc[r]);
-      if constexpr (kFour) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.s[i]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    alignas(32) float out[kGroup];
-    _mm256_store_ps(out, acc[r]);
+    float out[kGroup];
+    store(out, acc[r]);
     std::memcpy(y + r * ldy, out, cols * sizeof(float));
   }
-#else
-  float acc[R][kGroup] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* gb = group + b * gbb;
-    const auto* h = reinterpret_cast<const uint16_t*>(gb);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * (k / QK) + b;
-      const int8_t* xb = xq.q.data() + (r0 + r) * k + b * QK;
-      for (int c = 0; c < kGroup; ++c) {
-        int sum = 0;
-        if constexpr (kFour) {
-          for (int p = 0; p < 4; ++p)
-            for (int t = 0; t < 4; ++t) {
-              const uint8_t byte = gb[32 + 32 * p + 4 * c + t];
-              sum += (byte & 0x0F) * xb[4 * p + t] + (byte >> 4) * xb[16 + 4 * p + t];
-            }
-        } else {
-          for (int j = 0; j < 8; ++j)
-            for (int t = 0; t < 4; ++t) sum += static_cast<int8_t>(gb[16 + 32 * j + 4 * c + t]) * xb[4 * j + t];
-        }
-        acc[r][c] = std::fma(static_cast<float>(sum), half_to_float(h[c]) * xq.d[i], acc[r][c]);
-        if constexpr (kFour) acc[r][c] = std::fma(half_to_float(h[kGroup + c]), xq.s[i], acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
-#endif
 }
 
-template <bool kFour, int... Rs>
-static void group_tile_of(int rows, std::integer_sequence<int, Rs...>, const uint8_t* group, int64_t nb,
+template <QType T, int... Rs>
+static void group_tile_of(int rows, std::integer_sequence<int, Rs...>, const uint8_t* group, int64_t nbk,
                           const QuantRows& xq, int64_t r0, int64_t k, float* y, int64_t ldy, int64_t cols) {
-  ((rows == Rs + 1 ? (group_tile<kFour, Rs + 1>(group, nb, xq, r0, k, y, ldy, cols), true) : false) || ...);
+  ((rows == Rs + 1 ? (group_tile<T, Rs + 1>(group, nbk, xq, r0, k, y, ldy, cols), true) : false) || ...);
 }
 
-// Rows a tile unpacks each group block for: 8 where 32 vector registers hold their int and float sums (4-bit
-// on AVX-512: 1.1x at 32 rows; 8-bit blocks keep 3 vectors a row live and spill at 8), else 4.
+// Rows a tile unpacks each block for: 8 where 32 vector registers hold their int and float sums (AVX-512:
+// 1.1x at 32 rows for Q4_0; Q6_K's two sums a row still gain 1.25x over 4), 4 for 8-bit blocks (3 vectors a
+// row live: they spill at 8) and on AVX2.
 #if TFS_AVX512
-template <bool kFour> constexpr int kQuantTileRows = kFour ? 8 : 4;
+template <QType T> constexpr int kQuantTileRows = Spec<T>::kSigned ? 4 : 8;
 #else
-template <bool kFour> constexpr int kQuantTileRows = 4;
+template <QType T> constexpr int kQuantTileRows = 4;
 #endif
 
-template <bool kFour>
+template <QType T>
 static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nb = k / QK, gbb = group_block_bytes(kFour), groups = (n + kGroup - 1) / kGroup;
-  constexpr int kRows = kQuantTileRows<kFour>;
+  const int64_t nbk = k / Spec<T>::kInputs, gbb = kGroupBytes<T>, groups = (n + kGroup - 1) / kGroup;
+  constexpr int kRows = kQuantTileRows<T>;
   constexpr auto rows_seq = std::make_integer_sequence<int, kRows>{};
   // Groups a thread claims at a time (parallel_chunks): one piece a thread for one or two rows, which only
   // stream the weight, else about 4. Each piece starts where the prefetch of the piece before (another
@@ -262,90 +188,62 @@ static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_
   const int64_t threads = at::get_num_threads(), pieces = m <= 2 ? threads : 4 * threads;
   const int64_t piece_groups = std::max<int64_t>(4, (groups + pieces - 1) / pieces);
   parallel_chunks((groups + piece_groups - 1) / piece_groups, [&](int64_t piece) {
-    const uint8_t* first = w + piece * piece_groups * nb * gbb;  // the piece's first bytes, asked for at once
+    const uint8_t* first = w + piece * piece_groups * nbk * gbb;  // the piece's first bytes, asked for at once
     for (int64_t line = 0; line < kAheadBytes; line += 64) __builtin_prefetch(first + line);
     for (int64_t g = piece * piece_groups; g < std::min(groups, (piece + 1) * piece_groups); ++g) {
       const int64_t cols = std::min(kGroup, n - g * kGroup);
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-        group_tile_of<kFour>(rows, rows_seq, w + g * nb * gbb, nb, xq, r0, k, y + r0 * n + g * kGroup, n, cols);
+        group_tile_of<T>(rows, rows_seq, w + g * nbk * gbb, nbk, xq, r0, k, y + r0 * n + g * kGroup, n, cols);
       }
     }
   });
 }
 
-#if TFS_AVX2 || TFS_AVX512
-// The 8 columns of one group block as float32 panel rows (`rows`: [32][ld], the group's 8 columns at
-// offset 0 of each row), each value as GGUF dequantizes it (multiply, then add: two roundings, as numpy).
+// Block j (32 inputs) of a group block's 8 columns as float32 rows ([32][ld], the columns at offset 0 of each
+// row), each weight as GGUF dequantizes it: scale * (u - offset), then + min (two roundings, as numpy).
 template <QType T>
-static inline void dequantize_group_block(const uint8_t* gb, float* rows, int64_t ld) {
-  // bytes 4c + i of each 128-bit lane -> [i][c]; then the lanes' dwords interleaved: 8 bytes per input
-  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
-  const __m256 m = T == QType::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)))
-                                    : _mm256_setzero_ps();
-  alignas(32) uint8_t buf[32];
-  auto emit = [&](__m256i quads, int64_t k0) {  // quads: 4 inputs x 8 columns, from input k0 on
-    _mm256_store_si256(reinterpret_cast<__m256i*>(buf),
-                       _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(quads, by_input), lanes));
+static inline void dequantize_block(const uint8_t* gb, int j, float* rows, int64_t ld) {
+  using namespace lanes;
+  using S = Spec<T>;
+  const uint8_t* quants = gb + kQuantsAt<T> + j * kBlockBytes<T>;
+  const BlockScales sc = S::scales(gb, j);
+  static_for<8>([&](auto qd) {
+    constexpr int Qd = decltype(qd)::value, h = S::kHalves && Qd >= 4;
+    I in[4];
+    inputs<S::kSigned>(quad<S::kBits, Qd>(quants), in);
     for (int i = 0; i < 4; ++i) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(buf + 8 * i));
-      __m256 v;
-      if constexpr (T == QType::Q8_0) {
-        v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
-      } else if constexpr (T == QType::Q4_0) {
-        const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(8));
-        v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-      } else {
-        v = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), m);
-      }
-      _mm256_storeu_ps(rows + (k0 + i) * ld, v);
+      F v = to_float(S::kOffset ? in[i] - S::kOffset : in[i]) * sc.s[h];
+      if constexpr (S::kMin) v = v + sc.m[h];
+      store(rows + (4 * Qd + i) * ld, v);
     }
-  };
-  if constexpr (T == QType::Q8_0) {
-    for (int j = 0; j < 8; ++j) emit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * j)), 4 * j);
-  } else {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int p = 0; p < 4; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32 + 32 * p));
-      emit(_mm256_and_si256(v, low), 4 * p);
-      emit(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), 16 + 4 * p);
-    }
-  }
+  });
 }
-#endif
 
 // The columns [c0, c0 + cols) as one float32 panel [k][kPanelCols] (zero past `cols`), exactly dequantized.
 template <QType T>
-static void dequantize_panel(const uint8_t* w, int64_t nb, int64_t groups, int64_t c0, int64_t cols, float* panel) {
-  constexpr int64_t P = kPanelCols;
-  const int64_t gbb = group_block_bytes(T);
+static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int64_t c0, int64_t cols, float* panel) {
+  constexpr int64_t P = kPanelCols, kIn = Spec<T>::kInputs;
   for (int64_t g0 = 0; g0 < P; g0 += kGroup) {
     const int64_t g = (c0 + g0) / kGroup;
-    for (int64_t b = 0; b < nb; ++b) {
-      float* rows = panel + b * QK * P + g0;
-      if (g >= groups || g0 >= cols) {
-        for (int64_t j = 0; j < QK; ++j) std::fill(rows + j * P, rows + j * P + kGroup, 0.f);
-        continue;
+    for (int64_t b = 0; b < nbk; ++b)
+      for (int j = 0; j < kSubBlocks<T>; ++j) {
+        float* rows = panel + (b * kIn + j * QK) * P + g0;
+        if (g >= groups || g0 >= cols) {
+          for (int64_t t = 0; t < QK; ++t) std::fill(rows + t * P, rows + t * P + kGroup, 0.f);
+        } else {
+          dequantize_block<T>(w + (g * nbk + b) * kGroupBytes<T>, j, rows, P);
+        }
       }
-      const uint8_t* gb = w + (g * nb + b) * gbb;
-#if TFS_AVX2 || TFS_AVX512
-      dequantize_group_block<T>(gb, rows, P);
-#else
-      for (int64_t c = 0; c < kGroup; ++c)
-        for (int64_t j = 0; j < QK; ++j) rows[j * P + c] = group_weight(gb, T, c, j);
-#endif
-    }
   }
   if (cols < P)  // columns of the last group past out_features: their zero scales already gave 0
-    for (int64_t i = 0; i < nb * QK; ++i) std::fill(panel + i * P + cols, panel + (i + 1) * P, 0.f);
+    for (int64_t i = 0; i < nbk * kIn; ++i) std::fill(panel + i * P + cols, panel + (i + 1) * P, 0.f);
 }
 
 template <QType T>
 static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nb = k / QK, panels = (n + kPanelCols - 1) / kPanelCols, groups = (n + kGroup - 1) / kGroup;
+  const int64_t nbk = k / Spec<T>::kInputs, panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t groups = (n + kGroup - 1) / kGroup;
   const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t tile_rows = (m + num_tiles - 1) / num_tiles;
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
@@ -353,7 +251,7 @@ static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m
     std::vector<float> panel(k * kPanelCols);
     for (int64_t p = claim(); p >= 0; p = claim()) {
       const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
-      dequantize_panel<T>(w, nb, groups, p * kPanelCols, cols, panel.data());
+      dequantize_panel<T>(w, nbk, groups, p * kPanelCols, cols, panel.data());
       for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
         const int rows = static_cast<int>(std::min(tile_rows, m - r0));
         linear_tile_of<float, 1>(rows, seq, x + r0 * k, k, panel.data(), nullptr, y + r0 * n + p * kPanelCols, n,
@@ -363,21 +261,68 @@ static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m
   });
 }
 
+// Rows `ids` of the weight (output columns), exactly dequantized: out [num_ids, k]. A row's weights are spread
+// over its group's blocks, 4 bytes in 32: each block of its group is dequantized whole (8 rows' worth of
+// arithmetic for the one read the layout costs anyway) and the row's column kept.
+template <QType T>
+static void dequantize_rows(const uint8_t* w, const int64_t* ids, int64_t num_ids, int64_t k, float* out) {
+  const int64_t nbk = k / Spec<T>::kInputs, num_blocks = k / QK;
+  at::parallel_for(0, num_ids * num_blocks, 64, [&](int64_t begin, int64_t end) {
+    float rows[QK * kGroup];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t id = ids[i / num_blocks], blk = i % num_blocks, c = id % kGroup;
+      const uint8_t* gb = w + (id / kGroup * nbk + blk / kSubBlocks<T>) * kGroupBytes<T>;
+      // a row's group is one stretch of memory, read cold (a token embedding): ask for it ahead
+      if (blk % kSubBlocks<T> == 0)
+        for (int64_t line = 0; line < kGroupBytes<T>; line += 64) __builtin_prefetch(gb + kAheadBytes + line);
+      dequantize_block<T>(gb, static_cast<int>(blk % kSubBlocks<T>), rows, kGroup);
+      float* o = out + i / num_blocks * k + blk * QK;
+      for (int64_t t = 0; t < QK; ++t) o[t] = rows[t * kGroup + c];
+    }
+  });
+}
+
+inline int64_t file_block_bytes(int64_t qtype) {
+  int64_t bytes = 0;
+  dispatch(qtype, [&](auto t) { bytes = Spec<decltype(t)::value>::kFileBytes; });
+  return bytes;
+}
+
+inline int64_t block_inputs(int64_t qtype) {
+  int64_t inputs = 0;
+  dispatch(qtype, [&](auto t) { inputs = Spec<decltype(t)::value>::kInputs; });
+  return inputs;
+}
+
+inline int64_t group_block_bytes(int64_t qtype) {
+  int64_t bytes = 0;
+  dispatch(qtype, [&](auto t) { bytes = kGroupBytes<decltype(t)::value>; });
+  return bytes;
+}
+
 }  // namespace tfs
 
-// GGUF blocks uint8 [out_features, in_features / 32 * block bytes] of `qtype` (GGUF's type id: 2 Q4_0,
-// 3 Q4_1, 8 Q8_0) -> the kernels' layout, uint8 [ceil(out_features / 8), in_features / 32, group block bytes].
+// GGUF blocks uint8 [out_features, bytes per row] of `qtype` (GGUF's type id) -> the kernels' layout, uint8
+// [ceil(out_features / 8), in_features / inputs per block (32, or 256 for K-quants), group block bytes].
 torch::Tensor repack_blocks(torch::Tensor blocks, int64_t qtype) {
-  using tfs::QType;
-  const auto type = static_cast<QType>(qtype);
-  TORCH_CHECK(type == QType::Q4_0 || type == QType::Q4_1 || type == QType::Q8_0, "qtype: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % tfs::block_bytes(type) == 0,
+  const int64_t bb = tfs::file_block_bytes(qtype);
+  TORCH_CHECK(bb, tfs::kQTypesHelp);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % bb == 0,
               "blocks: uint8 [out_features, bytes per row]");
   auto bc = blocks.contiguous();
-  const int64_t n = bc.size(0), nb = bc.size(1) / tfs::block_bytes(type);
-  auto out = torch::empty({(n + tfs::kGroup - 1) / tfs::kGroup, nb, tfs::group_block_bytes(type)}, bc.options());
-  tfs::repack(bc.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), n, nb, type);
+  const int64_t n = bc.size(0), nb = bc.size(1) / bb;
+  auto out = torch::empty({(n + tfs::kGroup - 1) / tfs::kGroup, nb, tfs::group_block_bytes(qtype)}, bc.options());
+  tfs::dispatch(qtype, [&](auto t) { tfs::repack<decltype(t)::value>(bc.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), n, nb); });
   return out;
+}
+
+static void check_packed(const torch::Tensor& packed, int64_t qtype, int64_t out_features, int64_t k) {
+  TORCH_CHECK(tfs::file_block_bytes(qtype), tfs::kQTypesHelp);
+  const int64_t inputs = tfs::block_inputs(qtype);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              k % inputs == 0 && packed.size(0) == (out_features + tfs::kGroup - 1) / tfs::kGroup &&
+              packed.size(1) == k / inputs && packed.size(2) == tfs::group_block_bytes(qtype),
+              "packed blocks do not match x and out_features");
 }
 
 // y = x @ W.T + bias with W repacked by repack_blocks. x: float32 [rows, in_features] -> [rows, out_features].
@@ -385,36 +330,44 @@ torch::Tensor repack_blocks(torch::Tensor blocks, int64_t qtype) {
 // over the exactly dequantized weight.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t out_features,
                            c10::optional<torch::Tensor> bias, int64_t float_from) {
-  using tfs::QType;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
-  const auto type = static_cast<QType>(qtype);
-  TORCH_CHECK(type == QType::Q4_0 || type == QType::Q4_1 || type == QType::Q8_0, "qtype: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
   auto xc = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              k % tfs::QK == 0 && packed.size(0) == (n + tfs::kGroup - 1) / tfs::kGroup &&
-              packed.size(1) == k / tfs::QK && packed.size(2) == tfs::group_block_bytes(type),
-              "packed blocks do not match x and out_features");
+  check_packed(packed, qtype, n, k);
   const int64_t mi = float_from < 0 ? m : std::min(float_from, m);  // rows on the integer road
   auto y = torch::empty({m, n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (mi > 0) {
-    tfs::QuantRows xq;
-    tfs::quantize_rows(xp, mi, k, xq);
-    if (tfs::four_bit(type)) tfs::quant_linear<true>(w, xq, yp, mi, k, n);
-    else tfs::quant_linear<false>(w, xq, yp, mi, k, n);
-  }
-  if (mi < m) {
-    switch (type) {
-      case QType::Q4_0: tfs::dequant_linear<QType::Q4_0>(w, xp + mi * k, yp + mi * n, m - mi, k, n); break;
-      case QType::Q4_1: tfs::dequant_linear<QType::Q4_1>(w, xp + mi * k, yp + mi * n, m - mi, k, n); break;
-      case QType::Q8_0: tfs::dequant_linear<QType::Q8_0>(w, xp + mi * k, yp + mi * n, m - mi, k, n); break;
+  tfs::dispatch(qtype, [&](auto t) {
+    constexpr tfs::QType T = decltype(t)::value;
+    if (mi > 0) {
+      tfs::QuantRows xq;
+      tfs::quantize_rows(xp, mi, k, xq);
+      tfs::quant_linear<T>(w, xq, yp, mi, k, n);
     }
-  }
+    if (mi < m) tfs::dequant_linear<T>(w, xp + mi * k, yp + mi * n, m - mi, k, n);
+  });
   if (bias) y.add_(*bias);
   return y;
+}
+
+// Rows `ids` (int64 [num_ids]) of the weight behind `packed` (repack_blocks), as gguf-py's dequantize gives
+// them: float32 [num_ids, in_features]. A token embedding's lookup over the blocks an LM head multiplies by.
+torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t out_features, torch::Tensor ids) {
+  TORCH_CHECK(packed.dim() == 3, "packed: from repack_blocks");
+  const int64_t k = packed.size(1) * tfs::block_inputs(qtype);
+  check_packed(packed, qtype, out_features, k);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "ids: int64 [num_ids]");
+  auto ic = ids.contiguous();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ic.size(0); ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < out_features, "ids: ", ip[i], " is not a row of ", out_features);
+  auto out = torch::empty({ic.size(0), k}, packed.options().dtype(torch::kFloat32));
+  tfs::dispatch(qtype, [&](auto t) {
+    tfs::dequantize_rows<decltype(t)::value>(packed.data_ptr<uint8_t>(), ip, ic.size(0), k, out.data_ptr<float>());
+  });
+  return out;
 }
 
 // w: float32 [out_features, in_features] -> Q8_0 blocks uint8 [out_features, in_features / 32 * 34], as GGUF
@@ -425,15 +378,16 @@ torch::Tensor quantize_q8_0(torch::Tensor w) {
   const int64_t n = w.size(0), k = w.size(1), nb = k / tfs::QK;
   auto out = torch::empty({n, nb * 34}, w.options().dtype(torch::kUInt8));
   const float* src = wc.data_ptr<float>();
-  auto* dst = reinterpret_cast<tfs::BlockQ8_0*>(out.data_ptr<uint8_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* x = src + i * tfs::QK;
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
       const float d = amax / 127.f, inv = d ? 1.f / d : 0.f;
-      dst[i].d = c10::Half(d).x;
-      for (int j = 0; j < 32; ++j) dst[i].qs[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+      const uint16_t h = c10::Half(d).x;
+      std::memcpy(dst + i * 34, &h, 2);
+      for (int j = 0; j < 32; ++j) dst[i * 34 + 2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(x[j] * inv)));
     }
   });
   return out;

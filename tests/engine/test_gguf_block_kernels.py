@@ -1,0 +1,178 @@
+"""The block kernels over every common GGUF type (Q4_0 .. Q8_0, Q2_K .. Q6_K), against gguf-py's own
+dequantize: prompt rows bit for bit what float32 panels over the dequantized weight give, decode rows the
+integer arithmetic they promise (int8 activations per block of 32), rows dequantized exactly, a row the same
+alone and in any batch; on this CPU's build, the AVX2 one and the plain C++ one."""
+
+import numpy as np
+import pytest
+from kernel_builds import kernel_build
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from tfserve.engine.cpu_linear import EngineLinear, fused
+from tfserve.models.gguf_weights import QuantizedWeight
+
+T = gguf.GGMLQuantizationType
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# where each K-quant block keeps its float16 scales, and a size for them that gives weights of about 0.05
+K_SCALES = {"Q2_K": ((80, 2e-3), (82, 2e-3)), "Q3_K": ((108, 1e-3),), "Q4_K": ((0, 2e-4), (2, 2e-4)),
+            "Q5_K": ((0, 1e-4), (2, 1e-4)), "Q6_K": ((208, 5e-5),)}
+# the bytes of a block that hold its quants, and whether the integer road counts its (weight at quant 0) as a
+# minimum times the activations' exact sum (the others multiply all of the weight by the int8 activations)
+QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_1": (4, 24), "Q2_K": (16, 80), "Q4_K": (16, 144),
+               "Q5_K": (16, 176)}
+N, K = 37, 512  # out_features: not whole groups of 8 nor whole panels; in_features: two super-blocks
+ROWS = (1, 2, 5, 8, 13, 33)
+
+
+@pytest.fixture(scope="module", params=["native", pytest.param("x86-64-v3", marks=pytest.mark.slow),
+                                        pytest.param("x86-64", marks=pytest.mark.slow)])
+def ops(request):
+    """This CPU's build, and on x86 the AVX2 one (on an AVX-512 CPU) and the plain C++ one."""
+    return kernel_build(request.param)
+
+
+def make_blocks(name: str, n: int = N, k: int = K, seed: int = 0) -> np.ndarray:
+    """Valid blocks uint8 [n, bytes per row]: gguf-py's own quantization of random weights where it has one,
+    else random bytes with float16 scales of a realistic size (every bit pattern of the rest is a valid block)."""
+    rng = np.random.default_rng(seed)
+    qtype = T[name]
+    if name in K_SCALES:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (n, k // block_size, type_size), dtype=np.uint8)
+        for offset, size in K_SCALES[name]:
+            scale = (size * rng.uniform(0.5, 1.5, (n, k // block_size, 1))).astype(np.float16)
+            blocks[..., offset:offset + 2] = scale.view(np.uint8)
+        return blocks.reshape(n, -1)
+    weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    return np.ascontiguousarray(gguf.quants.quantize(weight, qtype).reshape(n, -1))
+
+
+def dequantized(name: str, blocks: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks, T[name]).reshape(blocks.shape[0], -1).copy()).float()
+
+
+def integer_reference(name: str, blocks: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """What the decode road promises, in float64: activations rounded to int8 per block of 32 (scale max|x| / 127,
+    kept in float32) times the dequantized weight; for the types with a minimum (and Q4_0's -8 d), the weight at
+    quant 0 times the exact activations instead."""
+    rows, k = x.shape
+    xb = x.view(rows, k // 32, 32)
+    dx = xb.abs().amax(-1) / 127
+    qx = torch.where(dx[..., None] > 0, torch.round(xb * (1 / dx)[..., None]), 0.0)
+    x_int8 = (qx.double() * dx.double()[..., None]).view(rows, k)
+    weight = dequantized(name, blocks).double()
+    if name not in QUANT_BYTES:
+        return x_int8 @ weight.T
+    start, end = QUANT_BYTES[name]
+    zero = blocks.reshape(blocks.shape[0], -1, gguf.GGML_QUANT_SIZES[T[name]][1]).copy()
+    zero[..., start:end] = 0
+    at_zero = dequantized(name, zero.reshape(blocks.shape)).double()
+    return x_int8 @ (weight - at_zero).T + x.double() @ at_zero.T
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def layer(request, ops):
+    """(type name, file blocks, gguf-py's float32 weight, repacked blocks) of one 37 x 512 layer."""
+    name = request.param
+    blocks = make_blocks(name)
+    return name, blocks, dequantized(name, blocks), ops.repack_blocks(torch.from_numpy(blocks), int(T[name]))
+
+
+def test_repacked_blocks_dequantize_to_ggufs_own_weights(ops, layer):
+    name, blocks, weight, packed = layer
+    assert torch.isfinite(weight).all() and weight.abs().max() > 0.01
+    every = ops.dequantize_rows(packed, int(T[name]), N, torch.arange(N))
+    assert torch.equal(every, weight)  # the round trip: file -> our layout -> each weight as gguf-py reads it
+    ids = torch.tensor([36, 0, 7, 8, 36, 21])  # the last (partial) group, a group's edges, a repeat
+    assert torch.equal(ops.dequantize_rows(packed, int(T[name]), N, ids), weight[ids])
+    assert ops.dequantize_rows(packed, int(T[name]), N, torch.zeros(0, dtype=torch.long)).shape == (0, K)
+    # about the file's bytes a weight: the kernels read one copy, not a widened one
+    assert packed.nbytes <= blocks.nbytes * 40 / 37 * 1.04, packed.nbytes / blocks.nbytes
+
+
+def test_an_id_outside_the_weight_is_refused(ops, layer):
+    name, _, _, packed = layer
+    with pytest.raises(RuntimeError, match="is not a row"):
+        ops.dequantize_rows(packed, int(T[name]), N, torch.tensor([N]))
+
+
+def test_prompt_rows_are_float32_panels_over_the_dequantized_weight_bit_for_bit(ops, layer):
+    name, _, weight, packed = layer
+    panels = ops.pack_linear_weight(weight, torch.float32)
+    bias = torch.randn(N)
+    torch.manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, K)
+        got = ops.quant_linear(x, packed, int(T[name]), N, None, 0)
+        assert torch.equal(got, ops.linear(x, panels, N)), rows
+        with_bias = ops.quant_linear(x, packed, int(T[name]), N, bias, 0)
+        torch.testing.assert_close(with_bias, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rows_compute_the_integer_arithmetic_they_promise(ops, layer):
+    name, blocks, weight, packed = layer
+    torch.manual_seed(2)
+    bias = torch.randn(N)
+    for rows in ROWS:
+        x = torch.randn(rows, K) * torch.linspace(0.1, 4, K)  # uneven magnitudes, as real activations
+        got = ops.quant_linear(x, packed, int(T[name]), N, bias)
+        ref = integer_reference(name, blocks, x) + bias.double()
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        # against the float weights, the only error is the activations' int8 rounding: under 2% of the norm
+        exact = torch.nn.functional.linear(x, weight, bias)
+        assert ((got - exact).norm() / exact.norm()).item() < 0.02, rows
+
+
+def test_a_row_is_the_same_alone_and_in_any_batch_on_both_roads(ops, layer):
+    name, _, _, packed = layer
+    torch.manual_seed(3)
+    x = torch.randn(max(ROWS), K)
+    for float_from in (-1, 0):
+        alone = ops.quant_linear(x[:1], packed, int(T[name]), N, None, float_from)
+        for rows in ROWS:
+            assert torch.equal(ops.quant_linear(x[:rows], packed, int(T[name]), N, None, float_from)[:1], alone)
+    mixed = ops.quant_linear(x[:13], packed, int(T[name]), N, None, 5)  # 5 decode rows, then 8 prompt rows
+    assert torch.equal(mixed[:5], ops.quant_linear(x[:5], packed, int(T[name]), N, None, -1))
+    assert torch.equal(mixed[5:], ops.quant_linear(x[5:13], packed, int(T[name]), N, None, 0))
+
+
+def test_k_quants_need_whole_super_blocks(ops):
+    blocks = make_blocks("Q4_K")
+    packed = ops.repack_blocks(torch.from_numpy(blocks), int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.quant_linear(torch.randn(1, K - 32), packed, int(T.Q4_K), N)
+    with pytest.raises(RuntimeError, match="qtype"):
+        ops.repack_blocks(torch.from_numpy(blocks), int(T.IQ4_NL))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0"])
+def test_engine_linear_serves_and_stacks_each_type(ops, name):
+    """EngineLinear over a type's blocks, its rows() the embedding lookup, and fused() layers of one type."""
+    first, second = make_blocks(name, 24, K, seed=4), make_blocks(name, 13, K, seed=5)
+    layers = [torch.nn.Linear(K, 24), torch.nn.Linear(K, 13)]
+    weights = [QuantizedWeight(b, int(T[name]), name) for b in (first, second)]
+    linear = EngineLinear(layers[0], ops, "gguf", weights[0])
+    ids = torch.tensor([3, 23, 3])
+    assert torch.equal(linear.rows(ids), dequantized(name, first)[ids])
+    both = fused(layers, ops, "gguf", weights)
+    x = torch.randn(3, K)
+    with torch.inference_mode():
+        alone = torch.cat([EngineLinear(la, ops, "gguf", w)(x) for la, w in zip(layers, weights)], dim=1)
+        assert torch.equal(both(x), alone)
+        assert torch.equal(both(x, 0), torch.cat([EngineLinear(la, ops, "gguf", w)(x, 0)
+                                                  for la, w in zip(layers, weights)], dim=1))
+    assert torch.equal(both.rows(torch.tensor([30])), dequantized(name, second)[[30 - 24]])
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "torch"])
+def test_rows_of_the_other_formats_are_their_held_weights(ops, fmt):
+    torch.manual_seed(6)
+    layer = torch.nn.Linear(64, 40)
+    linear = EngineLinear(layer, None if fmt == "torch" else ops, "float32" if fmt == "torch" else fmt)
+    ids = torch.tensor([39, 0, 17])
+    weight = layer.weight.detach()
+    expected = {"float32": weight, "bfloat16": weight.to(torch.bfloat16).float(), "torch": weight,
+                "int8": dequantized("Q8_0", ops.quantize_q8_0(weight).numpy())}[fmt]
+    assert torch.equal(linear.rows(ids), expected[ids])
