@@ -31,11 +31,12 @@ class GGUFFormatError(ValueError):
 
 class _Parts(Sequence):
     """A field's `parts` as gguf-py lays them out, made on demand: `parts[i]` for i in the field's `data` is one
-    value (a string's bytes, a number as a 1-element array); other indices are the framing, which no reader
-    of values asks for."""
+    value: a string's bytes, a number as a 1-tuple (what `part[0]` reads); other indices are the framing, which
+    no reader of values asks for."""
 
     def __init__(self, buffer: np.ndarray, kind: int, offsets: np.ndarray, lengths: np.ndarray | None) -> None:
         self.buffer, self.kind, self.offsets, self.lengths = buffer, kind, offsets, lengths
+        self._numbers: list | None = None  # every number of the field, read at once when the first is asked for
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -43,10 +44,14 @@ class _Parts(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        start = int(self.offsets[index])
         if self.kind == STRING:
+            start = int(self.offsets[index])
             return self.buffer[start: start + int(self.lengths[index])].tobytes()
-        return self.buffer[start: start + np.dtype(_NUMPY[self.kind]).itemsize].view(_NUMPY[self.kind])
+        if self._numbers is None:
+            first = int(self.offsets[0]) if len(self.offsets) else 0
+            self._numbers = np.frombuffer(self.buffer, dtype=_NUMPY[self.kind], count=len(self.offsets),
+                                          offset=first).tolist()
+        return (self._numbers[index],)
 
 
 class Field:
@@ -71,7 +76,7 @@ class Field:
         part = self.parts[index]
         if self.types[-1] == STRING:
             return part.decode("utf-8", "replace")
-        return part[0].item()
+        return part[0]
 
     def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
         """gguf-py's `ReaderField.contents`."""
@@ -99,7 +104,8 @@ class Reader:
         self.path = Path(path)
         if self.path.stat().st_size < len(MAGIC) + 20:  # numpy cannot map an empty file
             raise GGUFFormatError("it is too short to hold a GGUF header")
-        self.buffer = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: views are writable, never written
+        # copy-on-write: views are writable, never written; a plain ndarray view slices 10x faster than a memmap
+        self.buffer = np.memmap(self.path, dtype=np.uint8, mode="c").view(np.ndarray)
         self._pos = len(MAGIC)
         if bytes(self.buffer[:4]) != MAGIC:
             raise GGUFFormatError("it does not begin with the GGUF magic bytes")
