@@ -121,6 +121,8 @@ def _run(path) -> list:
     """The engine's outputs for PROMPTS from the file, checked to run natively through the lean forward."""
     engine = Engine.from_pretrained(str(path), num_blocks=32, block_size=4, max_num_seqs=2)
     assert is_native(engine.model), "the file loaded through transformers, not natively"
+    # the module tree tfserve builds itself (no transformers model class), held to HF's forward by these tests
+    assert type(engine.model).__module__ == "tfserve.models.gguf_skeleton", type(engine.model)
     assert engine.runner.forward.name == "lean"
     return list(engine.generate_batch(PROMPTS, PARAMS).values())
 

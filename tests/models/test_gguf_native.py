@@ -92,3 +92,35 @@ def test_the_model_holds_the_files_norms_and_no_linear_weight(tiny):
     for name, buffer in model.named_buffers():  # the rotary tables are computed, not left empty
         assert buffer.device.type == "cpu"
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name])
+
+
+def test_a_file_with_a_tensor_the_skeleton_has_no_place_for_is_built_from_its_class(tiny, tmp_path):
+    """The module tree tfserve builds itself must hold every tensor of the file; where one has no place (a bias
+    the architecture's skeleton lacks), the transformers class decides, as transformers' loader would."""
+    import gguf as gguf_py
+
+    config, _ = gguf_native.load_config_and_tokenizer(tiny)
+    assert type(gguf_native.build_model(tiny, config)).__module__ == "tfserve.models.gguf_skeleton"
+    reader = Reader(tiny)
+    extra = tmp_path / "extra.gguf"
+    writer = gguf_py.GGUFWriter(str(extra), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("general.architecture"):
+            continue
+        value = field.value
+        kind = field.types[-1]
+        if field.types[0] == gguf_py.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.add_tensor("blk.0.attn_output.bias", np.zeros(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config, _ = gguf_native.load_config_and_tokenizer(extra)
+    model = gguf_native.build_model(extra, config)
+    assert type(model).__module__.startswith("transformers.models.llama")
+    assert gguf_native.is_native(model)

@@ -64,11 +64,14 @@ class ModelRunner:
             self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                                torch.zeros(shape, dtype=self.dtype, device=self.device))
                               for _ in range(self.num_layers)]
-        attention.register()
         sub_configs = getattr(model.config, "sub_configs", {}) or {}
-        if "vision_config" in sub_configs and "text_config" in sub_configs:  # the vision tower keeps its own
+        if not hasattr(model, "set_attn_implementation"):
+            pass  # a GGUF's module tree (tfserve.models.gguf_skeleton): only the lean forward runs it
+        elif "vision_config" in sub_configs and "text_config" in sub_configs:  # the vision tower keeps its own
+            attention.register()
             model.set_attn_implementation({"text_config": attention.ATTN_IMPLEMENTATION})
         else:
+            attention.register()
             model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         model.eval()
         if self.device.type == "cpu":

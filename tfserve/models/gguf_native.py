@@ -95,25 +95,48 @@ def _named(path: Path, config: Any, tokenizer: Any) -> tuple[Any, Any]:
 
 def build_model(path: Path, config: Any):
     """The model of `config` with the file's norms and biases, its linear layers' and embedding's weights
-    placeholders (`is_placeholder`): what the engine's lean forward needs besides the blocks it reads itself."""
-    import gguf
+    placeholders (`is_placeholder`): what the engine's lean forward needs besides the blocks it reads itself.
+    The module tree is tfserve.models.gguf_skeleton's where it builds one (no transformers model class
+    imported: seconds of a start), else the transformers class's."""
+    from tfserve.models.gguf_skeleton import build_skeleton
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    skeleton = build_skeleton(config)
+    if skeleton is not None:
+        try:
+            return _fill(path, config, skeleton, strict=True)
+        except ModelLoadError as exc:  # the file holds what the skeleton has no place for: the class decides
+            logger.info("%s: %s; building the model from its transformers class", path.name, exc)
+    return _fill(path, config, _from_class(config), strict=False)
+
+
+def _from_class(config: Any):
     import torch
     from accelerate import init_empty_weights
-
     from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _fill(path: Path, config: Any, model, strict: bool):
+    """`model` with placeholders for its linear layers' and embedding's weights and the file's values for every
+    other parameter. `strict`: every tensor of the file must have its place in the model."""
+    import gguf
+    import torch
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from tfserve.models.gguf_file import read
     from tfserve.models.gguf_weights import tensor_names
 
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reader = read(path)
     arch = reader.value("general.architecture")
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = tensor_names(model)  # "blk.0.attn_norm.weight" -> "model.layers.0.input_layernorm.weight"
+    unplaced = [t.name for t in reader.tensors if t.name not in names and not t.name.startswith("rope_")]
+    if strict and unplaced:
+        raise ModelLoadError(f"its {', '.join(unplaced[:3])} tensors have no place in the model")
     tensors = {names[t.name]: t for t in reader.tensors if t.name in names}
     held = {f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}

@@ -26,7 +26,7 @@ from tfserve.models.gguf_native import is_placeholder
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
              "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm",
-          "Gemma2RMSNorm", "Gemma3RMSNorm"}
+          "Gemma2RMSNorm", "Gemma3RMSNorm", "RMSNorm"}  # RMSNorm: tfserve.models.gguf_skeleton's
 _GEMMA_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")  # they multiply by (1 + weight)
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # Gemma: tanh GELU
 
@@ -380,7 +380,8 @@ def _activation(config) -> str | None:
 
 def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     """The weight an RMSNorm multiplies by: Gemma's (1 + weight), in float32 as its forward adds it."""
-    return norm.weight.float() + 1.0 if type(norm).__name__ in _GEMMA_NORMS else norm.weight
+    plus_one = getattr(norm, "plus_one", type(norm).__name__ in _GEMMA_NORMS)
+    return norm.weight.float() + 1.0 if plus_one else norm.weight
 
 
 def _norm_args(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
