@@ -62,6 +62,14 @@ def test_config_and_tokenizer_come_from_the_cache_on_a_second_load(tiny, home, m
     again, again_tokenizer = gguf_native.load_config_and_tokenizer(tiny)
     assert again.to_dict() == config.to_dict()
     assert again_tokenizer(text)["input_ids"] == expected(text)["input_ids"]
+    assert again_tokenizer.chat_template == expected.chat_template
+
+    # a pickle another user could have written is not loaded: the tokenizer files are read instead
+    pickled = next(gguf_native.cache_root().iterdir()) / gguf_native.PICKLED_TOKENIZER
+    assert gguf_native._pickled(pickled) is not None
+    pickled.chmod(0o666)
+    assert gguf_native._pickled(pickled) is None
+    assert gguf_native.load_config_and_tokenizer(tiny)[1](text)["input_ids"] == expected(text)["input_ids"]
 
 
 def test_a_changed_file_is_read_again_and_the_cache_stays_bounded(tiny, home, tmp_path, monkeypatch):

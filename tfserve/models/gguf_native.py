@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -27,8 +28,9 @@ from tfserve.errors import ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "3"  # bump when what the cache holds changes shape
+CACHE_VERSION = "4"  # bump when what the cache holds changes shape
 MAX_CACHED_FILES = 16  # config + tokenizer folders kept; the oldest used go first
+PICKLED_TOKENIZER = "tokenizer.pickle"
 
 
 def architecture(path: Path) -> str | None:
@@ -50,8 +52,10 @@ def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
     if (folder / "config.json").is_file():
         try:
             os.utime(folder)  # used now: the last to go when the cache is pruned
-            return _named(path, AutoConfig.from_pretrained(folder, local_files_only=True),
-                          AutoTokenizer.from_pretrained(folder, local_files_only=True))
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            tokenizer = _pickled(folder / PICKLED_TOKENIZER) or AutoTokenizer.from_pretrained(folder,
+                                                                                            local_files_only=True)
+            return _named(path, config, tokenizer)
         except (OSError, ValueError, KeyError) as exc:  # a cache left damaged: read the file again
             logger.debug("GGUF cache %s unreadable (%s); reading %s", folder, first_line(exc), path)
     start = time.perf_counter()
@@ -217,7 +221,8 @@ def _save(folder: Path, config: Any, tokenizer: Any) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
         config.save_pretrained(work)
-        tokenizer.save_pretrained(work)
+        tokenizer.save_pretrained(work)  # the files anyone can read; the pickle is what a start reads
+        (work / PICKLED_TOKENIZER).write_bytes(pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL))
         try:
             os.rename(work, folder)
         except OSError:  # another process cached it first
@@ -225,6 +230,20 @@ def _save(folder: Path, config: Any, tokenizer: Any) -> None:
         _prune(folder.parent)
     except OSError as exc:
         logger.warning("cannot cache the GGUF file's config and tokenizer in %s (%s)", folder, first_line(exc))
+
+
+def _pickled(path: Path) -> Any:
+    """The tokenizer pickled at `path` by this user's own process (a file no one else could have written, in the
+    cache folder made for this user), or None. transformers reads a tokenizer.json up to seven times over while
+    loading it (Gemma 3's 33 MB: 3.7 s); its pickle loads in one pass (1.5 s; Qwen2's 0.5 s for 1.2)."""
+    try:
+        stat = path.stat()
+        if stat.st_uid != os.getuid() or stat.st_mode & 0o022 or path.parent.stat().st_mode & 0o022:
+            return None
+        return pickle.loads(path.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as exc:
+        logger.debug("pickled tokenizer %s unreadable (%s)", path, first_line(exc))
+        return None
 
 
 def _prune(root: Path) -> None:
