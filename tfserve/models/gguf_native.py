@@ -159,6 +159,17 @@ def _fill(path: Path, config: Any, model, strict: bool):
     return model
 
 
+def architecture_class(config: Any) -> str | None:
+    """The transformers class name of the config's causal LM (`Qwen2ForCausalLM`), None where it has none."""
+    from tfserve.models.gguf_skeleton import ARCHITECTURES
+
+    if config.model_type in ARCHITECTURES:  # without importing transformers' mapping of every model (0.5 s)
+        return ARCHITECTURES[config.model_type]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+
+
 def why_not(path: Path) -> str | None:
     """Why the engine cannot run the file's tensors as stored (a type its kernels lack), or None."""
     from tfserve.models.gguf_file import read

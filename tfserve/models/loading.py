@@ -230,7 +230,6 @@ def _load_native(resolved: ResolvedModel, architectures: frozenset[str], progres
     """The GGUF file as tfserve.models.gguf_native loads it, or None where it holds what only transformers' loader
     reads (another architecture, a tensor type the kernels do not run)."""
     import torch
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from tfserve.models import gguf_native
 
@@ -238,7 +237,7 @@ def _load_native(resolved: ResolvedModel, architectures: frozenset[str], progres
         progress(f"Loading {resolved.name}")
     try:
         config, tokenizer = gguf_native.load_config_and_tokenizer(resolved.path)
-        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        architecture = gguf_native.architecture_class(config)
         why_not = (f"{architecture or config.model_type} is not one of {', '.join(sorted(architectures))}"
                    if architecture not in architectures else gguf_native.why_not(resolved.path))
         if why_not is not None:
