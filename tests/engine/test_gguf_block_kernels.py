@@ -1,7 +1,8 @@
 """The block kernels over every common GGUF type (Q4_0 .. Q8_0, Q2_K .. Q6_K), against gguf-py's own
 dequantize: prompt rows bit for bit what float32 panels over the dequantized weight give, decode rows the
 integer arithmetic they promise (int8 activations per block of 32), rows dequantized exactly, a row the same
-alone and in any batch; on this CPU's build, the AVX2 one and the plain C++ one."""
+alone and in any batch; the repacked bytes those of the layout written out in numpy; on this CPU's build, the
+AVX2 one and the plain C++ one."""
 
 import numpy as np
 import pytest
@@ -90,6 +91,82 @@ def test_repacked_blocks_dequantize_to_ggufs_own_weights(ops, layer):
     assert ops.dequantize_rows(packed, int(T[name]), N, torch.zeros(0, dtype=torch.long)).shape == (0, K)
     # about the file's bytes a weight: the kernels read one copy, not a widened one
     assert packed.nbytes <= blocks.nbytes * 40 / 37 * 1.04, packed.nbytes / blocks.nbytes
+
+
+def file_fields(name: str, b: np.ndarray):
+    """Blocks b uint8 [n, nb, type size] as GGUF defines them -> (unsigned quants [n, nb, inputs], float16 d (and
+    m / dmin) bytes [n, nb, 2 or 4], the small scale rows [n, nb, 16] or None), one field at a time."""
+    w, i = np.arange(256), np.arange(16)
+    crumbs = lambda qs: (qs[..., w // 128 * 32 + w % 32] >> (w % 128 // 32 * 2)) & 3
+    high = lambda h: (h[..., w % 32] >> (w // 32)) & 1
+    if name == "Q8_0":
+        return b[..., 2:34], b[..., :2], None
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        heads = 2 if name.endswith("0") else 4
+        qs = b[..., heads + 4 * name.startswith("Q5"):][..., :16]
+        u = np.concatenate([qs & 15, qs >> 4], -1)
+        if name.startswith("Q5"):
+            qh = b[..., heads:heads + 4].copy().view("<u4")
+            u = u | ((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4
+        return u, b[..., :heads], None
+    if name == "Q2_K":
+        return crumbs(b[..., 16:80]), b[..., 80:84], b[..., :16]
+    if name == "Q3_K":
+        s = b[..., 96:108]
+        sc = ((s[..., i % 8] >> (i // 8 * 4)) & 15) | ((s[..., 8 + i % 4] >> (i // 4 * 2)) & 3) << 4
+        return crumbs(b[..., 32:96]) | high(b[..., :32]) << 2, b[..., 108:110], (sc.astype(np.int64) - 32) % 256
+    if name == "Q6_K":
+        low = (b[..., w // 128 * 64 + w % 64] >> (w % 128 // 64 * 4)) & 15
+        return low | crumbs(b[..., 128:192]) << 4, b[..., 208:210], b[..., 192:208]
+    s, j = b[..., 4:16], np.arange(4)  # Q4_K, Q5_K: 6-bit scales (rows 0-7) and mins (rows 8-15)
+    sc = np.concatenate([s[..., j] & 63, (s[..., 8 + j] & 15) | (s[..., j] >> 6) << 4,
+                         s[..., 4 + j] & 63, (s[..., 8 + j] >> 4) | (s[..., 4 + j] >> 6) << 4], -1)
+    qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+    u = (qs[..., w // 64 * 32 + w % 32] >> (w // 32 % 2 * 4)) & 15
+    return (u | high(b[..., 16:48]) << 4 if name == "Q5_K" else u), b[..., :4], sc
+
+
+def reference_layout(name: str, blocks: np.ndarray) -> np.ndarray:
+    """The group blocks of quant_types.h's layout comment, built field by field from the file's: d (and m) of 8
+    columns, their scale rows, then per block of 32 inputs the planes of u (quad q: inputs 4q..4q+3)."""
+    bits = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5,
+            "Q6_K": 6}[name]
+    n, type_size = blocks.shape[0], gguf.GGML_QUANT_SIZES[T[name]][1]
+    fields = file_fields(name, blocks.reshape(n, -1, type_size))
+    groups, nb = -(-n // 8), blocks.shape[1] // type_size
+    padded = [None if f is None else np.concatenate([np.asarray(f, np.uint8), np.zeros(
+        (groups * 8 - n, *f.shape[1:]), np.uint8)]).reshape(groups, 8, nb, -1) for f in fields]  # [g, c, nb, ...]
+    u, heads, scales = padded
+    parts = [heads.reshape(groups, 8, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(groups, nb, -1)]
+    if scales is not None:
+        parts.append(scales.transpose(0, 2, 3, 1).reshape(groups, nb, -1))
+    q = u.reshape(groups, 8, nb, -1, 8, 4).transpose(4, 0, 2, 3, 1, 5)  # [quad, g, nb, block, column, input]
+    if bits == 8:
+        planes = list(q)
+    elif bits >= 4:
+        planes = [(q[p] & 15) | (q[p + 4] & 15) << 4 for p in range(4)]
+        if bits == 5:
+            planes.append(sum((q[k] >> 4 & 1) << k for k in range(8)))
+        if bits == 6:
+            planes += [sum((q[2 * k + r] >> 4 & 3) << 2 * k for k in range(4)) for r in range(2)]
+    else:
+        planes = [sum((q[2 * k + r] & 3) << 2 * k for k in range(4)) for r in range(2)]
+        if bits == 3:
+            planes.append(sum((q[k] >> 2 & 1) << k for k in range(8)))
+    parts.append(np.stack(planes, 3).reshape(groups, nb, -1))
+    return np.concatenate(parts, -1).astype(np.uint8)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_repack_is_the_layout_byte_for_byte(ops, name):
+    """Every bit pattern of a block (random bytes), whole and partial groups: the layout, written out in numpy."""
+    rng = np.random.default_rng(7)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[T[name]]
+    for n, k in ((N, K), (1, 256), (16, 768), (131, 1024)):
+        blocks = rng.integers(0, 256, (n, k // block_size * type_size), dtype=np.uint8)
+        packed = ops.repack_blocks(torch.from_numpy(blocks), int(T[name])).numpy()
+        expected = reference_layout(name, blocks)
+        assert packed.shape == expected.shape and np.array_equal(packed, expected), (n, k)
 
 
 def test_an_id_outside_the_weight_is_refused(ops, layer):
