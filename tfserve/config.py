@@ -41,7 +41,7 @@ class EngineConfig:
     cpu_kernels: bool = field(default_factory=lambda: _env_default("TFSERVE_CPU_KERNELS", True, False))
     pack_weights: bool | None = None  # panel-packed float32 linear weights (lean forward, CPU); None: where they help
     # how the lean forward holds linear weights on CPU (engine/cpu_linear.py): float32, float16, bfloat16 (16-bit
-    # storage, float32 arithmetic), int8 (Q8_0 blocks), gguf (the file's own Q4_0/Q4_1/Q8_0 blocks); "auto":
+    # storage, float32 arithmetic), int8 (Q8_0 blocks), gguf (the file's own blocks, K-quants too); "auto":
     # gguf where the model came from a GGUF file (gguf_file), else float32
     weights: str = "auto"
     gguf_file: str | None = None  # the GGUF file the model was loaded from (Engine.from_pretrained fills it in)
