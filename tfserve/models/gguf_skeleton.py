@@ -31,8 +31,7 @@ def build_skeleton(config: Any) -> nn.Module | None:
     its rotary embedding is not one this module builds."""
     if config.model_type not in ARCHITECTURES or not _static_rope(config):
         return None
-    with torch.device("meta"):
-        model = _causal_lm_class(ARCHITECTURES[config.model_type])(config)
+    model = _causal_lm_class(ARCHITECTURES[config.model_type])(config)
     model.model.rotary_emb = Rotary(config)  # real buffers, made on the CPU
     if config.model_type in _GEMMA:  # embeddings scaled by sqrt(hidden), in float32 as transformers' buffer
         model.model.embed_tokens.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5),
@@ -58,7 +57,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.generation_config = GenerationConfig.from_model_config(config)
         self.model = Decoder(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,7 +77,8 @@ def _causal_lm_class(name: str) -> type:
 class Decoder(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config, config.hidden_size)
 
@@ -115,13 +115,13 @@ class Attention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         qkv_bias, o_bias = (True, False) if kind == "qwen2" else (bias, bias)
         if kind == "phi3":  # queries, keys and values in one projection
-            self.qkv_proj = nn.Linear(config.hidden_size, (heads + 2 * kv_heads) * head_dim, bias=False)
+            self.qkv_proj = _linear(config.hidden_size, (heads + 2 * kv_heads) * head_dim, bias=False)
             o_bias = False
         else:
-            self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=qkv_bias)
-            self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
-            self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=o_bias)
+            self.q_proj = _linear(config.hidden_size, heads * head_dim, bias=qkv_bias)
+            self.k_proj = _linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
+            self.v_proj = _linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = _linear(heads * head_dim, config.hidden_size, bias=o_bias)
         if kind in ("qwen3", "gemma3_text"):  # each head normalised before the rotary embedding
             self.q_norm = RMSNorm(config, head_dim)
             self.k_norm = RMSNorm(config, head_dim)
@@ -132,11 +132,11 @@ class MLP(nn.Module):
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
         if config.model_type == "phi3":  # gate and up in one projection
-            self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+            self.gate_up_proj = _linear(hidden, 2 * inner, bias=False)
         else:
-            self.gate_proj = nn.Linear(hidden, inner, bias=False)
-            self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+            self.gate_proj = _linear(hidden, inner, bias=False)
+            self.up_proj = _linear(hidden, inner, bias=False)
+        self.down_proj = _linear(inner, hidden, bias=False)
 
 
 class RMSNorm(nn.Module):
@@ -144,9 +144,20 @@ class RMSNorm(nn.Module):
 
     def __init__(self, config: Any, size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
+        self.weight = nn.Parameter(torch.empty(size, device="meta"))
         self.variance_epsilon = config.rms_norm_eps
         self.plus_one = config.model_type in _GEMMA
+
+
+def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """An nn.Linear whose parameters are on the meta device, made without initialising them: `nn.Linear(...,
+    device="meta")` runs its random init through torch's reference ops, which import dynamo (1 s)."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = in_features, out_features
+    layer.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"))
+    layer.register_parameter("bias", nn.Parameter(torch.empty(out_features, device="meta")) if bias else None)
+    return layer
 
 
 class Rotary(nn.Module):
