@@ -129,7 +129,8 @@ async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
     without one, or a template that rejects the messages, is the client's 400 naming `param` (the body field
     the messages came from)."""
     if not has_chat_template(tokenizer):
-        raise bad_request("the served model has no chat template; use /v1/completions", param)
+        raise bad_request("the served model has no chat template; use /v1/completions, or give the server one "
+                          "(tfserve serve --chat-template FILE)", param)
 
     def render(kwargs: dict[str, Any] | None = template_kwargs) -> list[int]:
         return chat_template.render_chat(tokenizer, messages, tools, kwargs,
