@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from tfserve import Engine, SamplingParams
-from tfserve.models.gguf_native import is_native
+from tfserve.models.gguf_weights import is_native
 
 NUM_NEW = 8
 VOCAB_SIZE = 384

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tfserve.models import gguf_native
-from tfserve.models.gguf_reader import GGUFFormatError, Reader
+from tfserve.models.gguf_reader import GGUFFormatError, Reader, read
+from tfserve.models.gguf_weights import is_native, is_placeholder
 from tiny_gguf import HIDDEN, LAYERS, write_tiny_gguf
 
 
@@ -87,16 +88,16 @@ def test_the_model_holds_the_files_norms_and_no_linear_weight(tiny):
     from transformers import AutoModelForCausalLM
 
     config, _ = gguf_native.load_config_and_tokenizer(tiny)
-    model = gguf_native.build_model(tiny, config)
+    model = gguf_native.build_model(read(tiny), config)
     reference = AutoModelForCausalLM.from_pretrained(str(tiny.parent), gguf_file=tiny.name, dtype=torch.float32)
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         if name.endswith("_proj.weight") or "embed_tokens" in name or name == "lm_head.weight":
-            assert gguf_native.is_placeholder(param), name
+            assert is_placeholder(param), name
             assert param.untyped_storage().nbytes() == 4  # one float, seen through zero strides
         else:
             assert torch.equal(param, expected[name]), name
-    assert gguf_native.is_native(model) and not gguf_native.is_native(reference)
+    assert is_native(model) and not is_native(reference)
     for name, buffer in model.named_buffers():  # the rotary tables are computed, not left empty
         assert buffer.device.type == "cpu"
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name])
@@ -108,7 +109,7 @@ def test_a_file_with_a_tensor_the_skeleton_has_no_place_for_is_built_from_its_cl
     import gguf as gguf_py
 
     config, _ = gguf_native.load_config_and_tokenizer(tiny)
-    assert type(gguf_native.build_model(tiny, config)).__module__ == "tfserve.models.gguf_skeleton"
+    assert type(gguf_native.build_model(read(tiny), config)).__module__ == "tfserve.models.gguf_skeleton"
     reader = Reader(tiny)
     extra = tmp_path / "extra.gguf"
     writer = gguf_py.GGUFWriter(str(extra), "llama")
@@ -129,6 +130,6 @@ def test_a_file_with_a_tensor_the_skeleton_has_no_place_for_is_built_from_its_cl
     writer.write_tensors_to_file()
     writer.close()
     config, _ = gguf_native.load_config_and_tokenizer(extra)
-    model = gguf_native.build_model(extra, config)
+    model = gguf_native.build_model(read(extra), config)
     assert type(model).__module__.startswith("transformers.models.llama")
-    assert gguf_native.is_native(model)
+    assert is_native(model)

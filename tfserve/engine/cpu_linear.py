@@ -16,8 +16,9 @@ The block formats multiply decode tokens with activations quantized to int8 per 
 products, as llama.cpp does) and prompt tokens in float32 over the exactly dequantized weights (faster for
 many rows, and what the float32 engine computes). `rows(ids)` reads weight rows back in float32, so that a
 token embedding tied to the LM head is looked up in the head's own copy. Every kernel computes every row the
-same way whatever the number of rows, so a request's output does not depend on the rest of its batch. The caller's `nn.Linear` is never changed, so the model
-outside the engine (its own `generate`, training) runs exactly as before.
+same way whatever the number of rows, so a request's output does not depend on the rest of its batch. The
+caller's `nn.Linear` is never changed, so the model outside the engine (its own `generate`, training) runs
+exactly as before.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def fused(layers: list[torch.nn.Linear], ops, weights: str, blocks: list | None 
     biases = [layer.bias for layer in layers]
     bias = None if all(b is None for b in biases) else torch.cat([
         b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers)])
-    stacked = _Stacked(weight, bias, sum(layer.out_features for layer in layers))
+    stacked = LinearWeights(weight, bias, sum(layer.out_features for layer in layers))
     if blocks:
         import numpy as np
 
@@ -117,8 +118,11 @@ def fused(layers: list[torch.nn.Linear], ops, weights: str, blocks: list | None 
     return EngineLinear(stacked, ops, weights)
 
 
-class _Stacked:
-    """What EngineLinear reads of a layer, for stacked weights."""
+class LinearWeights:
+    """What EngineLinear reads of a layer (`weight`, `bias`, `out_features`), for weights no nn.Linear holds:
+    several layers' stacked, or a tensor a GGUF file keeps in floats for a layer that holds none."""
+
+    __slots__ = ("weight", "bias", "out_features")
 
     def __init__(self, weight, bias, out_features: int) -> None:
         self.weight, self.bias, self.out_features = weight, bias, out_features

@@ -104,8 +104,7 @@ class Engine:
         from tfserve.engine import kernels
         from tfserve.models.loading import DEFAULT_MODEL, load_model, resolve_device
         from tfserve.engine.backends.lean import SUPPORTED
-        from tfserve.models.gguf_native import is_native
-        from tfserve.models.gguf_weights import gguf_source
+        from tfserve.models.gguf_weights import gguf_source, is_native
         from tfserve.models.pull import no_progress
 
         config = _with_overrides(config, overrides)  # checked before a long load

@@ -1,24 +1,15 @@
-"""A GGUF file's header and tensor table, read with the `gguf` package without loading any weight: what
-`tfserve models info FILE.gguf` shows, and why a file that is no whole GGUF cannot load.
-
-transformers' own reader fails on a cut file with whatever broke first (`struct.error: unpack_from requires a
-buffer of at least 1006 bytes`, a numpy reshape error); tfserve's reader maps the whole file and checks every
-tensor against it, so it tells a truncated download from a model transformers cannot load.
-"""
+"""A GGUF file's header and tensor table, read without loading any weight (tfserve.models.gguf_reader): what
+`tfserve models info FILE.gguf` shows, and why a file that is no whole GGUF cannot load."""
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tfserve.errors import ModelLoadError, first_line
+from tfserve.errors import ModelLoadError
+from tfserve.models.gguf_reader import read
 from tfserve.models.store import ModelInfo
-
-MAGIC = b"GGUF"
-
-logger = logging.getLogger(__name__)
 
 
 def unreadable_error(path: Path) -> ModelLoadError | None:
@@ -55,29 +46,6 @@ def gguf_info(path: Path) -> ModelInfo:
         gguf_file=str(path),
         tensor_types=dict(types.most_common()),
     )
-
-
-def read(path: Path):
-    """The file's `Reader` (tfserve.models.gguf_reader), or a ModelLoadError saying why it cannot be read."""
-    from tfserve.models.gguf_reader import Reader
-
-    try:
-        with open(path, "rb") as file:
-            magic = file.read(len(MAGIC))
-        size = path.stat().st_size
-    except OSError as exc:  # gone, a folder, not ours to read: said as the OS says it
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror or first_line(exc)}") from None
-    if magic != MAGIC:
-        raise _cut_short(path, f"it does not begin with the GGUF magic bytes, {MAGIC.decode()}")
-    try:
-        return Reader(path)
-    except (ValueError, OSError) as exc:  # a cut file fails wherever its end comes
-        logger.debug("reading %s: %s", path, first_line(exc))
-        raise _cut_short(path, f"its {size:,} bytes do not hold the header and tensors it describes") from None
-
-
-def _cut_short(path: Path, reason: str) -> ModelLoadError:
-    return ModelLoadError(f"cannot read {path}: it is truncated or not a GGUF file ({reason})")
 
 
 def _value(reader, key: str) -> Any:

@@ -33,14 +33,6 @@ MAX_CACHED_FILES = 16  # config + tokenizer folders kept; the oldest used go fir
 PICKLED_TOKENIZER = "tokenizer.pickle"
 
 
-def architecture(path: Path) -> str | None:
-    """The file's `general.architecture` (llama, qwen2, gemma3 ...); a ModelLoadError where it cannot be read."""
-    from tfserve.models.gguf_file import read
-
-    value = read(path).value("general.architecture")
-    return value if isinstance(value, str) else None
-
-
 def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
     """(config, tokenizer) of a GGUF file: from the cache when this file was read before, else from its metadata
     through transformers' mapping (then cached)."""
@@ -80,7 +72,7 @@ def _stated_fields(path: Path, config: Any) -> None:
     """The config fields the file states (`_STATED`) where transformers' mapping reads none for the architecture."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    from tfserve.models.gguf_file import read
+    from tfserve.models.gguf_reader import read
 
     reader = read(path)
     arch = reader.value("general.architecture")
@@ -97,11 +89,12 @@ def _named(path: Path, config: Any, tokenizer: Any) -> tuple[Any, Any]:
     return config, tokenizer
 
 
-def build_model(path: Path, config: Any):
-    """The model of `config` with the file's norms and biases, its linear layers' and embedding's weights
-    placeholders (`is_placeholder`): what the engine's lean forward needs besides the blocks it reads itself.
-    The module tree is tfserve.models.gguf_skeleton's where it builds one (no transformers model class
-    imported: seconds of a start), else the transformers class's."""
+def build_model(reader, config: Any):
+    """The model of `config` with the norms and biases of the file `reader` reads (tfserve.models.gguf_reader),
+    its linear layers' and embedding's weights placeholders (`gguf_weights.is_placeholder`): what the engine's
+    lean forward needs besides the blocks it reads itself. The module tree is tfserve.models.gguf_skeleton's
+    where it builds one (no transformers model class imported: seconds of a start), else the transformers
+    class's."""
     from tfserve.models.gguf_skeleton import build_skeleton
 
     if hasattr(config, "quantization_config"):
@@ -109,10 +102,10 @@ def build_model(path: Path, config: Any):
     skeleton = build_skeleton(config)
     if skeleton is not None:
         try:
-            return _fill(path, config, skeleton, strict=True)
+            return _fill(reader, config, skeleton, strict=True)
         except ModelLoadError as exc:  # the file holds what the skeleton has no place for: the class decides
-            logger.info("%s: %s; building the model from its transformers class", path.name, exc)
-    return _fill(path, config, _from_class(config), strict=False)
+            logger.info("%s: %s; building the model from its transformers class", reader.path.name, exc)
+    return _fill(reader, config, _from_class(config), strict=False)
 
 
 def _from_class(config: Any):
@@ -124,17 +117,15 @@ def _from_class(config: Any):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def _fill(path: Path, config: Any, model, strict: bool):
+def _fill(reader, config: Any, model, strict: bool):
     """`model` with placeholders for its linear layers' and embedding's weights and the file's values for every
     other parameter. `strict`: every tensor of the file must have its place in the model."""
     import gguf
     import torch
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    from tfserve.models.gguf_file import read
-    from tfserve.models.gguf_weights import tensor_names
+    from tfserve.models.gguf_weights import held_weights, placeholder, tensor_names
 
-    reader = read(path)
     arch = reader.value("general.architecture")
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = tensor_names(model)  # "blk.0.attn_norm.weight" -> "model.layers.0.input_layernorm.weight"
@@ -142,8 +133,7 @@ def _fill(path: Path, config: Any, model, strict: bool):
     if strict and unplaced:
         raise ModelLoadError(f"its {', '.join(unplaced[:3])} tensors have no place in the model")
     tensors = {names[t.name]: t for t in reader.tensors if t.name in names}
-    held = {f"{name}.weight" for name, module in model.named_modules()
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+    held = held_weights(model)
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name in held:
             value = placeholder(param.shape)
@@ -153,7 +143,7 @@ def _fill(path: Path, config: Any, model, strict: bool):
             data = processor.process(weights=data, name=tensor.name).weights
             value = torch.from_numpy(data.astype("float32", copy=True)).reshape(param.shape)
         else:
-            raise ModelLoadError(f"cannot load {path}: it has no tensor for {name}")
+            raise ModelLoadError(f"cannot load {reader.path}: it has no tensor for {name}")
         _set_parameter(model, name, value)
     model.eval()
     return model
@@ -170,30 +160,13 @@ def architecture_class(config: Any) -> str | None:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
 
 
-def why_not(path: Path) -> str | None:
-    """Why the engine cannot run the file's tensors as stored (a type its kernels lack), or None."""
-    from tfserve.models.gguf_file import read
+def why_not(reader) -> str | None:
+    """Why the engine cannot run the tensors of the file `reader` reads as stored (a type its kernels lack), or
+    None."""
     from tfserve.models.gguf_weights import runs_as_stored
 
-    other = sorted({t.tensor_type.name for t in read(path).tensors if not runs_as_stored(t.tensor_type.name)})
+    other = sorted({t.tensor_type.name for t in reader.tensors if not runs_as_stored(t.tensor_type.name)})
     return f"its {', '.join(other)} tensors are not a type the kernels run" if other else None
-
-
-def placeholder(shape) -> Any:
-    """A float32 tensor of `shape` that takes 4 bytes: zeros seen through zero strides."""
-    import torch
-
-    return torch.zeros(1).expand(tuple(shape))
-
-
-def is_placeholder(tensor) -> bool:
-    """True for a weight `build_model` left to the engine's blocks."""
-    return tensor.dim() > 0 and tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
-
-
-def is_native(model) -> bool:
-    """True for a model `build_model` made (its weights are placeholders for the file's blocks)."""
-    return any(is_placeholder(param) for param in model.parameters())
 
 
 def _set_parameter(model, name: str, value) -> None:

@@ -10,6 +10,7 @@ transformers' code that takes a reader (the GGUF metadata -> config and tokenize
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,11 +19,39 @@ from typing import Any
 
 import numpy as np
 
+from tfserve.errors import ModelLoadError, first_line
+
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 STRING, ARRAY = 8, 9
+
+logger = logging.getLogger(__name__)
+
+
+def read(path: Path) -> Reader:
+    """The file's Reader, or a ModelLoadError saying in one line why it cannot be read. transformers' own reader
+    fails on a cut file with whatever broke first (`struct.error: unpack_from requires a buffer of at least 1006
+    bytes`, a numpy reshape error); this one checks every tensor against the file's size, so it tells a
+    truncated download from a model transformers cannot load."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(len(MAGIC))
+        size = path.stat().st_size
+    except OSError as exc:  # gone, a folder, not ours to read: said as the OS says it
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or first_line(exc)}") from None
+    if magic != MAGIC:
+        raise _cut_short(path, f"it does not begin with the GGUF magic bytes, {MAGIC.decode()}")
+    try:
+        return Reader(path)
+    except (ValueError, OSError) as exc:  # a cut file fails wherever its end comes
+        logger.debug("reading %s: %s", path, first_line(exc))
+        raise _cut_short(path, f"its {size:,} bytes do not hold the header and tensors it describes") from None
+
+
+def _cut_short(path: Path, reason: str) -> ModelLoadError:
+    return ModelLoadError(f"cannot read {path}: it is truncated or not a GGUF file ({reason})")
 
 
 class GGUFFormatError(ValueError):

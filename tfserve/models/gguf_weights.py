@@ -43,17 +43,14 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Any]:
     tfserve.models.gguf_native), a float32/float16/bfloat16 tensor for a tensor the file keeps in floats.
     Blocks are views of the mapped file; whoever keeps them past the load copies them (the kernels repack)."""
     import numpy as np
-    import torch
 
-    from tfserve.models.gguf_file import read
-    from tfserve.models.gguf_native import is_placeholder
+    from tfserve.models.gguf_reader import read
 
     reader = read(Path(gguf_path))
     config = model.config
     names = tensor_names(model)  # gguf tensor name -> hf parameter name
     params = dict(model.named_parameters(remove_duplicate=False))
-    held = {f"{name}.weight" for name, module in model.named_modules()
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+    held = held_weights(model)
     out: dict[str, Any] = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
@@ -73,6 +70,33 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Any]:
 
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def held_weights(model) -> set[str]:
+    """The parameters whose values the engine takes from the file's tensors itself: the weights of the linear
+    layers and the embedding."""
+    import torch
+
+    return {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+
+
+def placeholder(shape) -> Any:
+    """A float32 tensor of `shape` that takes 4 bytes: zeros seen through zero strides, where a natively loaded
+    GGUF's model (tfserve.models.gguf_native) holds a weight the engine reads from the file."""
+    import torch
+
+    return torch.zeros(1).expand(tuple(shape))
+
+
+def is_placeholder(tensor) -> bool:
+    """True for a `placeholder`."""
+    return tensor.dim() > 0 and tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+
+
+def is_native(model) -> bool:
+    """True for a model of a natively loaded GGUF (its weights are placeholders for the file's blocks)."""
+    return any(is_placeholder(param) for param in model.parameters())
 
 
 def _float_tensor(data, type_name: str):

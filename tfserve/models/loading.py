@@ -232,18 +232,20 @@ def _load_native(resolved: ResolvedModel, architectures: frozenset[str], progres
     import torch
 
     from tfserve.models import gguf_native
+    from tfserve.models.gguf_reader import read
 
     if progress is not None:
         progress(f"Loading {resolved.name}")
     try:
         config, tokenizer = gguf_native.load_config_and_tokenizer(resolved.path)
         architecture = gguf_native.architecture_class(config)
+        reader = read(resolved.path) if architecture in architectures else None  # one header parse for both
         why_not = (f"{architecture or config.model_type} is not one of {', '.join(sorted(architectures))}"
-                   if architecture not in architectures else gguf_native.why_not(resolved.path))
+                   if reader is None else gguf_native.why_not(reader))
         if why_not is not None:
             logger.info("%s loads through transformers, every weight expanded to float32: %s", resolved.name, why_not)
             return None
-        model = gguf_native.build_model(resolved.path, config)
+        model = gguf_native.build_model(reader, config)
     except (OSError, ValueError, KeyError, ImportError, RuntimeError, struct.error, IndexError) as exc:
         raise _load_error(resolved, exc) from None
     return LoadedModel(model, tokenizer, resolved.name, resolved.path, "cpu", torch.float32)

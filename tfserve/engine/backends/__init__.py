@@ -22,7 +22,7 @@ from tfserve.engine import cpu_linear
 from tfserve.engine.backends.compiled import CompiledForward
 from tfserve.engine.backends.hf import HFForward
 from tfserve.engine.backends.lean import LeanForward
-from tfserve.models.gguf_native import is_native
+from tfserve.models.gguf_weights import is_native
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
     if tp is not None and config.weights == "gguf":
         raise ValueError("tensor parallelism splits float32 (or float16/bfloat16/int8) weights, not a GGUF "
                          "file's blocks; leave weights auto")
-    if is_native(model) and (config.forward_backend == "hf" or LeanForward.why_not(model) is not None or cpu_ops is None
-                   or config.weights not in ("auto", "gguf") or not config.gguf_file):
+    if is_native(model) and (config.forward_backend == "hf" or LeanForward.why_not(model) is not None
+                             or cpu_ops is None or config.weights not in ("auto", "gguf") or not config.gguf_file):
         raise ValueError("a GGUF file loaded natively runs its blocks on the lean forward with tfserve's CPU "
                          "kernels (forward_backend auto or lean, weights auto or gguf)")
     weights = config.weights

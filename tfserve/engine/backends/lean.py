@@ -21,7 +21,7 @@ from tfserve.engine import attention
 from tfserve.engine.attention import paged_attention_forward
 from tfserve.engine import cpu_linear
 from tfserve.engine.cpu_linear import EngineLinear
-from tfserve.models.gguf_native import is_placeholder
+from tfserve.models.gguf_weights import is_placeholder
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
              "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
@@ -67,13 +67,13 @@ class LeanForward:
             no weight (tfserve.models.gguf_native): a tensor the file keeps in floats comes with the blocks."""
             held = blocks.get(names[id(layer)])
             if isinstance(held, torch.Tensor):
-                return _Weights(held, layer.bias, layer.out_features), None
+                return cpu_linear.LinearWeights(held, layer.bias, layer.out_features), None
             return layer, held
 
         def format_of(layer: torch.nn.Linear) -> str:
             held = blocks.get(names[id(layer)])
             if isinstance(held, torch.Tensor):  # a float tensor of a natively loaded GGUF: panels of its type
-                return _PANEL_NAMES[held.dtype]
+                return str(held.dtype).removeprefix("torch.")
             if ops is None:
                 return "torch"
             if layer is model.lm_head and weights in ("gguf", "int8") and not is_placeholder(layer.weight):
@@ -153,7 +153,8 @@ class LeanForward:
         else:
             head = self.lm_head.linears[0]
             tied = getattr(self.config, "tie_word_embeddings", False) and head.format == "gguf"
-            table = head if tied else EngineLinear(_Weights(None, None, embed.num_embeddings), self.ops, "gguf", held)
+            table = head if tied else EngineLinear(cpu_linear.LinearWeights(None, None, embed.num_embeddings), self.ops,
+                                                   "gguf", held)
             rows = table.rows
         return rows if scale is None else (lambda ids: rows(ids).mul_(scale))
 
@@ -289,17 +290,6 @@ class LeanForward:
         if self.final_softcap:  # Gemma 2: tanh caps the logits, in transformers' three steps
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits if tp is None else tp.gather_logits(logits)
-
-_PANEL_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-class _Weights:
-    """What EngineLinear reads of a layer, with a weight the layer does not hold."""
-
-    __slots__ = ("weight", "bias", "out_features")
-
-    def __init__(self, weight, bias, out_features: int) -> None:
-        self.weight, self.bias, self.out_features = weight, bias, out_features
 
 
 class _Projection:
