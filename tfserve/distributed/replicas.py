@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import os
 import queue
-import signal
 import sys
 import threading
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tfserve.distributed.workers import end_process, exit_reason
 from tfserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("tfserve.distributed")
@@ -122,13 +122,11 @@ class RemoteReplica(Replica):
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 20.0) -> None:
+        """Ask the replica to stop; past `timeout` (longer than its own wait for its ranks) it is ended."""
         self._stopping = True
         self._send(("stop", None))
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(2)
+        end_process(self.process, timeout)
 
     def _send(self, message: tuple) -> None:
         """Queue `message` for the pipe: it never blocks the caller (the event loop), whatever the replica does."""
@@ -151,7 +149,7 @@ class RemoteReplica(Replica):
             except (EOFError, OSError):  # the process ended: what it was running fails
                 self.process.join(5)  # (reaped: its exit code, not None)
                 if not self._stopping:
-                    self._died(f"replica {self.index} exited ({_exit_reason(self.process.exitcode)})")
+                    self._died(f"replica {self.index} exited ({exit_reason(self.process.exitcode)})")
                 self._fail_all(f"replica {self.index} stopped")
                 self._ready.set()
                 return
@@ -166,18 +164,6 @@ class RemoteReplica(Replica):
                     self._died(payload)
                 self.error = payload
                 self._ready.set()
-
-
-def _exit_reason(code: int | None) -> str:
-    """How a process ended, in words: `killed by SIGKILL`, `exit code 1`."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _failed(request_id: str, message: str):

@@ -51,24 +51,39 @@ class Workers:
         """The ranks whose process has exited (given `wait_s` to finish exiting), as "rank N (how)"."""
         for process in self.processes:
             process.join(wait_s / max(len(self.processes), 1))
-        return [f"rank {rank} ({_how(p.exitcode)})" for rank, p in zip(self.ranks, self.processes)
+        return [f"rank {rank} ({exit_reason(p.exitcode)})" for rank, p in zip(self.ranks, self.processes)
                 if p.exitcode is not None]
 
     def stop(self, timeout: float = 10.0) -> None:
         for process in self.processes:
             process.join(timeout)
         for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(2)
+            end_process(process, 0)
 
 
-def _how(exitcode: int) -> str:
-    if exitcode < 0:
+def end_process(process, timeout: float) -> None:
+    """Wait `timeout` s for `process` to exit, then SIGTERM it, then SIGKILL it: it is gone on return (a busy
+    machine can take seconds to end one that holds a model)."""
+    process.join(timeout)
+    for signal_it in (process.terminate, process.kill):
+        if not process.is_alive():
+            return
+        signal_it()
+        process.join(5)
+
+
+def exit_reason(code: int | None) -> str:
+    """How a process ended, in words: `killed by SIGKILL`, `exit code 1`."""
+    if code is None:
+        return "still running"
+    if code < 0:
         import signal
 
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def torchrun_rank() -> int | None:
