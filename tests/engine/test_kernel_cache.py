@@ -114,9 +114,41 @@ def test_a_build_killed_part_way_does_not_hold_later_ones():
 
         pytest.skip("no compiler here: the kernels do not build")
     (kernels.build_dir() / "lock").touch()  # what the killed process left
+    (kernels.build_dir() / kernels._BUILT).unlink(missing_ok=True)  # through torch's load, which takes its lock
     done = []
     thread = threading.Thread(target=lambda: done.append(kernels.build()), daemon=True)
     thread.start()
     thread.join(60)
     assert done and done[0].isa == kernels.cpu_ops().isa
     assert not (kernels.build_dir() / "lock").exists()
+
+
+def test_a_finished_build_loads_straight_from_its_file_only_as_it_was_marked():
+    """A later start imports the .so its build marked straight from the file (no setuptools, compiler or ninja);
+    a .so that is not the one marked, or that others may write, goes through torch's `load` again."""
+    import os
+
+    import pytest
+
+    if kernels.cpu_ops() is None:
+        pytest.skip("no compiler here: the kernels do not build")
+    directory = kernels.build_dir()
+    mark = directory / kernels._BUILT
+    if not mark.is_file():
+        kernels.build()  # a build from before the mark: torch's load marks it
+    assert mark.read_text() == kernels._so_identity(directory / f"{kernels._module_name()}.so")
+    assert kernels._load_built(directory, None).isa == kernels.cpu_ops().isa
+    marked = mark.read_text()
+    try:
+        mark.write_text("0 0 0")  # another .so than the one loaded before
+        assert kernels._load_built(directory, None) is None
+        mark.write_text(marked)
+        mode = directory.stat().st_mode
+        os.chmod(directory, mode | 0o020)
+        try:
+            assert kernels._load_built(directory, None) is None
+        finally:
+            os.chmod(directory, mode)
+    finally:
+        mark.write_text(marked)
+    assert kernels._load_built(directory, None) is not None

@@ -133,3 +133,102 @@ def test_a_file_with_a_tensor_the_skeleton_has_no_place_for_is_built_from_its_cl
     model = gguf_native.build_model(read(extra), config)
     assert type(model).__module__.startswith("transformers.models.llama")
     assert is_native(model)
+
+
+def _as_architecture(source, path, arch: str, extra: dict):
+    """`source` (a llama file) written again as llama.cpp writes `arch` like Llama: its `llama.*` keys under
+    `arch`, with `extra` keys over them."""
+    import gguf as gguf_py
+
+    reader = Reader(source)
+    writer = gguf_py.GGUFWriter(str(path), arch)
+    keys = {key.replace("llama.", f"{arch}.", 1): field for key, field in reader.fields.items()
+            if key != "general.architecture"}
+    for key, field in keys.items():
+        if key in extra:
+            continue
+        if field.types[0] == gguf_py.GGUFValueType.ARRAY:
+            writer.add_array(key, field.value)
+        else:
+            writer.add_key_value(key, field.value, field.types[-1])
+    for key, value in extra.items():
+        writer.add_key_value(key, value, gguf_py.GGUFValueType.STRING if isinstance(value, str) else
+                             gguf_py.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf_py.GGUFValueType.UINT32)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_smollm3_file_is_read_with_llamas_keys(tiny, tmp_path):
+    """transformers' GGUF mapping has no smollm3, which llama.cpp writes with Llama's keys (tfserve maps it,
+    tfserve.models.gguf_config): a Llama's config as a SmolLM3Config, rotary left out of every fourth layer (llama.cpp's
+    own fixed rule, no key), its YaRN scaling; the tokenizer transformers converts for the Llama file; read once."""
+    yarn = {"smollm3.rope.scaling.type": "yarn", "smollm3.rope.scaling.factor": 2.0,
+            "smollm3.rope.scaling.original_context_length": 128}
+    smol = _as_architecture(tiny, tmp_path / "smol.gguf", "smollm3", {"smollm3.block_count": 8, **yarn})
+    llama, llama_tokenizer = gguf_native.load_config_and_tokenizer(tiny)
+    for _ in range(2):  # from the metadata, then from the cache
+        config, tokenizer = gguf_native.load_config_and_tokenizer(smol)
+        assert type(config).__name__ == "SmolLM3Config"
+        assert gguf_native.architecture_class(config) == "SmolLM3ForCausalLM"
+        for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "rms_norm_eps", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+                      "eos_token_id"):
+            assert getattr(config, field) == getattr(llama, field), field
+        assert config.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
+        assert config.rope_parameters == {"rope_type": "yarn", "rope_theta": llama.rope_parameters["rope_theta"],
+                                          "factor": 2.0, "original_max_position_embeddings": 128}
+        text = "hello world, the quick brown fox"
+        assert tokenizer(text)["input_ids"] == llama_tokenizer(text)["input_ids"]
+        assert tokenizer.chat_template == llama_tokenizer.chat_template
+
+
+def test_the_cached_tokenizer_is_the_fresh_one(tiny, home):
+    """Every start after the first serves with the cached tokenizer: it encodes, decodes, names its tokens and
+    renders the chat template exactly as the tokenizer read from the file's metadata does."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tfserve.server.logprobs import _is_byte_level
+
+    fresh = AutoTokenizer.from_pretrained(str(tiny.parent), gguf_file=tiny.name)
+    gguf_native.load_config_and_tokenizer(tiny)  # the first start: read from the metadata, cached
+    _, cached = gguf_native.load_config_and_tokenizer(tiny)
+    texts = ["hello world, the quick brown fox", "  two  spaces\nand a line", "émoji 🦊 and 中文", ""]
+    for text in texts:
+        for special in (True, False):
+            assert cached.encode(text, add_special_tokens=special) == fresh.encode(text, add_special_tokens=special)
+        ids = fresh.encode(text)
+        for skip in (True, False):
+            assert cached.decode(ids, skip_special_tokens=skip) == fresh.decode(ids, skip_special_tokens=skip)
+    everything = list(range(len(fresh)))
+    assert cached.convert_ids_to_tokens(everything) == fresh.convert_ids_to_tokens(everything)
+    assert (cached.all_special_tokens, cached.eos_token_id, cached.bos_token_id) == \
+        (fresh.all_special_tokens, fresh.eos_token_id, fresh.bos_token_id)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "and now?"}]
+    assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # the server's byte-level test reads the decoder alone; the whole tokenizer's JSON says the same
+    decoder = json.loads(fresh.backend_tokenizer.to_str())["decoder"]
+    assert _is_byte_level(cached) is _is_byte_level(fresh) is ("ByteLevel" in json.dumps(decoder))
+
+
+def test_a_file_read_again_is_parsed_once_until_it_changes(tiny, tmp_path):
+    """A start reads the header for its model and again for its engine: the second read is the first's reader,
+    and a file written since is read anew."""
+    import os
+
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny.read_bytes())
+    first = read(copy)
+    assert read(copy) is first
+    copy.write_bytes(tiny.read_bytes())  # the same bytes written again (a later mtime): read again
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert read(copy) is not first

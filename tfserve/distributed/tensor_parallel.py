@@ -164,6 +164,8 @@ def why_not(model: torch.nn.Module, world_size: int) -> str | None:
     if reason is not None:
         return f"tensor parallelism runs on the lean forward, which cannot run this model: {reason}"
     config = model.config
+    if getattr(config, "num_experts", 0):  # shard() splits dense MLPs only
+        return "tensor parallelism does not split a mixture of experts yet"
     if config.num_key_value_heads < world_size:
         return (f"the model has {config.num_key_value_heads} key/value heads, fewer than "
                 f"--tensor-parallel-size {world_size}")

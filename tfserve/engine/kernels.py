@@ -148,9 +148,12 @@ def cpu_ops():
 
 def build(march: str | None = None):
     """Compile (once; later calls load the cached build) and load the kernels for `march` (see `_march`)."""
+    directory = build_dir(march)
+    module = _load_built(directory, march)
+    if module is not None:
+        return _checked(module, march)
     from torch.utils.cpp_extension import load
 
-    directory = build_dir(march)
     fresh = not _is_built(directory, march)
     if fresh:
         logger.info("building tfserve's CPU kernels for %s into %s (first run on this machine and install; "
@@ -161,13 +164,56 @@ def build(march: str | None = None):
     with _builder(directory):
         module = load(name=_module_name(march), sources=[str(source)], extra_cflags=_cflags(march),
                       build_directory=str(directory), verbose=False)
+        _mark_built(directory, march)
     if fresh:
         logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
+    return _checked(module, march)
+
+
+def _checked(module, march: str | None):
     if module.isa == "scalar" and _march(march) == "native":
         logger.warning("tfserve's CPU kernels have no vector path for this CPU (%s); they run as plain C++",
                        platform.machine())
-    logger.debug("CPU kernels: %s (%s)", module.isa, directory)
+    logger.debug("CPU kernels: %s (%s)", module.isa, build_dir(march))
     return module
+
+
+_BUILT = "built.ok"  # the .so's size, mtime and inode, written once torch's `load` has loaded it
+
+
+def _so_identity(so: Path) -> str:
+    stat = so.stat()
+    return f"{stat.st_size} {stat.st_mtime_ns} {stat.st_ino}"
+
+
+def _mark_built(directory: Path, march: str | None) -> None:
+    try:
+        (directory / _BUILT).write_text(_so_identity(directory / f"{_module_name(march)}.so"))
+    except OSError as exc:  # the next start loads through torch again: slower, not wrong
+        logger.debug("cannot mark the kernels in %s built (%s)", directory, first_line(exc))
+
+
+def _load_built(directory: Path, march: str | None):
+    """The kernels this user's process built and loaded before (`_mark_built`: the very .so, whole), imported
+    straight from the file, or None. torch's `load` would import setuptools, ask the compiler its version and
+    run ninja to learn that nothing changed (the key in the folder's name covers all of that): a few tenths of
+    a second of every start. Only files this user owns that no one else may write are loaded so."""
+    import importlib.util
+
+    so = directory / f"{_module_name(march)}.so"
+    try:
+        if (directory / _BUILT).read_text() != _so_identity(so):
+            return None
+        if any(p.stat().st_uid != os.getuid() or p.stat().st_mode & 0o022 for p in (directory, so)):
+            return None
+        spec = importlib.util.spec_from_file_location(_module_name(march), so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError, AttributeError) as exc:  # no mark yet, a .so that will not load, no os.getuid
+        # (Windows): torch's `load` decides
+        logger.debug("CPU kernels in %s: loading through torch (%s)", directory, first_line(exc))
+        return None
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from tfserve.errors import ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "4"  # bump when what the cache holds changes shape
+CACHE_VERSION = "5"  # bump when what the cache holds changes shape (5: the experts' width stated)
 MAX_CACHED_FILES = 16  # config + tokenizer folders kept; the oldest used go first
 PICKLED_TOKENIZER = "tokenizer.pickle"
 
@@ -52,8 +52,7 @@ def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
             logger.debug("GGUF cache %s unreadable (%s); reading %s", folder, first_line(exc), path)
     start = time.perf_counter()
     with alone(path) as source, serving_gguf_readers():
-        config = AutoConfig.from_pretrained(source, gguf_file=path.name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=path.name, local_files_only=True)
+        config, tokenizer = _from_metadata(source, path)
     _stated_fields(path, config)
     logger.info("read %s's config and tokenizer from its metadata in %.1f s (cached for the next start)",
                 path.name, time.perf_counter() - start)
@@ -61,11 +60,32 @@ def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
     return _named(path, config, tokenizer)
 
 
+def _from_metadata(source: str, path: Path) -> tuple[Any, Any]:
+    """(config, tokenizer) from the file's metadata through transformers' GGUF mapping; for an architecture it has
+    no mapping for but llama.cpp writes like one it has (tfserve.models.gguf_config: SmolLM3), the config mapped
+    here and the tokenizer converted by transformers all the same (it goes by the tokenizer the file names)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tfserve.models import gguf_config
+    from tfserve.models.gguf_reader import read
+
+    reader = read(path)
+    if not gguf_config.mapped_here(reader):
+        return (AutoConfig.from_pretrained(source, gguf_file=path.name, local_files_only=True),
+                AutoTokenizer.from_pretrained(source, gguf_file=path.name, local_files_only=True))
+    from transformers import TokenizersBackend
+
+    config = AutoConfig.for_model(**gguf_config.config_dict(reader))
+    # AutoTokenizer asks transformers' config mapping first, which refuses the architecture; the class it gives a
+    # file of llama.cpp's tokenizers converts the metadata itself
+    return config, TokenizersBackend.from_pretrained(source, gguf_file=path.name, local_files_only=True)
+
+
 # what llama.cpp writes that transformers' mapping leaves out for some architectures, where the config class's
 # default would apply instead: Qwen3Config's head_dim of 128 (wrong for a Qwen3 of any other head size),
-# Gemma2Config's caps (right for Google's releases, not for every fine-tune)
+# Gemma2Config's caps (right for Google's releases, not for every fine-tune), Qwen3MoeConfig's expert width of 768
 _STATED = {"attention.key_length": "head_dim", "attn_logit_softcapping": "attn_logit_softcapping",
-           "final_logit_softcapping": "final_logit_softcapping"}
+           "final_logit_softcapping": "final_logit_softcapping", "expert_feed_forward_length": "moe_intermediate_size"}
 
 
 def _stated_fields(path: Path, config: Any) -> None:
@@ -124,9 +144,11 @@ def _fill(reader, config: Any, model, strict: bool):
     import torch
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    from tfserve.models.gguf_config import LLAMA_LIKE
     from tfserve.models.gguf_weights import held_weights, placeholder, tensor_names
 
     arch = reader.value("general.architecture")
+    arch = LLAMA_LIKE[arch][1] if arch in LLAMA_LIKE else arch  # SmolLM3's query/key biases permuted as Llama's
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = tensor_names(model)  # "blk.0.attn_norm.weight" -> "model.layers.0.input_layernorm.weight"
     unplaced = [t.name for t in reader.tensors if t.name not in names and not t.name.startswith("rope_")]

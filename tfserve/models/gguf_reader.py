@@ -38,16 +38,30 @@ def read(path: Path) -> Reader:
     try:
         with open(path, "rb") as file:
             magic = file.read(len(MAGIC))
-        size = path.stat().st_size
+        stat = path.stat()
     except OSError as exc:  # gone, a folder, not ours to read: said as the OS says it
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or first_line(exc)}") from None
     if magic != MAGIC:
         raise _cut_short(path, f"it does not begin with the GGUF magic bytes, {MAGIC.decode()}")
+    size, key = stat.st_size, (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    reader = _recent.get(key)
+    if reader is not None:
+        return reader
     try:
-        return Reader(path)
+        reader = Reader(path)
     except (ValueError, OSError) as exc:  # a cut file fails wherever its end comes
         logger.debug("reading %s: %s", path, first_line(exc))
         raise _cut_short(path, f"its {size:,} bytes do not hold the header and tensors it describes") from None
+    while len(_recent) >= MAX_RECENT:
+        _recent.pop(next(iter(_recent)), None)
+    _recent[key] = reader
+    return reader
+
+
+# The files read last, by path and identity: a start reads one file's header for its model and again for its
+# engine, and walking a 262k-token vocabulary and its merges item by item takes a few tenths of a second.
+MAX_RECENT = 2
+_recent: dict[tuple, Reader] = {}
 
 
 def _cut_short(path: Path, reason: str) -> ModelLoadError:

@@ -22,7 +22,8 @@ from torch import nn
 # transformers' model type -> the class the lean forward knows the architecture by
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 _GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -87,7 +88,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if _is_moe_layer(config, layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config, config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config, config.hidden_size)
         if config.model_type in _GEMMA:  # "sandwich" norms around each block
@@ -108,8 +109,11 @@ class Attention(nn.Module):
         self.attn_logit_softcapping = getattr(config, "attn_logit_softcapping", None)
         layer_types = getattr(config, "layer_types", None)
         self.layer_type = layer_types[layer_idx] if layer_types else None
-        if kind in ("mistral", "phi3"):  # every layer, where the config sets a window
+        if kind in ("mistral", "phi3", "qwen3_moe"):  # every layer, where the config sets a window
             self.sliding_window = getattr(config, "sliding_window", None)
+        elif kind == "smollm3":  # the "sliding_attention" layers, where the config turns windows on
+            self.sliding_window = config.sliding_window if config.use_sliding_window and \
+                self.layer_type == "sliding_attention" else None
         else:
             self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         bias = getattr(config, "attention_bias", False)
@@ -122,7 +126,9 @@ class Attention(nn.Module):
             self.k_proj = _linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
             self.v_proj = _linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = _linear(heads * head_dim, config.hidden_size, bias=o_bias)
-        if kind in ("qwen3", "gemma3_text"):  # each head normalised before the rotary embedding
+        if kind == "smollm3":  # 0: a "NoPE" layer, without the rotary embedding (every fourth by default)
+            self.use_rope = config.no_rope_layers[layer_idx]
+        if kind in ("qwen3", "gemma3_text", "qwen3_moe"):  # each head normalised before the rotary embedding
             self.q_norm = RMSNorm(config, head_dim)
             self.k_norm = RMSNorm(config, head_dim)
 
@@ -137,6 +143,29 @@ class MLP(nn.Module):
             self.gate_proj = _linear(hidden, inner, bias=False)
             self.up_proj = _linear(hidden, inner, bias=False)
         self.down_proj = _linear(inner, hidden, bias=False)
+
+
+def _is_moe_layer(config: Any, layer_idx: int) -> bool:
+    """Whether the layer's MLP is a mixture of experts, as transformers' Qwen3-MoE decides it."""
+    return (getattr(config, "num_experts", 0) > 0 and layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+            and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts as transformers' Qwen3MoeSparseMoeBlock holds it: `gate`, the router ([num_experts,
+    hidden] weight, top_k, norm_topk_prob), and `experts`, every expert's projections stacked in two 3-D
+    parameters: gate_up_proj [num_experts, 2 * inner, hidden] (gate rows, then up rows) and down_proj
+    [num_experts, hidden, inner]."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        num_experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden, device="meta"))
+        self.gate.top_k, self.gate.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden, device="meta"))
+        self.experts.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner, device="meta"))
 
 
 class RMSNorm(nn.Module):

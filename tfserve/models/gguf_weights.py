@@ -22,7 +22,7 @@ STORE_FILE = "model.gguf"  # where the store keeps a pulled model's original fil
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    blocks: Any  # numpy uint8 [out_features, bytes per row]
+    blocks: Any  # numpy uint8 [out_features, bytes per row]; an expert stack's [num_experts, out_features, bytes]
     qtype: int  # GGUF's type id (BLOCK_TYPES)
     type_name: str
 
@@ -40,7 +40,9 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Any]:
     """`{module name: weight}` for the linear layers and embedding of `model`, from the file: a QuantizedWeight
     for every tensor stored in one of BLOCK_TYPES with a shape matching the module (a tied LM head takes the
     embedding's blocks), and where the model holds no weight of its own (a natively loaded GGUF's placeholders,
-    tfserve.models.gguf_native), a float32/float16/bfloat16 tensor for a tensor the file keeps in floats.
+    tfserve.models.gguf_native), a float32/float16/bfloat16 tensor for a tensor the file keeps in floats. A
+    mixture of experts' stacks come 3-D, [num_experts, out_features, ...], under `<experts>.gate_proj`,
+    `.up_proj` and `.down_proj` (`_expert_stack`).
     Blocks are views of the mapped file; whoever keeps them past the load copies them (the kernels repack)."""
     import numpy as np
 
@@ -57,6 +59,9 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Any]:
         hf_name = names.get(tensor.name)
         if hf_name not in held:
             continue
+        if tensor.name.endswith("_exps.weight"):
+            out.update(_expert_stack(tensor, hf_name, params[hf_name]))
+            continue
         rows = _row_order(tensor.name, tensor.data.shape[0], config)
         data = tensor.data if rows is None else tensor.data[rows]
         for target in _targets(hf_name, params, model):
@@ -72,13 +77,37 @@ def quantized_linear_weights(gguf_path: str | Path, model) -> dict[str, Any]:
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
+def _expert_stack(tensor, hf_name: str, param) -> dict[str, Any]:
+    """`{"<experts>.gate_proj": weight}` (or up_proj, down_proj) for one of the file's ffn_{gate,up,down}_exps
+    stacks [num_experts, out, in] where its shape fits the model's (transformers' gate_up_proj holds gate and up
+    as one [num_experts, 2 * inner, hidden]); empty where it does not, or where the model holds the floats."""
+    part = tensor.name.rpartition(".ffn_")[2].removesuffix("_exps.weight")  # gate, up, down
+    num_experts, out_features, in_features = param.shape
+    if part != "down":
+        out_features //= 2
+    if tuple(int(d) for d in reversed(tensor.shape)) != (num_experts, out_features, in_features):
+        return {}
+    key, type_name = f"{hf_name.rpartition('.')[0]}.{part}_proj", tensor.tensor_type.name
+    if type_name in BLOCK_TYPES:
+        return {key: QuantizedWeight(tensor.data, BLOCK_TYPES[type_name], type_name)}
+    if type_name in _FLOAT_TYPES and is_placeholder(param):
+        import numpy as np
+
+        return {key: _float_tensor(np.ascontiguousarray(tensor.data), type_name)}
+    return {}
+
+
 def held_weights(model) -> set[str]:
     """The parameters whose values the engine takes from the file's tensors itself: the weights of the linear
-    layers and the embedding."""
+    layers and the embedding, and a mixture of experts' stacked expert weights (3-D parameters of an `experts`
+    module, as transformers' Qwen3-MoE holds them)."""
     import torch
 
-    return {f"{name}.weight" for name, module in model.named_modules()
+    held = {f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
+    held.update(name for name, param in model.named_parameters(remove_duplicate=False)
+                if name.rpartition(".")[0].endswith("experts") and param.dim() == 3)
+    return held
 
 
 def placeholder(shape) -> Any:
@@ -132,7 +161,17 @@ def tensor_names(model) -> dict[str, str]:
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
             names[f"{gguf_name}.{suffix}"] = name
+            continue
+        for part in _EXPERT_PARTS.get(suffix, ()):
+            stack_name = name_map.get_name(f"{base}.{part}")  # blk.N.ffn_gate_exps ...
+            if stack_name is not None:
+                names[f"{stack_name}.weight"] = name
     return names
+
+
+# a mixture of experts' stacks are parameters of their own (model.layers.N.mlp.experts.gate_up_proj), not the
+# weight of a module: the names gguf-py knows them by (transformers' fused gate_up_proj is two GGUF tensors)
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 # transformers' model types whose GGUF architecture is named otherwise
@@ -154,8 +193,9 @@ def _shape(tensor) -> tuple[int, int]:
 
 
 def _row_order(name: str, num_rows: int, config):
-    """The row permutation that undoes llama.cpp's query/key reordering (Llama and Mistral files only)."""
-    if config.model_type not in ("llama", "mistral") or not (".attn_q." in name or ".attn_k." in name):
+    """The row permutation that undoes llama.cpp's query/key reordering (Llama, Mistral and SmolLM3 files only: its
+    converter writes SmolLM3 as Llama)."""
+    if config.model_type not in ("llama", "mistral", "smollm3") or not (".attn_q." in name or ".attn_k." in name):
         return None
     heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
     import numpy as np

@@ -78,7 +78,11 @@ def _is_byte_level(tokenizer: Any) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    # the decoder's own JSON, not the whole tokenizer's: Gemma 3's 262k tokens took a second of every start
+    try:
+        decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    except Exception:  # a decoder tokenizers cannot serialize alone (a custom one): the tokenizer's JSON says
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
     kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", []) or []]
     return "ByteLevel" in kinds
 

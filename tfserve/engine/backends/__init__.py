@@ -6,6 +6,7 @@ decides which runs; every backend is a small class with the same call,
     hf.py        the model's own forward (any architecture, dtype, quantization)
     compiled.py  the same through torch.compile (`compile`), one graph for every step
     lean.py      a lean forward for Llama-family float32 models, with fused CPU kernels and packed weights
+    lean_moe.py  its mixture-of-experts MLP (Qwen3-MoE): router, top-k experts, each from its own blocks
     cuda_graphs.py  decode steps of whichever backend runs, replayed as CUDA graphs by bucket of batch size
                  (the runner decides, from `EngineConfig.cuda_graph` and the device)
 """

@@ -1,5 +1,5 @@
-"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 2 and 3 text) in
-float32.
+"""The lean forward backend: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 2 and 3 text;
+Qwen3-MoE's mixture of experts in lean_moe.py) in float32.
 
 The model's own forward spends most of a small step outside arithmetic: module calls, keyword plumbing,
 mask construction, and half a dozen element-wise ops per RMSNorm and a dozen per rotary embedding. This
@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from tfserve.engine import attention
 from tfserve.engine.attention import paged_attention_forward
 from tfserve.engine import cpu_linear
+from tfserve.engine.backends import lean_moe
 from tfserve.engine.cpu_linear import EngineLinear
 from tfserve.models.gguf_weights import is_placeholder
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
-             "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+             "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm",
-          "Gemma2RMSNorm", "Gemma3RMSNorm", "RMSNorm"}  # RMSNorm: tfserve.models.gguf_skeleton's
+          "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3MoeRMSNorm", "RMSNorm"}  # RMSNorm: tfserve.models.gguf_skeleton's
 _GEMMA_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")  # they multiply by (1 + weight)
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # Gemma: tanh GELU
 
@@ -116,6 +117,12 @@ class LeanForward:
                 return fused(mlp.gate_up_proj, [mlp.down_proj.in_features] * 2)
             return linear(mlp.gate_proj, mlp.up_proj)
 
+        def mlp(layer: torch.nn.Module) -> tuple:
+            """(gate_up, down), or a mixture of experts (lean_moe.py) and None."""
+            if hasattr(layer.mlp, "experts"):
+                return lean_moe.MixtureOfExperts(layer.mlp, names[id(layer.mlp)], ops, weights, pack, blocks), None
+            return gate_up(layer.mlp), linear(layer.mlp.down_proj)
+
         # Gemma 2 and 3 normalise each block's output before the residual add ("sandwich" norms): its
         # post_attention_layernorm does that, and pre_feedforward_layernorm is the MLP's input norm
         sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
@@ -123,8 +130,8 @@ class LeanForward:
         by_type = isinstance(getattr(model.model.rotary_emb, "rope_type", None), dict)
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
-            (_Attention(l.self_attn), qkv(l.self_attn), linear(l.self_attn.o_proj), gate_up(l.mlp),
-             linear(l.mlp.down_proj), _norm_weight(l.input_layernorm),
+            (_Attention(l.self_attn), qkv(l.self_attn), linear(l.self_attn.o_proj), *mlp(l),
+             _norm_weight(l.input_layernorm),
              _norm_weight(l.pre_feedforward_layernorm if sandwich else l.post_attention_layernorm),
              _norm_weight(l.post_attention_layernorm) if sandwich else None,
              _norm_weight(l.post_feedforward_layernorm) if sandwich else None,
@@ -137,7 +144,7 @@ class LeanForward:
         self.ropes = {kind: _RopeTable(model.model.rotary_emb, kind) for kind in set(self._layers[-1])}
         self.stack = self._decoder_stack(sandwich or by_type)
         formats = Counter()
-        for projection in (*(p for column in self._layers[1:5] for p in column), self.lm_head):
+        for projection in (*(p for column in self._layers[1:5] for p in column if p is not None), self.lm_head):
             formats.update(projection.labels)
         self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
 
@@ -161,8 +168,8 @@ class LeanForward:
     def weight_bytes(self) -> int:
         """Bytes of weight one decode step reads: every linear layer's as the kernels hold it (a GGUF's blocks,
         16-bit panels, float32); the norms' and one embedding row are too few to count."""
-        projections = [*(p for column in self._layers[1:5] for p in column), self.lm_head]
-        return sum(linear.nbytes for projection in projections for linear in projection.linears)
+        projections = [*(p for column in self._layers[1:5] for p in column if p is not None), self.lm_head]
+        return sum(projection.nbytes for projection in projections)
 
     def _decoder_stack(self, other_layout: bool):
         """The kernels' `DecoderStack` over every layer, for decode steps, where each layer is what it runs: the
@@ -172,6 +179,8 @@ class LeanForward:
         if ops is None or not hasattr(ops, "DecoderStack") or self.tp is not None or other_layout or self.act is not F.silu:
             return None
         attns, qkvs, o_projs, gate_ups, downs, norms1, norms2 = self._layers[:7]
+        if None in downs:  # a mixture of experts: the loop runs it
+            return None
         if not all(a.rope and a.q_norm is None and q.packed and g.packed and len(o.linears) == len(d.linears) == 1
                    and o.linears[0].format != "torch" and d.linears[0].format != "torch"
                    for a, q, o, g, d in zip(attns, qkvs, o_projs, gate_ups, downs)):
@@ -221,7 +230,7 @@ class LeanForward:
                                      for name, m in block.named_children() if name.endswith("_proj")]
         if any(type(m) is not torch.nn.Linear for m in linears):
             return "its linear layers are quantized"
-        return None
+        return lean_moe.why_not(model)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
@@ -276,7 +285,9 @@ class LeanForward:
             if post_attn_norm is not None:
                 residual = rms_norm(residual, post_attn_norm, eps)
             h = rms_norm(x, norm2, eps, residual)
-            if gate_up_proj.packed and self.act is F.silu:  # one kernel (its exp: within rounding)
+            if down_proj is None:  # a mixture of experts: its router, its chosen experts, their weighted sum
+                residual = gate_up_proj(h, num_decodes)
+            elif gate_up_proj.packed and self.act is F.silu:  # one kernel (its exp: within rounding)
                 (residual,) = down_proj(self.ops.silu_and_mul(gate_up_proj.linears[0](h, num_decodes)), num_decodes)
             else:
                 gate, up = gate_up_proj(h, num_decodes)
@@ -305,6 +316,11 @@ class _Projection:
         if self.sizes is None:
             return tuple(linear(x, float_from) for linear in self.linears)
         return tuple(part.contiguous() for part in self.linears[0](x, float_from).split(self.sizes, dim=1))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight one decode step reads."""
+        return sum(linear.nbytes for linear in self.linears)
 
     @property
     def packed(self) -> bool:
