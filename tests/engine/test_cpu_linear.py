@@ -22,7 +22,8 @@ class TorchPanels:
     calls = 0
 
     @staticmethod
-    def pack_linear_weight(weight, dtype=None):
+    def pack_linear_weight(weight, dtype=None, dot=False):
+        assert not dot  # (no bf16_dot attribute: never asked for)
         return weight.to(dtype or weight.dtype).clone()
 
     @classmethod
@@ -86,11 +87,34 @@ def test_panel_kernel_agrees_with_f_linear_over_the_stored_weight(layers, ops, f
     for layer in layers:
         linear = EngineLinear(layer, ops, fmt)
         weight = layer.weight.detach().to(dtype).float()  # what the panels hold, widened exactly
+        dot = fmt == "bfloat16" and ops.bf16_dot  # the CPU's bfloat16 dot products: inputs rounded to bfloat16
         for rows in ROWS:
             x = torch.randn(rows, layer.in_features)
+            seen = x.bfloat16().float() if dot else x
             with torch.inference_mode():
-                torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, layer.bias),
+                torch.testing.assert_close(linear(x), torch.nn.functional.linear(seen, weight, layer.bias),
                                            rtol=1e-5, atol=1e-5)
+            assert torch.equal(linear.rows(torch.tensor([0, 33, layer.out_features - 1])),
+                               weight[[0, 33, layer.out_features - 1]])
+
+
+def test_bfloat16_dot_products_where_the_cpu_has_them(ops):
+    """AVX512-BF16 builds run bfloat16 panels through VDPBF16PS (float32 sums over bfloat16 inputs); an odd
+    number of inputs is padded; a build without them refuses dot panels in one line."""
+    from tfserve.engine import kernels
+
+    expected = "avx512_bf16" in kernels.cpu_features() and ops.isa == "AVX-512"
+    assert ops.bf16_dot == expected
+    torch.manual_seed(3)
+    w, x = torch.randn(70, 33), torch.randn(5, 33)
+    if not ops.bf16_dot:
+        with pytest.raises(RuntimeError, match="no bfloat16 dot products"):
+            ops.pack_linear_weight(w, torch.bfloat16, dot=True)
+        return
+    packed = ops.pack_linear_weight(w, torch.bfloat16, dot=True)
+    assert packed.shape == (3, 17, 2 * 2 * ops.vec_width)
+    expected = x.bfloat16().float() @ w.bfloat16().float().T
+    torch.testing.assert_close(ops.linear(x, packed, 70), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])

@@ -1,7 +1,9 @@
 """How close the engine's decode steps come to this machine's own limits (`tfserve bench roofline`): one
 sequence's step against the time to read the model's weight bytes once (decoding one sequence streams every
 weight), and a batch's step against the matmul roofline (the weights read once, and 2 FLOPs per parameter per
-sequence at the GFLOP/s that torch's own matmul reaches here). Each round measures the limits and the steps
+sequence at the GFLOP/s that torch's own matmul reaches here: float32, or bfloat16 for bfloat16 weights, where
+oneDNN uses the CPU's matrix units — AMX tiles, AVX512-BF16 — so the report shows the fraction of their
+measured peak). Each round measures the limits and the steps
 back to back, so a machine whose neighbours come and go is compared with itself."""
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def read_gb_per_s(num_bytes: int, repeats: int = 7) -> float:
     return sum(p.numel() * 4 for p in pieces) / statistics.median(times) / 1e9
 
 
-def matmul_gflops(rows: int, inner: int, outer: int, seconds: float = 0.3) -> float:
-    """GFLOP/s of torch's float32 matmul [rows, inner] @ [inner, outer] (its best of three timed runs)."""
-    a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+def matmul_gflops(rows: int, inner: int, outer: int, seconds: float = 0.3, dtype=torch.float32) -> float:
+    """GFLOP/s of torch's matmul [rows, inner] @ [inner, outer] in `dtype` (its best of three timed runs)."""
+    a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, outer, dtype=dtype)
     for _ in range(3):
         a @ b
     flops = 2 * rows * inner * outer
@@ -90,16 +92,21 @@ def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3) -> l
     inner = getattr(config, "intermediate_size", 4 * hidden)
     vocab_size = config.vocab_size
     engine.generate_batch([[100, 101, 102]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    formats = getattr(engine.runner.forward, "weight_formats", {})
+    peak_dtype = torch.bfloat16 if "bfloat16" in formats else torch.float32  # the units its weights go through
     results = []
     for index in range(rounds):
         read = read_gb_per_s(num_bytes)
         one = decode_step_s(engine, 1, num_tokens, vocab_size, seed=index)
         gflops = matmul_gflops(2048, hidden, inner)
+        bf16_gflops = matmul_gflops(2048, hidden, inner, dtype=torch.bfloat16)
+        peak = bf16_gflops if peak_dtype == torch.bfloat16 else gflops
         many = decode_step_s(engine, batch, num_tokens, vocab_size, seed=index + 1000)
-        bound = max(num_bytes / (read * 1e9), 2 * num_params * batch / (gflops * 1e9))
+        bound = max(num_bytes / (read * 1e9), 2 * num_params * batch / (peak * 1e9))
         result = {"round": index + 1, "weight_bytes": num_bytes, "read_gb_s": round(read, 2),
                   "one_step_ms": round(one * 1e3, 3), "one_gb_s": round(num_bytes / one / 1e9, 2),
                   "one_of_read": round(num_bytes / one / 1e9 / read, 3), "matmul_gflops": round(gflops, 1),
+                  "matmul_gflops_bf16": round(bf16_gflops, 1), "peak_dtype": str(peak_dtype).removeprefix("torch."),
                   "batch": batch, "batch_step_ms": round(many * 1e3, 3), "batch_tok_s": round(batch / many, 1),
                   "roofline_tok_s": round(batch / bound, 1), "batch_of_roofline": round(bound / many, 3)}
         results.append(result)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from tfserve.cli import bench_audio
+from tfserve.cli import bench_audio, bench_embeddings
 from tfserve.cli.completion import chat_models, choices
 from tfserve.cli.options import (DEFAULT_MODEL, DeviceOpt, Dtype, DtypeOpt, ModelOpt, Quantization, QuantizationOpt,
                                  TensorParallelOpt, CompileOpt, CudaGraphOpt)
@@ -29,12 +29,14 @@ app = typer.Typer(
       tfserve bench offline --num-prompts 64 --output-len 128 -o offline.json
       tfserve bench serve --url localhost:8000 -c 32 --max-tokens 128 --ignore-eos -o online.json
       tfserve bench transcribe talk.wav --clip-seconds 10 -n 8 -c 1,8
+      tfserve bench embeddings --model all-minilm-l6-v2 --batch 1,32
       tfserve bench compare online.json vllm.json
     """,
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
 app.command("transcribe")(bench_audio.transcribe)
+app.command("embeddings")(bench_embeddings.embeddings)
 
 ENGINES = ("tfserve", "transformers", "transformers-static")  # what `bench offline --engine` runs
 ENDPOINTS = ("chat", "completions")  # what `bench serve --endpoint` sends to
@@ -199,7 +201,8 @@ def roofline(
         table.add_column(f"round {r['round']}", justify="right")
     rows = [("read the weights, GB/s", "read_gb_s", "{:.1f}"), ("1 sequence: step, ms", "one_step_ms", "{:.2f}"),
             ("1 sequence: GB/s", "one_gb_s", "{:.1f}"), ("1 sequence: of the read", "one_of_read", "{:.0%}"),
-            ("matmul, GFLOP/s", "matmul_gflops", "{:.0f}"), (f"{batch} sequences: step, ms", "batch_step_ms", "{:.1f}"),
+            ("matmul float32, GFLOP/s", "matmul_gflops", "{:.0f}"),
+            ("matmul bfloat16, GFLOP/s", "matmul_gflops_bf16", "{:.0f}"), (f"{batch} sequences: step, ms", "batch_step_ms", "{:.1f}"),
             (f"{batch} sequences: tok/s", "batch_tok_s", "{:.0f}"), ("roofline, tok/s", "roofline_tok_s", "{:.0f}"),
             (f"{batch} sequences: of the roofline", "batch_of_roofline", "{:.0%}")]
     for label, key, form in rows:

@@ -7,7 +7,9 @@ by reading the weights; a general GEMM reads them at about half the memory bandw
     float32           panels of whole vectors (at one row twice the bandwidth MKL's GEMV reaches on AVX2),
                       held in 16 bits where every weight is a 16-bit number (a bfloat16 or float16
                       checkpoint loaded in float32): the same products from half the bytes
-    float16/bfloat16  panels in 16 bits, widened in registers: half the bytes, float32 arithmetic
+    float16/bfloat16  panels in 16 bits, widened in registers: half the bytes, float32 arithmetic; bfloat16
+                      goes through the CPU's bfloat16 dot products where it has them (AVX512-BF16): the
+                      inputs rounded to bfloat16, float32 sums, twice the float32 rate for many rows
     int8              GGUF Q8_0 blocks quantized from the float weight (32 weights per float16 scale)
     gguf              a GGUF file's own blocks, as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
                       Q2_K .. Q6_K (those need in_features % 256 == 0)
@@ -38,17 +40,20 @@ class EngineLinear:
     `ops` (the compiled kernels) it is F.linear; with them the weight is held in `weights` format (`blocks`:
     the layer's GGUF blocks for "gguf")."""
 
-    __slots__ = ("bias", "format", "ops", "out_features", "packed", "qtype", "weight")
+    __slots__ = ("bias", "format", "in_features", "ops", "out_features", "packed", "qtype", "weight")
 
     def __init__(self, layer: torch.nn.Linear, ops=None, weights: str = "float32", blocks=None) -> None:
         self.bias, self.out_features = layer.bias, layer.out_features
         self.ops, self.packed, self.qtype = ops, None, 0
         self.format = weights if ops is not None else "torch"
         weight = layer.weight.detach() if layer.weight is not None else None
+        self.in_features = weight.shape[1] if weight is not None else None
         self.weight = layer.weight if self.format == "torch" else None  # the kernels' formats hold their own copy
         if self.format in _PANEL_DTYPES:
             held = exact_16_bit(weight) or "float32" if self.format == "float32" else self.format
-            self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[held])
+            # (a float32 model keeps float32 arithmetic even where its weights are exactly bfloat16)
+            dot = self.format == "bfloat16" and getattr(ops, "bf16_dot", False)
+            self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[held], dot=dot)
         elif self.format == "int8":
             self.packed, self.qtype = ops.repack_blocks(ops.quantize_q8_0(weight), _Q8_0), _Q8_0
         elif self.format == "gguf":
@@ -74,8 +79,13 @@ class EngineLinear:
             return self.ops.dequantize_rows(self.packed, self.qtype, self.out_features, ids)
         if self.format == "torch":
             return self.weight.detach()[ids].float()
-        panel_cols = self.packed.shape[2]  # panels [num_panels, in_features, panel_cols]
-        return self.packed[ids // panel_cols, :, ids % panel_cols].float()
+        panel_cols = self.ops.vec_width * 2  # panels [num_panels, in_features, panel_cols]
+        if self.packed.shape[2] == panel_cols:
+            return self.packed[ids // panel_cols, :, ids % panel_cols].float()
+        # bfloat16 dot-product panels [num_panels, in_features / 2, panel_cols * 2]: inputs i, i+1 side by side
+        pairs = self.packed.view(self.packed.shape[0], self.packed.shape[1], panel_cols, 2)
+        rows = pairs[ids // panel_cols, :, ids % panel_cols].reshape(len(ids), -1)
+        return rows[:, :self.in_features].float()
 
     @property
     def label(self) -> str:
@@ -145,3 +155,19 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     # Exact type: quantized layers (bitsandbytes) subclass nn.Linear and are never packed.
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32)
+
+
+def matmul_units(formats, ops) -> dict[str, str]:
+    """Which instructions multiply each weight format in use (`formats`: the lean forward's labels, e.g.
+    float32, bfloat16, int8, Q4_K), for the banner, the log and /metrics: empty without the kernels. GGUF
+    blocks and int8 multiply decode rows in integers and prompt rows in float32."""
+    paths = getattr(ops, "matmul_paths", None)
+    if not paths:
+        return {}
+    units = {}
+    for fmt in formats:
+        if fmt in _PANEL_DTYPES:
+            units[fmt] = paths[fmt]
+        else:
+            units[fmt] = f"{paths['int8']} (decode rows), {paths['float32']} (prompt rows)"
+    return units

@@ -626,6 +626,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL: the server's event loop thread goes on while the engine thread computes.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.attr("isa") = tfs::kIsa;  // the vector path compiled: AVX-512, AVX2, NEON or scalar
+#if TFS_BF16_DOT
+  m.attr("bf16_dot") = true;  // bfloat16 panels can go through the CPU's bfloat16 dot products (linear.h)
+#else
+  m.attr("bf16_dot") = false;
+#endif
+  // the instructions that multiply each weight format (the banner and /metrics say it)
+  const std::string fma = std::string(tfs::kIsa) + " float32 FMA";
+  py::dict paths;
+  paths["float32"] = fma;
+  paths["float16"] = fma + " (widened)";
+#if TFS_BF16_DOT
+  paths["bfloat16"] = "AVX512-BF16 dot products";
+#else
+  paths["bfloat16"] = fma + " (widened)";
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  paths["int8"] = "AVX512-VNNI int8 dot products";
+#elif defined(__AVXVNNI__)
+  paths["int8"] = "AVX-VNNI int8 dot products";
+#elif TFS_AVX2 || TFS_AVX512
+  paths["int8"] = "AVX2 int8 multiply-adds";
+#else
+  paths["int8"] = std::string(tfs::kIsa) + " int8 (compiler-vectorised)";
+#endif
+  m.attr("matmul_paths") = paths;
   m.attr("vec_width") = tfs::Vec::N;  // floats per vector: decode attention's vector path takes head_dim = N * 2^i <= 16 N
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
@@ -636,7 +661,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("key_lens"), py::arg("q_lens"),
         py::arg("scale"));
   m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)", nogil,
-        py::arg("weight"), py::arg("dtype") = py::none());
+        py::arg("weight"), py::arg("dtype") = py::none(), py::arg("dot") = false);
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("full_attention", &full_attention, "Attention without a mask over windows of rows, e.g. Whisper's encoder (CPU)",

@@ -10,6 +10,7 @@
 #pragma once
 #include "torch_api.h"
 #include <limits>
+#include <memory>
 #include <vector>
 #include "linear.h"
 #include "vec.h"
@@ -156,6 +157,7 @@ inline void full_attention(const float* q, const float* k, const float* v, int64
 
 }  // namespace tfs
 
+#if !TFS_NO_TORCH
 // Attention without a mask over windows of t_len rows each: q, k, v [windows * t_len, >= heads * head_dim]
 // float32 (rows may be strided: the columns of a stacked q/k/v projection), head h in columns h * head_dim ...
 // -> [windows * t_len, heads * head_dim], softmax(scale * q k^T) v per window and head.
@@ -174,6 +176,7 @@ torch::Tensor full_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
                       out.data_ptr<float>(), q.size(0) / t_len, t_len, heads, d, static_cast<float>(scale));
   return out;
 }
+#endif  // !TFS_NO_TORCH
 
 namespace tfs {
 
@@ -336,6 +339,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
 
 }  // namespace tfs
 
+#if !TFS_NO_TORCH
 // Prompt rows through the tiles, causal: q [rows, heads, head_dim] float32, sequence i's q_lens[i] rows packed in
 // order, at positions key_lens[i] - q_lens[i] ... over the caches [num_blocks, block_size, kv_heads, head_dim]
 // through block_tables[i] (their keys and values already written) -> [rows, heads, head_dim]. Each row is the
@@ -385,3 +389,4 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   return out;
 }
+#endif  // !TFS_NO_TORCH

@@ -11,6 +11,10 @@
 #include <utility>
 #include "vec.h"
 
+#if TFS_AVX512 && defined(__AVX512BF16__)
+#define TFS_BF16_DOT 1  // bfloat16 panels through VDPBF16PS (Bf16DotTiles)
+#endif
+
 namespace tfs {
 
 constexpr int64_t kPanelVecs = 2;
@@ -92,9 +96,28 @@ static void linear_tile_of(int rows, std::integer_sequence<int, Rs...>, const fl
   ((rows == Rs + 1 ? (linear_tile<Rs + 1, NP, W>(x, k, panel, bias, y, ldy, cols, ldx), true) : false) || ...);
 }
 
+// The tile kernels linear_panels runs: float rows over panels of W (every product and sum float32).
 template <typename W>
-static void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int64_t m, int64_t k,
-                          int64_t n, int64_t panels) {
+struct FloatTiles {
+  using X = float;
+  using Wt = W;
+  static int64_t x_stride(int64_t k) { return k; }
+  static int64_t panel_size(int64_t k) { return k * kPanelCols; }  // elements of W per panel
+  template <int R, int NP>
+  static void tile(const X* x, int64_t k, const W* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
+    linear_tile<R, NP, W>(x, k, panel, bias, y, ldy, cols);
+  }
+};
+
+template <typename T, int NP, int... Rs>
+static void tiles_of(int rows, std::integer_sequence<int, Rs...>, const typename T::X* x, int64_t k,
+                     const typename T::Wt* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  ((rows == Rs + 1 ? (T::template tile<Rs + 1, NP>(x, k, panel, bias, y, ldy, cols), true) : false) || ...);
+}
+
+template <typename T>
+static void linear_panels(const typename T::X* xp, const typename T::Wt* wp, const float* bp, float* yp, int64_t m,
+                          int64_t k, int64_t n, int64_t panels) {
   const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t tile_rows = num_tiles ? (m + num_tiles - 1) / num_tiles : 0;  // balanced: 32 rows -> 11, 11, 10
   // panels per call: enough accumulators for the FMA pipes with one or two rows, and pieces enough to share
@@ -106,41 +129,127 @@ static void linear_panels(const float* xp, const W* wp, const float* bp, float* 
   // leaves the other little to wait for at the end (whole panels of 2048 rows: 16% of a prefill's linear time)
   constexpr int64_t kBlockTiles = 16;
   const int64_t row_blocks = (num_tiles + kBlockTiles - 1) / kBlockTiles, block_rows = kBlockTiles * tile_rows;
+  const int64_t ldx = T::x_stride(k), panel_size = T::panel_size(k);
   parallel_chunks(num_groups * row_blocks, [&](int64_t piece) {
     const int64_t g = piece / row_blocks, rb = piece % row_blocks;
     const int64_t p0 = g * group, np = std::min(group, panels - p0);
     const int64_t cols = std::min(kPanelCols, n - (p0 + np - 1) * kPanelCols);  // of the group's last panel
     for (int64_t r0 = rb * block_rows; r0 < std::min(m, (rb + 1) * block_rows); r0 += tile_rows) {
       const int rows = static_cast<int>(std::min(tile_rows, m - r0));
-      const float* x = xp + r0 * k;
-      const W* w = wp + p0 * k * kPanelCols;
+      const auto* x = xp + r0 * ldx;
+      const auto* w = wp + p0 * panel_size;
       const float* b = bp ? bp + p0 * kPanelCols : nullptr;
       float* y = yp + r0 * n + p0 * kPanelCols;
       constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-      if (np == 4) linear_tile_of<W, 4>(rows, seq, x, k, w, b, y, n, cols);
-      else if (np == 2) linear_tile_of<W, 2>(rows, seq, x, k, w, b, y, n, cols);
+      if (np == 4) tiles_of<T, 4>(rows, seq, x, k, w, b, y, n, cols);
+      else if (np == 2) tiles_of<T, 2>(rows, seq, x, k, w, b, y, n, cols);
       else {  // one panel at a time (a group's remainder, or tiles of 3+ rows)
         for (int64_t p = 0; p < np; ++p) {
           const int64_t c = std::min(kPanelCols, n - (p0 + p) * kPanelCols);
-          linear_tile_of<W, 1>(rows, seq, x, k, w + p * k * kPanelCols, b ? b + p * kPanelCols : nullptr,
-                               y + p * kPanelCols, n, c);
+          tiles_of<T, 1>(rows, seq, x, k, w + p * panel_size, b ? b + p * kPanelCols : nullptr, y + p * kPanelCols,
+                         n, c);
         }
       }
     }
   });
 }
 
+#if TFS_BF16_DOT
+// bfloat16 weights through the CPU's bfloat16 dot-product unit (AVX512-BF16's VDPBF16PS: 32 products a
+// vector, twice the multiply-adds of float32 FMA): the panels hold each column's weights for inputs i, i+1 side
+// by side ([panels][k/2][kPanelCols][2]), the rows' inputs are rounded to bfloat16 once (round to nearest even,
+// as oneDNN does) and broadcast a pair at a time; the sums stay float32. A prompt's rows and decode batches are
+// compute-bound, where this doubles the rate; one row reads the same bytes as the float32-arithmetic panels.
+// Every row is still computed the same way whatever the number of rows.
+struct Bf16DotTiles {
+  using X = uint32_t;  // two bfloat16 inputs
+  using Wt = c10::BFloat16;
+  static int64_t x_stride(int64_t k) { return (k + 1) / 2; }
+  static int64_t panel_size(int64_t k) { return x_stride(k) * 2 * kPanelCols; }
+  template <int R, int NP>
+  static void tile(const X* x, int64_t k, const Wt* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
+    const int64_t k2 = x_stride(k), panel_stride = panel_size(k);
+    constexpr int V = kPanelVecs;
+    __m512 acc[R][NP * V];
+    for (int j = 0; j < NP * V; ++j) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[r][j] = b;
+    }
+    for (int64_t i = 0; i < k2; ++i) {
+      __m512bh w[NP * V];
+      for (int p = 0; p < NP; ++p) {
+        const Wt* row = panel + p * panel_stride + i * 2 * kPanelCols;
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + 2048);
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + 2048 + 64);
+        for (int j = 0; j < V; ++j) w[p * V + j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k2 + i]));
+        for (int j = 0; j < NP * V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+      }
+    }
+    const int64_t width = (NP - 1) * kPanelCols + cols;
+    for (int r = 0; r < R; ++r) {
+      if (width == NP * kPanelCols) {
+        for (int j = 0; j < NP * V; ++j) _mm512_storeu_ps(y + r * ldy + j * 16, acc[r][j]);
+      } else {  // the last panel's tail
+        float tmp[NP * kPanelCols];
+        for (int j = 0; j < NP * V; ++j) _mm512_storeu_ps(tmp + j * 16, acc[r][j]);
+        std::memcpy(y + r * ldy, tmp, width * sizeof(float));
+      }
+    }
+  }
+};
+
+// w [n, k] -> [panels][k/2][kPanelCols][2], zero past n and k
+static void pack_pair_panels(const c10::BFloat16* src, c10::BFloat16* dst, int64_t n, int64_t k) {
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols, k2 = (k + 1) / 2;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[((p * k2 + i / 2) * kPanelCols + c) * 2 + i % 2] = src[(p * kPanelCols + c) * k + i];
+  });
+}
+
+// x [m, k] float32 -> [m][k/2] pairs of bfloat16 (round to nearest even; an odd k's last pair padded with 0)
+static void bf16_pairs(const float* x, uint32_t* out, int64_t m, int64_t k) {
+  const int64_t k2 = (k + 1) / 2;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      auto* o = reinterpret_cast<uint16_t*>(out + r * k2);
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * k + i)));
+      for (; i < k; ++i) o[i] = c10::BFloat16(x[r * k + i]).x;
+      if (k % 2) o[k] = 0;
+    }
+  });
+}
+#endif
+
 }  // namespace tfs
 
+#if !TFS_NO_TORCH
 // w: [out_features, in_features] -> panels [ceil(out / kPanelCols), in_features, kPanelCols] of `dtype`
-// (default: w's own; float32, float16 or bfloat16).
-torch::Tensor pack_linear_weight(torch::Tensor w, c10::optional<at::ScalarType> dtype) {
+// (default: w's own; float32, float16 or bfloat16). `dot`: bfloat16 panels for the CPU's bfloat16 dot
+// products (Bf16DotTiles: [panels, ceil(in / 2), 2 * kPanelCols]) where the build has them (`bf16_dot`).
+torch::Tensor pack_linear_weight(torch::Tensor w, c10::optional<at::ScalarType> dtype, bool dot) {
   const auto type = dtype.value_or(w.scalar_type());
   TORCH_CHECK(w.dim() == 2, "weight: [out_features, in_features]");
   TORCH_CHECK(type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16,
               "panels: float32, float16 or bfloat16");
   auto wc = w.to(type).contiguous();
   const int64_t n = w.size(0), k = w.size(1), panels = (n + tfs::kPanelCols - 1) / tfs::kPanelCols;
+  if (dot) {
+    TORCH_CHECK(type == torch::kBFloat16, "dot-product panels hold bfloat16");
+#if TFS_BF16_DOT
+    auto out = torch::zeros({panels, (k + 1) / 2, 2 * tfs::kPanelCols}, wc.options());
+    tfs::pack_pair_panels(wc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), n, k);
+    return out;
+#else
+    TORCH_CHECK(false, "this build has no bfloat16 dot products (bf16_dot is False)");
+#endif
+  }
   auto out = torch::zeros({panels, k, tfs::kPanelCols}, wc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, type, "pack_linear_weight", [&] {
     tfs::pack_panels<scalar_t>(wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, k);
@@ -153,8 +262,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
   auto xc = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = out_features;
-  TORCH_CHECK(packed.size(1) == k && packed.size(2) == tfs::kPanelCols && panels * tfs::kPanelCols >= n,
-              "packed weight mismatch");
+  const bool dot = packed.size(2) == 2 * tfs::kPanelCols;  // pack_linear_weight(..., dot=true)
+  TORCH_CHECK(packed.size(1) == (dot ? (k + 1) / 2 : k) && (dot || packed.size(2) == tfs::kPanelCols) &&
+              panels * tfs::kPanelCols >= n, "packed weight mismatch");
   auto y = torch::empty({m, n}, x.options());
   torch::Tensor bias_padded;
   const float* bp = nullptr;
@@ -163,18 +273,33 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     bias_padded.narrow(0, 0, n).copy_(*bias);
     bp = bias_padded.data_ptr<float>();
   }
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (dot) {
+#if TFS_BF16_DOT
+    TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "dot-product panels hold bfloat16");
+    auto pairs = torch::empty({m, (k + 1) / 2}, torch::kInt32);
+    auto* xpairs = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
+    tfs::bf16_pairs(xp, xpairs, m, k);
+    tfs::linear_panels<tfs::Bf16DotTiles>(xpairs, packed.data_ptr<c10::BFloat16>(), bp, yp, m, k, n, panels);
+    return y;
+#else
+    TORCH_CHECK(false, "this build has no bfloat16 dot products (bf16_dot is False)");
+#endif
+  }
   switch (packed.scalar_type()) {
     case torch::kFloat32:
-      tfs::linear_panels(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), m, k, n, panels);
+      tfs::linear_panels<tfs::FloatTiles<float>>(xp, packed.data_ptr<float>(), bp, yp, m, k, n, panels);
       break;
     case torch::kFloat16:
-      tfs::linear_panels(xc.data_ptr<float>(), packed.data_ptr<c10::Half>(), bp, y.data_ptr<float>(), m, k, n, panels);
+      tfs::linear_panels<tfs::FloatTiles<c10::Half>>(xp, packed.data_ptr<c10::Half>(), bp, yp, m, k, n, panels);
       break;
     case torch::kBFloat16:
-      tfs::linear_panels(xc.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), bp, y.data_ptr<float>(), m, k, n, panels);
+      tfs::linear_panels<tfs::FloatTiles<c10::BFloat16>>(xp, packed.data_ptr<c10::BFloat16>(), bp, yp, m, k, n, panels);
       break;
     default:
       TORCH_CHECK(false, "panels: float32, float16 or bfloat16");
   }
   return y;
 }
+#endif  // !TFS_NO_TORCH

@@ -302,6 +302,7 @@ inline int64_t group_block_bytes(int64_t qtype) {
 
 }  // namespace tfs
 
+#if !TFS_NO_TORCH
 // GGUF blocks uint8 [out_features, bytes per row] of `qtype` (GGUF's type id) -> the kernels' layout, uint8
 // [ceil(out_features / 8), in_features / inputs per block (32, or 256 for K-quants), group block bytes].
 torch::Tensor repack_blocks(torch::Tensor blocks, int64_t qtype) {
@@ -392,3 +393,4 @@ torch::Tensor quantize_q8_0(torch::Tensor w) {
   });
   return out;
 }
+#endif  // !TFS_NO_TORCH

@@ -1,12 +1,15 @@
 // What the kernels need of torch, and no more: tensors, their factories, parallel_for and pybind11 with
 // torch's tensor casters. <torch/extension.h> brings the whole C++ frontend (nn, optim, data) besides, and
 // parsing it was most of a build (64 of 111 s on a 2-core EPYC); this is the build users wait for on first use.
+// With TFS_NO_TORCH, the kernels alone, without their torch entry points: a plain C++ build (the cross-compiled
+// harness of tests/engine/neon_harness) that supplies c10::Half, c10::BFloat16 and at::parallel_for itself.
 #pragma once
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
+#include <ATen/Parallel.h>
+#if !TFS_NO_TORCH
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -21,6 +24,7 @@ constexpr auto kInt64 = at::kLong;
 constexpr auto kFloat16 = at::kHalf;
 constexpr auto kFloat32 = at::kFloat;
 }  // namespace torch
+#endif
 
 namespace tfs {
 
