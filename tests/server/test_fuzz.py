@@ -345,7 +345,7 @@ ENCODINGS = [
     ({"Content-Encoding": "x-gzip"}, gzip.compress(ENCODED), 200),
     ({"Content-Encoding": "deflate"}, zlib.compress(ENCODED), 200),
     ({"Content-Encoding": "deflate"}, zlib.compress(ENCODED)[2:-4], 200),  # raw deflate, as some clients send
-    ({"Content-Encoding": "gzip, gzip"}, gzip.compress(gzip.compress(ENCODED)), 200),
+    ({"Content-Encoding": "gzip, gzip"}, gzip.compress(gzip.compress(ENCODED)), 415),  # one layer, as browsers send
     ({"Content-Encoding": "identity"}, ENCODED, 200),
 ]
 

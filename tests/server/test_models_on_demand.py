@@ -215,3 +215,52 @@ def test_force_model_ignores_hints_and_loads_nothing(fake_store):
     finally:
         live.close()
         state.stop()
+
+
+def test_names_that_are_not_models_get_one_message_whatever_is_on_disk(live, fake_store, tmp_path, monkeypatch):
+    """A file, a folder without config.json and nothing at all, relative to the server's working directory (and a
+    hub id not cached): the same 404, so a client cannot probe the server's disk (issue 43)."""
+    (tmp_path / "work" / "secret").mkdir(parents=True)
+    (tmp_path / "work" / "secret" / "file.txt").write_text("x")
+    (tmp_path / "work" / "home" / "models").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    messages = set()
+    for name in ["secret/file.txt", "home/models", "secret/nothing", "../etc"]:
+        with pytest.raises(openai.NotFoundError) as info:
+            chat(live, name)
+        assert info.value.body["code"] == "model_not_found"
+        messages.add(info.value.body["message"].replace(repr(name), "NAME"))
+    assert messages == {"The model NAME does not exist or is not served here; see GET /v1/models"}
+    assert fake_store.loaded == ["model-a"]
+
+
+def test_model_swaps_are_rate_limited(live, fake_store):
+    """Alternating two model names kept the server reloading (40 s a swap, issue 43): within
+    --model-swap-interval of the last load, a request for another model is a 429 with Retry-After and evicts
+    nothing; the resident model still answers."""
+    live.state.limits.model_swap_interval_s = 30
+    assert chat(live, "model-b").model == "model-b"
+    with pytest.raises(openai.RateLimitError) as info:
+        chat(live, "model-a")
+    assert info.value.body["code"] == "model_swap_rate_limited" and "--model-swap-interval" in info.value.body["message"]
+    assert 1 <= int(info.value.response.headers["Retry-After"]) <= 30
+    assert chat(live, "model-b").model == "model-b"
+    assert fake_store.loaded == ["model-a", "model-b"]
+    live.state.models._last_load_end -= 30  # the interval is over
+    assert chat(live, "model-a").model == "model-a"
+
+
+def test_a_pinned_model_is_never_swapped(fake_store):
+    """--pin-model: the server gets no loader; another store model's name is a 404 and loads nothing."""
+    from tfserve.server.state import ServerState
+
+    state = ServerState(load=None)
+    state.set_engine(fake_store.load("model-a"))
+    live = LiveServer(state)
+    try:
+        with pytest.raises(openai.NotFoundError):
+            chat(live, "model-b")
+        assert chat(live, "model-a").model == "model-a" and fake_store.loaded == ["model-a"]
+    finally:
+        live.close()
+        state.stop()

@@ -153,3 +153,21 @@ def test_auth_error_body(start_server):
     status, _, error = live.request("POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES})
     assert status == 401
     check("ErrorResponse", error)
+
+
+@pytest.mark.parametrize("body", [{"input": "hello world"}, {"input": ["hello", "world"], "dimensions": 16},
+                                  {"input": [[2, 10, 27, 3]], "user": "u"}], ids=["one", "many", "ids"])
+def test_embeddings(start_server, async_engine, tmp_path, body):
+    from tiny import make_state
+    from tiny_encoder import build_encoder_dir
+
+    state = make_state(async_engine)
+    state.embeddings.load(str(build_encoder_dir(tmp_path / "tiny-bert", matryoshka=(32, 16))))
+    try:
+        live = start_server(state)
+        check("CreateEmbeddingResponse", post(live, "/v1/embeddings", {"model": "tiny-bert", **body}))
+        status, _, error = live.request("POST", "/v1/embeddings", {"model": "tiny-bert", "input": []})
+        assert status == 400
+        check("ErrorResponse", error)
+    finally:
+        state.embeddings.stop()

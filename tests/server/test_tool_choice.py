@@ -224,6 +224,11 @@ def test_a_calls_grammar_that_fails_whole_keeps_the_engines_first_line():
     """Where no tool's parameters fail alone, the 400 drops the listing of, and the position in, the grammar the
     server wrote."""
     class Structured:
+        has_ll_tokenizer = True
+
+        def is_compiled(self, grammar):
+            return False
+
         def compile(self, grammar):
             if grammar.kind == "lark":
                 raise GrammarError('at 3(7): the calls are off    1 | start: call    2 | call: "<tool_call>" body')

@@ -32,6 +32,9 @@ def chat(
     api_key: Annotated[str | None, typer.Option(
         envvar=["TFSERVE_API_KEY", "OPENAI_API_KEY"], show_envvar=True, show_default=False,
         help="Key for a protected server (sent as Authorization: Bearer KEY).")] = None,
+    protocol: Annotated[str, typer.Option(
+        "--protocol", metavar="auto|openai|ollama|tgi", show_default=True,
+        help="The server's API: auto tries OpenAI's, then Ollama's (/api/version) and TGI's (/info).")] = "auto",
     system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.", show_default=False,
                                                rich_help_panel=GENERATION)] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.", show_default=False,
@@ -78,6 +81,7 @@ def chat(
       tfserve chat                             # no server: the default model, in-process
       tfserve chat -m ./my-hf-model --temperature 0 --system 'Answer briefly.'
       tfserve chat https://api.example.com/v1 -m some-model --api-key KEY
+      tfserve chat localhost:11434 --protocol ollama   # an Ollama server (TGI's: --protocol tgi)
       echo 'Name three colours.' | tfserve chat 8000 --max-tokens 50
       echo 'Describe ./photo.jpg' | tfserve chat 8000    # the image goes with the message
       tfserve chat 8000 --mcp-config ~/mcp.json  # tools from MCP servers (Claude Desktop's format)
@@ -93,11 +97,13 @@ def chat(
         raise typer.BadParameter(why, param_hint=f"--{name.replace('_', '-')}") from None
     mcp_servers = _load_mcp_config(mcp_config) if mcp_config is not None else None
     if url is not None:
-        from tfserve.chat.client import RemoteBackend
+        from tfserve.chat.protocols import PROTOCOLS, connect_remote
 
+        if protocol not in PROTOCOLS:
+            raise typer.BadParameter(f"must be one of {', '.join(PROTOCOLS)}", param_hint="--protocol")
         if ctx.get_parameter_source("api_key").name == "ENVIRONMENT":
             api_key = None  # RemoteBackend reads the same variables, and names the one it took if the key is refused
-        backend = RemoteBackend(url, api_key=api_key, model=model).connect()
+        backend = connect_remote(url, protocol, api_key=api_key, model=model)
     else:
         load_options = {"dtype": dtype, "device": device, "quantization": quantization,
                         "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}

@@ -21,9 +21,16 @@ from tfserve.cli.options import (DEFAULT_MODEL, AttnImplementationOpt, DeviceOpt
                                  Quantization, QuantizationOpt, TensorParallelOpt, TrustRemoteCodeOpt, CompileOpt,
                                  CudaGraphOpt)
 from tfserve.cli.serve_compat import Reasoning
+from tfserve.cli import serve_embeddings
+from tfserve.cli.serve_embeddings import EmbeddingModelOpt
+from tfserve.cli import serve_limits
+from tfserve.cli.serve_limits import (MaxMessagesOpt, MaxRequestPixelsOpt, MaxSeqsPerRequestOpt, MaxStoredItemMibOpt,
+                                      MaxStoreMibOpt, ModelSwapIntervalOpt, PinModelOpt)
 from tfserve.distributed.autoscale import MAX_REPLICAS
 from tfserve.distributed.workers import torchrun_rank
 from tfserve.errors import ModelNotFoundError, TfserveError, UsageError
+from tfserve.server.connection_limits import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS,
+                                             DEFAULT_MAX_CONNECTIONS_PER_CLIENT, ConnectionLimits)
 
 ENGINE = "Engine"
 DISTRIBUTED = "Distributed"
@@ -177,7 +184,24 @@ def serve(
                                                         "429 (0: no limit).", rich_help_panel=SERVER)] = 1024,
     api_key: Annotated[str | None, typer.Option(
         envvar="TFSERVE_API_KEY", show_envvar=True, rich_help_panel=SERVER,
-        help="Require `Authorization: Bearer KEY` on /v1/* and /admin/* (/health stays open).")] = None,
+        help="Require `Authorization: Bearer KEY` on /v1/*, Ollama's /api/*, TGI's routes and /tokenize "
+             "(/health stays open).")] = None,
+    admin_key: Annotated[str | None, typer.Option(
+        envvar="TFSERVE_ADMIN_KEY", show_envvar=True, rich_help_panel=SERVER, show_default=False,
+        help="Turn on /admin/* (POST /admin/replicas starts engine processes), behind `Authorization: Bearer "
+             "KEY`; the --api-key does not open them. Without it they answer 403.")] = None,
+    header_timeout: Annotated[float, typer.Option(
+        min=0.1, metavar="SECONDS", rich_help_panel=serve_limits.LIMITS,
+        help="A connection whose request headers take longer is closed (slowloris; nginx's "
+             "client_header_timeout).")] = DEFAULT_HEADER_TIMEOUT_S,
+    max_connections: Annotated[int, typer.Option(
+        min=1, rich_help_panel=serve_limits.LIMITS,
+        help="Open connections at most; more get 503 and close. Lowered to fit under the open-file limit "
+             "(ulimit -n) less 128.")] = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_client: Annotated[int, typer.Option(
+        min=0, rich_help_panel=serve_limits.LIMITS,
+        help="Open connections from one client address at most; more get 503 and close (0: no cap; behind a "
+             "reverse proxy every client is the proxy's address).")] = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     cors_allow_origins: Annotated[list[str] | None, typer.Option(
         help="Origin browsers may call from (repeatable; * for any).", rich_help_panel=SERVER)] = None,
     enable_cors: Annotated[bool, typer.Option("--enable-cors/--no-enable-cors",
@@ -256,6 +280,14 @@ def serve(
     max_audio_windows: Annotated[int, typer.Option(
         min=1, metavar="N", rich_help_panel=SPEECH,
         help="30-second windows of audio one speech model decodes in one batch (across requests).")] = 8,
+    embedding_model: EmbeddingModelOpt = None,
+    max_messages: MaxMessagesOpt = serve_limits.DEFAULT_MAX_MESSAGES,
+    max_seqs_per_request: MaxSeqsPerRequestOpt = serve_limits.DEFAULT_MAX_SEQS_PER_REQUEST,
+    max_request_pixels: MaxRequestPixelsOpt = serve_limits.DEFAULT_MAX_REQUEST_PIXELS,
+    model_swap_interval: ModelSwapIntervalOpt = serve_limits.DEFAULT_MODEL_SWAP_INTERVAL_S,
+    pin_model: PinModelOpt = False,
+    max_store_mib: MaxStoreMibOpt = serve_limits.DEFAULT_STORE_MIB,
+    max_stored_item_mib: MaxStoredItemMibOpt = serve_limits.DEFAULT_STORED_ITEM_MIB,
     log_level: Annotated[LogLevel, typer.Option(case_sensitive=False,
                                                 help="info logs one access line per request; also sets "
                                                      "transformers' level (except info).",
@@ -331,7 +363,8 @@ def serve(
     dtype = _dtype(ctx, dtype, torch_dtype)
     device = f"cuda:{device}" if device.isdigit() else device  # transformers takes a bare GPU index
     spec = force_model or model
-    if spec != DEFAULT_MODEL:
+    alone, embedding_spec = serve_embeddings.plan(spec, embedding_model)  # alone: --model is an encoder
+    if spec != DEFAULT_MODEL and not alone:
         try:
             resolve_model(spec)  # a wrong name fails now, before the port is bound
         except ModelNotFoundError as exc:  # `--enable_cors maybe`: a flag's value, taken for MODEL
@@ -374,29 +407,40 @@ def serve(
         raise typer.Exit(run_node(spec, node_rank))
     _check_attention(attn_implementation, device, dtype)
     check_speech_model(speech_model)  # the serving node's: ranks-only nodes never load it
+    _clear_stale_pulls()
     load_options = {"dtype": dtype, "device": device, "quantization": quantization,
                     "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
 
     def load_on_demand(other: str) -> tuple:
         return load_engine(other, load_options, engine_config, show_progress=False)
 
-    state = ServerState(max_queued=max_queued, force_model=force_model is not None, load=load_on_demand,
+    state = ServerState(max_queued=max_queued, force_model=force_model is not None,
+                        load=None if pin_model else load_on_demand,
+                        limits=serve_limits.request_limits(max_messages, max_seqs_per_request, model_swap_interval,
+                                                           max_store_mib, max_stored_item_mib),
                         model_timeout_s=model_timeout if model_timeout > 0 else None,
                         chat_template_kwargs=compat.chat_template_kwargs(chat_template_kwargs, reasoning),
                         mcp=_mcp_options(mcp_config, mcp_allow_url, mcp_timeout),
                         media=_media_options(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt,
-                                             max_image_size, max_image_pixels, media_fetch_timeout),
+                                             max_image_size, max_image_pixels, media_fetch_timeout,
+                                             max_request_pixels),
                         speech=SpeechOptions(default_model=speech_model, max_audio_s=max_audio_seconds,
                                              max_num_windows=max_audio_windows, device=device))
     state.telemetry = from_options(state, otel)
+    state.embeddings.alone = alone
     origins = [*(cors_allow_origins or ()), *(["*"] if enable_cors else [])]
+    limits = ConnectionLimits(header_timeout, max_connections, max_connections_per_client).within_open_files()
     app = create_app(state, api_key=api_key or None, cors_allow_origins=origins,
-                     max_body_size=_body_size(max_body_size))
+                     max_body_size=_body_size(max_body_size), connection_limits=limits, admin_key=admin_key or None)
     url = f"http://{host}:{port}"
 
     def load():
         from tfserve.engine.runner import KVCacheTooLargeError
 
+        if embedding_spec is not None:
+            state.embeddings.load(embedding_spec, device)
+        if alone:
+            return None
         try:
             loaded = load_engine(spec, load_options, engine_config, data_parallel_size=data_parallel_size,
                                  ray_address=ray, scalable=autoscale is not None)
@@ -411,6 +455,8 @@ def serve(
         return loaded
 
     def on_ready():
+        if alone:
+            return serve_embeddings.print_banner(state, url, api_key is not None)
         print_banner(state, url, api_key is not None)
 
     if ray is not None:
@@ -438,6 +484,21 @@ def serve(
 
         err_console.print("Stopped before the model was loaded: nothing was served", highlight=False)
         raise typer.Exit(130)
+
+
+def _clear_stale_pulls() -> None:
+    """The temp dirs of pulls killed outright (tens of MB each) go at start; a running pull's stay."""
+    from tfserve.models import store
+    from tfserve.models.pull import remove_stale_work_dirs
+
+    try:
+        root = store.models_dir()
+        removed = remove_stale_work_dirs(root) if root.is_dir() else []
+    except (OSError, TfserveError):  # the store's trouble is said by whatever reads it
+        return
+    if removed:
+        logging.getLogger("tfserve.server").info("removed %d temp folder(s) of killed pulls from %s", len(removed),
+                                                 root)
 
 
 def _autoscale_policy(min_replicas: int | None, max_replicas: int | None, target: int, data_parallel_size: int):
@@ -493,6 +554,8 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     else:
         table.add_row("Dtype", dtype)
     table.add_row("Device", str(engine.device))
+    for fmt, unit in getattr(engine, "matmul_units", {}).items():
+        table.add_row("Matrix units" if fmt == next(iter(engine.matmul_units)) else "", f"{fmt}: {unit}")
     load_seconds = getattr(engine, "load_seconds", None)
     if load_seconds is not None:  # from the start of the load (the file read, the kernels) to a ready engine
         table.add_row("Loaded in", f"{load_seconds:.1f} s")
@@ -514,6 +577,8 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     if callable(states):  # engine replicas (-dp): the KV cache above is each one's
         where = "Ray actors" if getattr(state.async_engine, "ray_address", None) else "processes"
         table.add_row("Replicas", f"{len(states())} (replica 0 here, the others {where}; each its own KV cache)")
+    for row in serve_embeddings.banner_rows(state):  # --embedding-model's, beside the chat model
+        table.add_row(*row)
     table.add_row("URL", f"{url}/v1" + ("  (API key required)" if has_api_key else ""))
     console.print(Panel(table, title="tfserve serve", expand=False))
     console.print(f"Health: {url}/health   Metrics: {url}/metrics   Ctrl+C drains and stops.")
@@ -551,7 +616,7 @@ def _mcp_options(config: str | None, allow_url: list[str] | None, timeout_s: flo
 
 
 def _media_options(domains: list[str] | None, local_path: str | None, limit: str | None, max_size: str,
-                   max_pixels: int, timeout_s: float):
+                   max_pixels: int, timeout_s: float, max_request_pixels: int):
     """The Media flags, checked now (a missing directory is one line before anything loads)."""
     from pathlib import Path
 
@@ -562,7 +627,8 @@ def _media_options(domains: list[str] | None, local_path: str | None, limit: str
         return MediaOptions(allowed_domains=tuple(domains or ()),
                             allowed_local_path=Path(local_path) if local_path else None,
                             max_images=_image_limit(limit) if limit is not None else DEFAULT_MAX_IMAGES,
-                            max_image_bytes=num_bytes, max_image_pixels=max_pixels, fetch_timeout_s=timeout_s)
+                            max_image_bytes=num_bytes, max_image_pixels=max_pixels, fetch_timeout_s=timeout_s,
+                            max_request_pixels=max_request_pixels)
     except ValueError as exc:  # "allowed_local_path must be a directory (got ...)": said with the flag's name
         message = str(exc)
         for name, flag in _MEDIA_FLAGS.items():
@@ -572,7 +638,7 @@ def _media_options(domains: list[str] | None, local_path: str | None, limit: str
 
 _MEDIA_FLAGS = {"allowed_local_path": "--allowed-local-media-path", "max_images": "--limit-mm-per-prompt",
                 "max_image_bytes": "--max-image-size", "max_image_pixels": "--max-image-pixels",
-                "fetch_timeout_s": "--media-fetch-timeout"}
+                "fetch_timeout_s": "--media-fetch-timeout", "max_request_pixels": "--max-request-pixels"}
 
 
 def _image_limit(text: str) -> int:

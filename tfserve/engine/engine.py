@@ -10,6 +10,7 @@ import time
 from typing import Any, Iterable
 
 from tfserve.config import EngineConfig
+from tfserve.engine.cpu_linear import matmul_units
 from tfserve.engine.detokenizer import IncrementalDetokenizer
 from tfserve.engine.draft import DraftModel
 from tfserve.engine.kv_cache import BlockPool
@@ -83,6 +84,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.load_seconds: float | None = None  # from_pretrained: from the start of the load to a ready engine
+        self.matmul_units: dict[str, str] = {}  # weight format -> the instructions that multiply it (CPU kernels)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None, *, dtype: str = "auto",
@@ -150,6 +152,9 @@ class Engine:
         formats = getattr(engine.runner.forward, "weight_formats", {})
         if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
             engine.quantization = "/".join(sorted(formats))
+        engine.matmul_units = matmul_units(formats, getattr(engine.runner.forward, "ops", None))
+        for fmt, unit in engine.matmul_units.items():
+            logger.info("%s weights multiply through %s", fmt, unit)
         engine.load_seconds = time.perf_counter() - start
         logger.info("%s ready in %.1f s (%s)", loaded.name, engine.load_seconds,
                     "its GGUF blocks as stored" if is_native(loaded.model) else f"weights {engine.quantization}")
@@ -404,6 +409,9 @@ class Engine:
                 request.logprobs.append(logprob)
             delta, status, taken = "", None, []
             detok = request.detokenizer
+            if request.error is not None:  # its grammar's mask overran the step's budget (apply_grammars)
+                logger.error("request %s: %s", request.request_id, request.error)
+                status, token_ids = RequestStatus.FINISHED_ERROR, []
             for token_id in token_ids:
                 request.token_ids.append(token_id)
                 taken.append(token_id)

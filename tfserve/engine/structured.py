@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -27,9 +28,19 @@ from tfserve.sampling_params import Grammar
 # pad forever; a schema may still ask for other layouts with llguidance's "x-guidance" key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
+# fresh matchers kept to copy (~0.1 ms) rather than build (a large grammar's takes as long as its compile, on
+# the caller's thread: the server's event loop); fewer, as each holds its grammar's lexer
+_FRESH_SIZE = 32
 
 
 GRAMMAR_FAILED = "the output grammar failed"  # a request's error when its grammar fails while it generates
+# one token's mask of one request, at most, in CPU time of the thread computing it (not wall time: a busy
+# machine must not fail grammars): past it the request ends rather than stall every other request's step (a
+# nested JSON schema's mask costs ~0.1 ms; llguidance's own fuel limits stop far later). A request's first
+# mask warms its grammar's lexer (80 ms seen for a legitimate schema on a busy machine): it gets FIRST_MASK_TIMES
+# the budget.
+MAX_MASK_S = 0.05
+FIRST_MASK_TIMES = 20
 
 
 class GrammarError(ValueError):
@@ -46,6 +57,7 @@ class StructuredOutputs:
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._compiled: OrderedDict[Grammar, str] = OrderedDict()
+        self._fresh: OrderedDict[Grammar, Any] = OrderedDict()  # a matcher at the start of each, never advanced
         self._lock = threading.Lock()
 
     def compile(self, grammar: Grammar) -> str:
@@ -61,7 +73,8 @@ class StructuredOutputs:
         error = LLMatcher.validate_grammar(compiled, self.ll_tokenizer)
         if not error:  # some limits show only in the masks: a schema whose every instance nests forever fails
             # right after its forced opening, so the probe takes the first forced token and computes the mask
-            matcher = LLMatcher(self.ll_tokenizer, compiled, log_level=0)
+            fresh = LLMatcher(self.ll_tokenizer, compiled, log_level=0)
+            matcher = fresh.deep_copy()
             for token in matcher.compute_ff_tokens()[:1] if not matcher.is_error() else []:
                 matcher.consume_token(token)
             if not matcher.is_error():
@@ -70,19 +83,36 @@ class StructuredOutputs:
         if error:
             raise GrammarError(grammar_error_line(error))
         with self._lock:
-            self._compiled[grammar] = compiled
+            self._compiled[grammar], self._fresh[grammar] = compiled, fresh
             while len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
+            while len(self._fresh) > _FRESH_SIZE:
+                self._fresh.popitem(last=False)
         return compiled
+
+    def is_compiled(self, grammar: Grammar) -> bool:
+        """Whether `grammar` is in the cache (a `compile` of it returns at once)."""
+        with self._lock:
+            return grammar in self._compiled
 
     def matcher(self, grammar: Grammar) -> Any:
         """A fresh matcher (one per request: it holds that request's position in the grammar)."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.ll_tokenizer, self.compile(grammar), log_level=0)
+        compiled = self.compile(grammar)
+        with self._lock:
+            fresh = self._fresh.get(grammar)
+            if fresh is not None:
+                self._fresh.move_to_end(grammar)
+        matcher = fresh.deep_copy() if fresh is not None else LLMatcher(self.ll_tokenizer, compiled, log_level=0)
         if matcher.is_error():
             raise GrammarError(grammar_error_line(matcher.get_error()))
         return matcher
+
+    @property
+    def has_ll_tokenizer(self) -> bool:
+        """Whether `ll_tokenizer` is built (its first use takes ~0.5 s)."""
+        return self._ll_tokenizer is not None
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -129,18 +159,27 @@ def grammar_error_line(error: str) -> str:
     return " ".join(lines[:3]) if lines else "the grammar does not compile"
 
 
-def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = None) -> torch.Tensor:
+def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = None,
+                   max_mask_s: float | None = None) -> torch.Tensor:
     """`logits` [num_rows, vocab] (float32, contiguous) with every token a constrained row's grammar forbids at
     -inf, in place. A row whose grammar allows nothing left (finished, and held open by min_tokens) keeps its
-    EOS tokens. With the CPU kernels one pass writes the masks; otherwise torch ops do."""
+    EOS tokens. With the CPU kernels one pass writes the masks; otherwise torch ops do. A request whose mask took
+    longer than `max_mask_s` (default MAX_MASK_S) gets its `error` set: the engine ends it after this step."""
     rows = [i for i, r in enumerate(requests) if r.matcher is not None]
     if not rows:
         return logits
+    max_mask_s = MAX_MASK_S if max_mask_s is None else max_mask_s
     vocab_size = logits.shape[-1]
     words = (vocab_size + 31) // 32
     bitmask = torch.empty((len(rows), words), dtype=torch.int32)
     for slot, i in enumerate(rows):  # ~10 us a row once a grammar's lexer is warm; llguidance drops the GIL
+        started = time.thread_time()
         requests[i].matcher.unsafe_compute_mask_ptr(bitmask[slot].data_ptr(), words * 4)
+        mask_s = time.thread_time() - started
+        allowed_s = max_mask_s * (FIRST_MASK_TIMES if _first_mask(requests[i]) else 1)
+        if mask_s > allowed_s and getattr(requests[i], "error", None) is None:
+            requests[i].error = (f"{GRAMMAR_FAILED}: one token's mask took {mask_s * 1000:.0f} ms, more than the "
+                                 f"{allowed_s * 1000:.0f} ms a step allows it")
     dead = (~bitmask.any(dim=1)).tolist()
     eos_ids = {i: [t for t in requests[i].eos_token_ids if t < vocab_size] for i in rows}
     saved = {i: logits[i, eos_ids[i]].clone() for slot, i in enumerate(rows) if dead[slot]}
@@ -160,6 +199,11 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
         logits[i] = float("-inf")
         logits[i, eos_ids[i]] = 0.0
     return logits
+
+
+def _first_mask(request: Any) -> bool:
+    """True for a request none of whose tokens was sampled yet (its grammar's first mask)."""
+    return getattr(request, "num_output_tokens", None) == 0
 
 
 def mask_proposals(logits: torch.Tensor, verify: list[tuple[Any, int, int]], cpu_ops: Any = None) -> None:

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import mcp_types as types
 
-from tfserve.mcp.config import HttpServerConfig, McpServerConfig, transport_for_url, url_allowed
+from tfserve.mcp.config import HttpServerConfig, McpServerConfig, normalize_url, transport_for_url, url_allowed
 from tfserve.mcp.connection import Connection, McpConnectError, describe_error, is_connection_closed
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,10 @@ class McpServers:
 
         The same URL and headers share one connection; past `max_url_connections` the least recently used closes.
         """
-        if not url_allowed(url, self.allow_url_patterns):
+        normalized = normalize_url(url)
+        if normalized is None or not url_allowed(normalized, self.allow_url_patterns):
             raise McpUrlRefused(f"server_url {url!r} is not allowed on this server (see --mcp-allow-url)")
+        url = normalized  # connected to as matched: what the client sends cannot differ from what was allowed
         headers = dict(headers or {})
         key = hashlib.sha256(json.dumps([url, sorted(headers.items())]).encode()).hexdigest()[:16]
         label = f"url:{key}"

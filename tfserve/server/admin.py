@@ -1,6 +1,7 @@
 """Operators' endpoints that change the running server. GET /admin/replicas: the engine replicas
 (`--data-parallel-size`) and what each is doing; POST /admin/replicas {"num_replicas": N}: start or retire
-replicas until N run (answered once they do). Guarded by the API key like /v1/*."""
+replicas until N run (answered once they do). Guarded by their own key, --admin-key (the API key does not open
+them), and off without it (app.py's _auth)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from tfserve.server import admin, audio, chat, completions, conversations, health, models, responses
-from tfserve.server.errors import ApiError
+from tfserve.server import embeddings, ollama, tgi, tokenize
+from tfserve.server.connection_limits import ConnectionLimits
+from tfserve.server.connections import ConnectionTracker, LimitedHandler
+from tfserve.server.errors import TGI_PATHS, ApiError, error_for
 from tfserve.server.generation import USAGE
 from tfserve.server.residency import LEASE
 from tfserve.server.sse import EVENT_STREAM
@@ -31,12 +34,19 @@ access_logger = logging.getLogger("tfserve.access")
 
 DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
 API_KEY = web.AppKey("tfserve_api_key", str)
+ADMIN_KEY = web.AppKey("tfserve_admin_key", str)
+CONNECTION_LIMITS = web.AppKey("tfserve_connection_limits", ConnectionLimits)
+# what clients call (the API key guards them, draining waits for them): OpenAI's /v1, Ollama's /api, vLLM's tokenize
+SERVED_PATHS = ("/v1/", "/api/", "/tokenize", "/detokenize")
 
 
 def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_origins: Sequence[str] = (),
-               max_body_size: int = DEFAULT_MAX_BODY_SIZE) -> web.Application:
-    """The server's application over `state`. `api_key` guards /v1/*; `cors_allow_origins` ("*" for any)
-    lets browsers call it; bodies over `max_body_size` bytes get 413."""
+               max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+               connection_limits: ConnectionLimits | None = None, admin_key: str | None = None) -> web.Application:
+    """The server's application over `state`. `api_key` guards /v1/*, `admin_key` /admin/* (which are off
+    without it); `cors_allow_origins` ("*" for any)
+    lets browsers call it; bodies over `max_body_size` bytes get 413; `connection_limits` hold once
+    `json_errors(runner)` has run (default: ConnectionLimits())."""
     app = web.Application(
         middlewares=[_observe, _errors, _auth],
         client_max_size=max_body_size,
@@ -52,6 +62,8 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     )
     app[STATE] = state
     app[API_KEY] = api_key
+    app[ADMIN_KEY] = admin_key
+    app[CONNECTION_LIMITS] = connection_limits or ConnectionLimits()
     app.on_response_prepare.append(_request_id)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
@@ -63,9 +75,14 @@ def create_app(state: ServerState, *, api_key: str | None = None, cors_allow_ori
     app.router.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
     app.router.add_post("/v1/audio/transcriptions", audio.transcriptions)
     app.router.add_post("/v1/audio/translations", audio.translations)
+    app.router.add_post("/v1/embeddings", embeddings.create_embeddings)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model_id:.+}", models.get_model)
     app.router.add_get("/health", health.health)
+    tgi.add_routes(app)  # TGI's /generate, /generate_stream, /info
+    ollama.add_routes(app)  # Ollama's /api/*
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/metrics", health.metrics)
     app.router.add_get("/admin/replicas", admin.get_replicas)
     app.router.add_post("/admin/replicas", admin.set_replicas)
@@ -104,8 +121,10 @@ async def _request_id(request: web.Request, response: web.StreamResponse) -> Non
 def json_errors(runner: web.AppRunner) -> None:
     """After `runner.setup()`: what aiohttp answers itself, for a request that never reaches the app (a request
     line or header it cannot parse, a line past its limits, a broken chunked body), is an OpenAI error body like
-    every other error here, not aiohttp's text/plain. aiohttp has no hook for it: its server makes our handler."""
+    every other error here, not aiohttp's text/plain. aiohttp has no hook for it: its server makes our handler,
+    which also holds the app's ConnectionLimits (connections.py)."""
     runner.server.__class__ = _JsonErrorServer
+    runner.server.tracker = ConnectionTracker(runner.app[CONNECTION_LIMITS])
 
 
 class _JsonErrorServer(web.Server):
@@ -113,7 +132,7 @@ class _JsonErrorServer(web.Server):
         return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
-class _JsonErrorHandler(RequestHandler):
+class _JsonErrorHandler(LimitedHandler):
     __slots__ = ()
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
@@ -134,7 +153,7 @@ class _JsonErrorHandler(RequestHandler):
         exc = kwargs.get("exc_info")
         if isinstance(exc, HttpProcessingError) and 400 <= exc.code < 500:
             reason = " ".join(line.strip() for line in str(exc.message).splitlines() if line.strip().strip("^"))
-            self.logger.warning("%s: %s (%d)", args[0] % args[1:], reason, exc.code)
+            self.logger.warning("%s: %s (%d)", args[0] % args[1:], printable(reason), exc.code)
             return
         super().log_exception(*args, **kwargs)
 
@@ -150,7 +169,7 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     """Count requests by endpoint and status; track in-flight /v1 requests for draining; end the request's
     model lease; with telemetry, make the request's trace."""
     state: ServerState = request.app[STATE]
-    counted = request.path.startswith("/v1/")
+    counted = request.path.startswith(SERVED_PATHS) or request.path in TGI_PATHS
     state.num_active += counted
     traced = counted and state.telemetry is not None
     start_ns, start_perf = time.time_ns(), time.perf_counter()
@@ -181,7 +200,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        body, status = error_for(request.path, exc)  # TGI's and Ollama's routes answer in their own shapes
+        return web.json_response(body, status=status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -192,7 +212,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
             message = f"method {request.method} is not allowed on {request.path}"
         error = ApiError(exc.status, message, code={413: "request_too_large"}.get(exc.status))
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        return web.json_response(error.body(), status=exc.status, headers=headers)
+        body, status = error_for(request.path, error)
+        return web.json_response(body, status=status, headers=headers)
     except ConnectionResetError:  # the client left mid-response: nothing to answer
         stream = request.get(EVENT_STREAM)
         if stream is None or not stream.is_open:
@@ -200,24 +221,40 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         request[CLIENT_LEFT] = True
         return stream.response  # ended by aiohttp quietly (it logged a traceback for the error raised)
     except Exception as exc:
-        logger.exception("%s %s failed", request.method, request.path)
+        logger.exception("%s %s failed", printable(request.method), printable(request.path))
         error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-        return web.json_response(error.body(), status=500)
+        return web.json_response(error_for(request.path, error)[0], status=500)
 
 
 @web.middleware
 async def _auth(request: web.Request, handler) -> web.StreamResponse:
-    """With an API key, /v1/* and /admin/* need `Authorization: Bearer KEY`; /health, /metrics and CORS
-    preflights do not."""
-    api_key = request.app[API_KEY]
-    if api_key and request.path.startswith(("/v1/", "/admin/")) and request.method != "OPTIONS":
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # aiohttp keeps header bytes that are not UTF-8 as surrogates: encode them back rather than fail
-        token_bytes = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, api_key.encode()):
-            raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+    """With an API key, /v1/*, Ollama's /api/*, TGI's routes and /tokenize need `Authorization: Bearer KEY`;
+    /admin/* needs the admin key (the API key does not open it) and is off without one; /health, /metrics and
+    CORS preflights need neither."""
+    if request.method == "OPTIONS":
+        return await handler(request)
+    if request.path.startswith("/admin"):
+        admin_key = request.app[ADMIN_KEY]
+        if not admin_key:
+            raise ApiError(403, "the admin endpoints are off: the server was started without --admin-key",
+                           code="admin_disabled")
+        if not _bearer_is(request, admin_key):
+            raise ApiError(401, "invalid or missing admin key: send Authorization: Bearer <admin key>",
                            code="invalid_api_key")
+        return await handler(request)
+    api_key = request.app[API_KEY]
+    guarded = request.path.startswith(SERVED_PATHS) or request.path in TGI_PATHS
+    if api_key and guarded and not _bearer_is(request, api_key):
+        raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
     return await handler(request)
+
+
+def _bearer_is(request: web.Request, key: str) -> bool:
+    """Whether the request's `Authorization: Bearer` token is `key` (compared in constant time)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    # aiohttp keeps header bytes that are not UTF-8 as surrogates: encode them back rather than fail
+    token_bytes = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token_bytes, key.encode())
 
 
 _PROBES = frozenset({"/health", "/metrics"})
@@ -232,8 +269,17 @@ def log_access(log: logging.Logger, request: web.BaseRequest, status: int, secon
         ttft = f"{usage.ttft_s * 1000:.0f}ms" if usage.ttft_s is not None else "-"
     # probes (load balancers, `bench --launch`, orchestrators) poll these: keep them out of the info log
     level = logging.DEBUG if request.path in _PROBES else logging.INFO
-    log.log(level, "%s %s %s tokens=%s ttft=%s duration=%.0fms", request.method, request.path, status, tokens, ttft,
-            seconds * 1000)
+    log.log(level, "%s %s %s tokens=%s ttft=%s duration=%.0fms", printable(request.method), printable(request.path),
+            status, tokens, ttft, seconds * 1000)
+
+
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e\xa0-\ud7ff\ue000-\U0010ffff]|[\u2028\u2029\u200b-\u200f\u202a-\u202e]")
+
+
+def printable(text: str) -> str:
+    """`text` for a log line: control and other non-printable characters (a `%0a` a client put in its path) as
+    escapes, so that no client can end the line and forge the next."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 class AccessLogger(AbstractAccessLogger):

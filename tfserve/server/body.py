@@ -24,6 +24,7 @@ BODY_IDLE_TIMEOUT_S = 30.0
 _T = TypeVar("_T")
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 _CONTAINERS = (dict, list)
+_PARSE_ON_LOOP_BYTES = 2**20  # bodies up to this size are parsed on the event loop (a thread costs more)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a JSON body can hold a surrogate
 
 
@@ -33,13 +34,19 @@ class _StrictJsonError(ValueError):
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object; 400 when it is not one, 413 when it (decompressed) is over `client_max_size`,
-    415 for a Content-Encoding other than identity, gzip and deflate."""
+    415 for a Content-Encoding other than identity, gzip and deflate, or more than one of them."""
     raw = await while_arriving(request, request.read())
-    for coding in reversed(_codings(request.headers.get("Content-Encoding", ""))):
-        raw = _decode(raw, coding, request.client_max_size)
+    codings = _codings(request.headers.get("Content-Encoding", ""))
+    if len(codings) > 1:  # browsers, proxies and SDKs send one; each layer more is only work for the server
+        raise ApiError(415, f"Content-Encoding {', '.join(codings)!r} stacks {len(codings)} encodings; send at most "
+                       "one (gzip or deflate)", code="unsupported_content_encoding")
+    if codings:  # off the event loop: inflating up to client_max_size bytes takes a while
+        raw = await asyncio.to_thread(_decode, raw, codings[0], request.client_max_size)
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
-    body = loads(raw)
+    # a large body is parsed on a thread: the C parser holds the GIL, but the depth walk after it lets the event
+    # loop in (a 13 MB body of 400,000 messages held every other request for 1.3 s)
+    body = await asyncio.to_thread(loads, raw) if len(raw) > _PARSE_ON_LOOP_BYTES else loads(raw)
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     if _SURROGATE_ESCAPE.search(raw):
@@ -100,15 +107,15 @@ def _finite_float(text: str) -> float:
 
 
 def _check_depth(value: dict | list, param: str | None) -> None:
-    # an explicit stack: a recursive walk would itself overflow on the bodies it is meant to refuse
-    stack = [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
+    # level by level, not recursively (a recursive walk would itself overflow on the bodies it is meant to
+    # refuse), each level one comprehension: 400,000 tiny messages take 0.45 s, not the 2 s of a stack's loop
+    level, depth = [value], 1
+    while level:
         if depth > MAX_DEPTH:
             raise bad_request(f"the JSON is nested too deeply (at most {MAX_DEPTH} levels)", param)
-        for child in value.values() if type(value) is dict else value:
-            if type(child) in _CONTAINERS:
-                stack.append((child, depth + 1))
+        level = [child for parent in level for child in (parent.values() if type(parent) is dict else parent)
+                 if type(child) in _CONTAINERS]
+        depth += 1
 
 
 def _check_unicode(body: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from tfserve.server.media import ImageRef, content_of, gather_images
 from tfserve.server.protocol import (CHAT_FIELDS, check_fields, continuous_usage, field, make_params, one_of,
                                      param_names, read_json, sampling_kwargs, stream_options, use_model)
 from tfserve.server.reasoning import Reasoning, ReasoningStream, reasoning_for
+from tfserve.server.request_limits import check_messages, check_num_sequences
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.response_format import requested_grammar
@@ -32,6 +33,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # func
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
+    check_messages(state.limits, body.get("messages"))  # before any is read: the count alone refuses 400,000
+    check_num_sequences(state.limits, body.get("n"))
     check_fields(body, CHAT_FIELDS)
     audio_modality = "audio" in (body.get("modalities") or ())
     if audio_modality or body.get("audio") is not None:

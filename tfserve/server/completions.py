@@ -16,6 +16,7 @@ from tfserve.server.logprobs import (TextOffsets, completion_logprobs, echo_logp
                                      requested_prompt_logprobs, shown, top_count)
 from tfserve.server.protocol import (continuous_usage, field, make_params, param_names, read_json, sampling_kwargs,
                                      shorten, stream_options, use_model)
+from tfserve.server.request_limits import check_num_sequences
 from tfserve.server.response_format import compile_grammar, requested_grammar
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -74,6 +75,7 @@ def _check_size(state: Any, body: dict[str, Any]) -> None:
     for text in texts:
         if isinstance(text, str):
             check_text_fits(state, len(text), "prompt")
+    check_num_sequences(state.limits, body.get("n"))
     n = body.get("n") if type(body.get("n")) is int and body["n"] > 0 else 1
     if isinstance(prompt, list) and prompt and not all(_is_token(t) for t in prompt):
         check_sequences(state, len(prompt) * n, "n" if n > 1 else "prompt")

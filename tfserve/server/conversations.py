@@ -21,8 +21,8 @@ from aiohttp import web
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.protocol import field as body_field
 from tfserve.server.protocol import check_metadata, read_json
-from tfserve.server.response_items import (ConversationStore, StoredConversation, check_item_id, input_items,
-                                           listing, page, parse_input)
+from tfserve.server.response_items import check_item_id, input_items, listing, page, parse_input
+from tfserve.server.stores import ConversationStore, StoredConversation
 from tfserve.server.state import STATE
 
 MAX_ITEMS = 20  # OpenAI's limit on the items one request adds
@@ -100,7 +100,7 @@ async def add_items(request: web.Request) -> web.Response:
     taken = {item["id"] for item in stored.items}
     for i, item in enumerate(items):
         check_item_id(item, f"items[{i}]", taken)
-    stored.items += items
+    _store(request).add_items(stored, items)
     return web.json_response(listing(items))
 
 
@@ -118,7 +118,7 @@ async def retrieve_item(request: web.Request) -> web.Response:
 
 async def delete_item(request: web.Request) -> web.Response:
     stored = _store(request).find(request.match_info["conversation_id"])
-    del stored.items[_item(stored, request.match_info["item_id"])]
+    _store(request).remove_item(stored, _item(stored, request.match_info["item_id"]))
     return web.json_response(stored.object())
 
 

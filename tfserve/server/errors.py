@@ -63,3 +63,28 @@ def from_value_error(exc: ValueError, default_param: str | None = None,
         message = re.sub(r"\bmax_tokens\b", names["max_tokens"], message)
     code = "context_length_exceeded" if "context" in message or "KV blocks" in message else None
     return ApiError(400, message, param=param, code=code)
+
+
+# TGI's routes (huggingface_hub's InferenceClient posts text generation to the bare URL, "/"); Ollama's are /api/*
+TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
+_TGI_TYPES = {401: "authentication", 429: "overloaded", 503: "overloaded"}
+
+
+def error_for(path: str, error: ApiError) -> tuple[dict[str, Any], int]:
+    """The body and status of `error` in the protocol of the route at `path`: Ollama's `{"error"}`, TGI's
+    `{"error", "error_type"}` (a client's mistake is TGI's 422 "validation"), else OpenAI's."""
+    if path.startswith("/api/"):
+        return {"error": error.message}, error.status
+    if path in TGI_PATHS:
+        kind = _TGI_TYPES.get(error.status, "generation" if error.status >= 500 else "validation")
+        status = 422 if error.status == 400 else error.status
+        return {"error": error.message, "error_type": kind}, status
+    return error.body(), error.status
+
+
+def model_not_found(name: str) -> ApiError:
+    """The one 404 for a `model` this server does not serve or keep in its store: the same words whatever the name
+    is on the server's disk (a file, a folder without config.json, nothing), so a client learns nothing of it."""
+    shown = name if len(name) <= 80 else name[:77] + "..."
+    return ApiError(404, f"The model {shown!r} does not exist or is not served here; see GET /v1/models",
+                    param="model", code="model_not_found")

@@ -24,11 +24,13 @@ async def health(request: web.Request) -> web.Response:
         error = ApiError(503, f"tensor-parallel {', '.join(dead)} exited: the engine cannot step",
                          code="engine_failed")
         return web.json_response({"status": "failed", **error.body()}, status=503)
-    if engine is None and loading is None and state.models.asleep is None:  # asleep: the next request loads it
+    if engine is None and loading is None and state.models.asleep is None and not state.embeddings.alone:
+        # asleep: the next request loads it; alone: embedding models serve without a chat model
         error = ApiError(503, "no model is loaded; a request naming one loads it", code="model_not_loaded")
         return web.json_response({"status": "no_model", **error.body()}, status=503)
     # a model being swapped in keeps the server healthy: requests for it wait, they do not fail
-    body = {"status": "ok", "model": state.model_name, "loading": loading,
+    model = state.model_name or next(iter(state.embeddings.loaded), None)
+    body = {"status": "ok", "model": model, "loading": loading,
             "num_running": engine.num_running if engine else 0, "num_waiting": engine.num_waiting if engine else 0}
     states = getattr(state.async_engine, "states", None)  # engine replicas (-dp): how many serve
     if callable(states):

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tfserve.images import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, ImageError, MediaImage, data_url_bytes,
-                            decode_image)
+from tfserve.images import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, ImageError,
+                            MediaImage, data_url_bytes, decode_image, image_pixels)
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.media_fetch import Fetcher, read_file
 from tfserve.server.protocol import field, one_of, part_text, text_of
@@ -33,10 +33,11 @@ class MediaOptions:
     max_images: int = DEFAULT_MAX_IMAGES  # per request, over the whole conversation
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # an image's encoded size (a fetch stops past it)
     max_image_pixels: int = DEFAULT_MAX_PIXELS  # width x height, checked before decoding
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS  # the sum over a request's images, checked before any decodes
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # one URL, redirects included
 
     def __post_init__(self) -> None:
-        for name in ("max_images", "max_image_bytes", "max_image_pixels", "fetch_timeout_s"):
+        for name in ("max_images", "max_image_bytes", "max_image_pixels", "max_request_pixels", "fetch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         self.allowed_domains = tuple(domain.strip().rstrip(".").lower() for domain in self.allowed_domains)
@@ -111,7 +112,8 @@ def no_images(model: str | None, where: str) -> ApiError:
 async def gather_images(state: Any, refs: list[ImageRef]) -> list[MediaImage]:
     """The request's images, in order: fetched, read and decoded concurrently and off the event loop. 400s,
     before anything is fetched: a model without an image processor, more images than --limit-mm-per-prompt;
-    then any image that cannot be had, naming its part."""
+    before anything is decoded: more pixels in all (from the headers) than --max-request-pixels; then any image
+    that cannot be had, naming its part."""
     if not refs:
         return []
     if not takes_images(state.engine):
@@ -121,31 +123,45 @@ async def gather_images(state: Any, refs: list[ImageRef]) -> list[MediaImage]:
         raise bad_request(f"a request may hold at most {options.max_images} images (--limit-mm-per-prompt); "
                           f"this one holds {len(refs)}", refs[options.max_images].where)
     async with Fetcher(options.allowed_domains, options.max_image_bytes, options.fetch_timeout_s) as fetcher:
-        tasks = [asyncio.ensure_future(_load(ref, options, fetcher)) for ref in refs]
+        raws = await _each(refs, lambda i, ref: _read(ref, options, fetcher))
+    pixels = await _each(refs, lambda i, ref: asyncio.to_thread(image_pixels, raws[i], options.max_image_pixels))
+    total = 0
+    for ref, num_pixels in zip(refs, pixels):
+        total += num_pixels
+        if total > options.max_request_pixels:
+            raise bad_request(f"{ref.where}: the request's images hold {sum(pixels) / 1e6:.1f} megapixels in all; "
+                              f"at most {options.max_request_pixels / 1e6:g} megapixels per request "
+                              "(--max-request-pixels)", ref.where)
+    return await _each(refs, lambda i, ref: asyncio.to_thread(decode_image, raws[i], ref.where,
+                                                              options.max_image_pixels))
+
+
+async def _each(refs: list[ImageRef], work: Any) -> list[Any]:
+    """`await work(index, ref)` for every ref concurrently, in order; the first failure (an ImageError: a 400 naming its
+    part) answers and the others stop (a decode already running finishes in its thread)."""
+    async def one(index: int, ref: ImageRef) -> Any:
         try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # the first failure answers: the others stop (a decode already running finishes in its thread)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            return await work(index, ref)
+        except ImageError as exc:
+            raise bad_request(f"{ref.where}: {exc}", ref.where) from None
 
-
-async def _load(ref: ImageRef, options: MediaOptions, fetcher: Fetcher) -> MediaImage:
-    scheme = ref.url.partition(":")[0].lower()
+    tasks = [asyncio.ensure_future(one(index, ref)) for index, ref in enumerate(refs)]
     try:
-        if scheme == "data":
-            return await asyncio.to_thread(_decode_data_url, ref, options)
-        if scheme == "file":
-            raw = await asyncio.to_thread(read_file, ref.url, options.allowed_local_path, options.max_image_bytes)
-        else:
-            raw = await fetcher.fetch(ref.url)
-        return await asyncio.to_thread(decode_image, raw, ref.where, options.max_image_pixels)
-    except ImageError as exc:
-        raise bad_request(f"{ref.where}: {exc}", ref.where) from None
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _decode_data_url(ref: ImageRef, options: MediaOptions) -> MediaImage:
-    return decode_image(data_url_bytes(ref.url, options.max_image_bytes), ref.where, options.max_image_pixels)
+async def _read(ref: ImageRef, options: MediaOptions, fetcher: Fetcher) -> bytes:
+    """The image's bytes, undecoded."""
+    scheme = ref.url.partition(":")[0].lower()
+    if scheme == "data":
+        return await asyncio.to_thread(data_url_bytes, ref.url, options.max_image_bytes)
+    if scheme == "file":
+        return await asyncio.to_thread(read_file, ref.url, options.allowed_local_path, options.max_image_bytes)
+    return await fetcher.fetch(ref.url)
 
 
 def _short(url: str, limit: int = 60) -> str:

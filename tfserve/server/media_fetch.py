@@ -23,12 +23,24 @@ CHUNK_BYTES = 64 * 1024
 REDIRECTS = (301, 302, 303, 307, 308)
 
 
+# IPv6 prefixes that reach an IPv4 address by translation (NAT64, RFC 6052 and RFC 8215's local one) or that
+# embed one (IPv4-compatible ::a.b.c.d, IPv4-translated ::ffff:0:a.b.c.d): refused whatever the address inside
+_TRANSLATED = tuple(ipaddress.ip_network(net) for net in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96",
+                                                          "::ffff:0:0:0/96"))
+
+
 def is_public(address: str) -> bool:
-    """False for private, loopback, link-local, shared, reserved, multicast and unspecified addresses (also when
-    an IPv6 address embeds such an IPv4 one)."""
+    """False for private, loopback, link-local, shared, reserved, multicast and unspecified addresses, for NAT64
+    and IPv4-compatible IPv6 addresses, and for an IPv6 address embedding a non-public IPv4 one (IPv4-mapped,
+    6to4, either end of Teredo)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # a link-local IPv6 address may carry its zone
-    if isinstance(ip, ipaddress.IPv6Address):
-        ip = ip.ipv4_mapped or ip.sixtofour or ip
+    if isinstance(ip, ipaddress.IPv4Address):
+        return ip.is_global and not ip.is_multicast
+    if any(ip in net for net in _TRANSLATED):
+        return False
+    embedded = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
+    if any(v4 is not None for v4 in embedded):
+        return all(is_public(str(v4)) for v4 in embedded if v4 is not None)
     return ip.is_global and not ip.is_multicast
 
 
@@ -42,9 +54,9 @@ class _PublicResolver(AbstractResolver):
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list:
         results = await self._inner.resolve(host, port, family)
         for result in results:
-            if not is_public(result["host"]):
-                raise ImageError(f"{host} resolves to {result['host']}, a private or reserved address: refused "
-                                 "(the server's --allowed-media-domains can allow it)")
+            if not is_public(result["host"]):  # which address is not said: the client learns nothing of the DNS
+                raise ImageError(f"{host} resolves to a private or reserved address: refused (the server's "
+                                 "--allowed-media-domains can allow it)")
         return results
 
     async def close(self) -> None:
@@ -74,6 +86,8 @@ class Fetcher:
             raise ImageError(f"fetching {_short(url)} took longer than {self.timeout_s:g} s") from None
         except ImageError:
             raise
+        except aiohttp.ClientOSError as exc:  # its words name the address connected to: not the client's business
+            raise ImageError(f"cannot fetch {_short(url)}: cannot connect to its host ({type(exc).__name__})") from None
         except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a URL (or a redirect's) yarl cannot read
             raise ImageError(f"cannot fetch {_short(url)}: {exc or type(exc).__name__}") from None
 

@@ -70,7 +70,18 @@ class ServerMetrics:
         _gauge(registry, "tfserve_audio_decodes_cut", "Speech: hotter decodes of a failed window stopped early, "
                "once they could no longer change its transcript", lambda: speech().total("num_cut"))
 
+        # made after the metrics, like speech; their byte budgets are --max-store-mib
+        _gauge(registry, "tfserve_stored_responses", "Stored responses held (previous_response_id)",
+               lambda: len(state.responses))
+        _gauge(registry, "tfserve_stored_responses_bytes", "Bytes (as JSON) of the stored responses held",
+               lambda: state.responses.num_bytes)
+        _gauge(registry, "tfserve_conversations", "Conversations held (/v1/conversations)",
+               lambda: len(state.conversations))
+        _gauge(registry, "tfserve_conversations_bytes", "Bytes (as JSON) of the conversations held",
+               lambda: state.conversations.num_bytes)
+
         registry.register(_ReplicaCollector(state))
+        registry.register(_MatmulCollector(state))
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Count one finished sequence's tokens and timings."""
@@ -130,3 +141,22 @@ class _ReplicaCollector:
                 if name in entry:
                     family.add_metric([str(index)], float(entry[name]))
             yield family
+
+
+class _MatmulCollector:
+    """`tfserve_matmul_unit_info{format, unit}`: which instructions multiply each weight format (1 each)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily("tfserve_matmul_unit_info", "The instructions that multiply each weight format "
+                                   "(CPU kernels)", labels=["format", "unit"])
+        for fmt, unit in getattr(self.state.engine, "matmul_units", {}).items():
+            family.add_metric([fmt, unit], 1.0)
+        yield family

@@ -27,6 +27,7 @@ async def list_models(request: web.Request) -> web.Response:
     names = [state.model_name] if state.model_name else []
     names += [name for name in state.models.other_models() if name not in names]
     names += [name for name in state.speech.loaded if name not in names]  # speech models load beside the chat model
+    names += [name for name in state.embeddings.loaded if name not in names]
     return web.json_response({"object": "list", "data": [_model_object(state, name) for name in names]})
 
 
@@ -35,7 +36,7 @@ async def get_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     if state.model_name is not None and model_id in state.model_aliases:
         return web.json_response(_model_object(state, state.model_name))
-    if model_id in state.speech.loaded or model_id in OPENAI_NAMES:  # whisper-1: the default speech model
+    if model_id in state.speech.loaded or model_id in OPENAI_NAMES or state.embeddings.serves(model_id):
         return web.json_response(_model_object(state, model_id))
     if not state.models.on_demand:
         raise ApiError(404, f"The model {model_id!r} does not exist or is not served here", param="model",

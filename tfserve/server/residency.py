@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from tfserve.errors import TfserveError
-from tfserve.server.errors import ApiError
+from tfserve.server.errors import ApiError, model_not_found
+from tfserve.server.request_limits import swap_too_soon
 from tfserve.server.threads import in_daemon_thread
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class ModelResidency:
         self._swap: asyncio.Future | None = None
         self._idle: asyncio.Event | None = None  # set when num_leases is 0; made on the loop
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._last_load_end: float | None = None  # time.monotonic() when the last on-demand load ended
 
     @property
     def on_demand(self) -> bool:
@@ -66,6 +68,8 @@ class ModelResidency:
         model this server can load. Returns the served model's name."""
         state = self.state
         state.check_available()
+        if name is None or name not in state.model_aliases:
+            state.embeddings.refuse_chat(name)  # an embedding model (or none but them) named for text: a 400
         if name is not None and name not in state.model_aliases:
             _refuse_speech_model(name)
         if not self.on_demand:
@@ -83,6 +87,7 @@ class ModelResidency:
                                    code="model_not_loaded")
                 else:
                     self.check_loadable(name)
+                    self._check_swap_interval(name)
                     swap, target = self._start_swap(name), name
             try:
                 await asyncio.shield(swap)
@@ -152,26 +157,29 @@ class ModelResidency:
     # -- what can be served -------------------------------------------------------------------------------
 
     def check_loadable(self, name: str) -> None:
-        """404 model_not_found unless `name` is a store model or a hub id in the local HF cache."""
+        """404 model_not_found unless `name` is a store model or a hub id in the local HF cache. A store model that
+        cannot load says why; any other name gets the one generic 404, whatever lies on the server's disk."""
         from tfserve.errors import ModelNotFoundError
+        from tfserve.models import store
         from tfserve.models.loading import resolve_model
 
         why = "names must be store models or hub ids, not paths"
         if is_loadable_name(name, chat=True):
+            if store.is_store_name(name) and _is_dir(store.model_path(name)):
+                problem = store.folder_problem(store.model_path(name))
+                if problem is not None:  # refused before anything is evicted for it
+                    raise ApiError(404, f"store model {name!r} cannot load: {problem}", param="model",
+                                   code="model_not_found")
             try:
                 resolved = resolve_model(name)
             except ModelNotFoundError as exc:
                 why = str(exc)
             else:
-                from tfserve.models import store
-
-                problem = store.folder_problem(resolved.path) if resolved.kind == "store" else None
-                if problem is not None:  # refused before anything is evicted for it
-                    why = f"store model {name!r} cannot load: {problem}"
-                elif resolved.kind in ("store", "hf_cache") or (resolved.kind == "gguf" and _kept(resolved.path)):
+                if resolved.kind in ("store", "hf_cache") or (resolved.kind == "gguf" and _kept(resolved.path)):
                     return
-        raise ApiError(404, f"The model {name!r} does not exist or is not served here ({why}); see GET /v1/models",
-                       param="model", code="model_not_found")
+                why = f"a {resolved.kind} outside the store and the HF cache"
+        logger.debug("model %r cannot be loaded on demand: %s", name, why)  # the operator's detail, not the client's
+        raise model_not_found(name)
 
     def other_models(self) -> list[str]:
         """Names of the store's complete models other than the resident one (empty unless on demand)."""
@@ -183,6 +191,15 @@ class ModelResidency:
                 if name not in self.state.model_aliases and store.folder_problem(store.model_path(name)) is None]
 
     # -- swapping -----------------------------------------------------------------------------------------
+
+    def _check_swap_interval(self, name: str) -> None:
+        """429 when the last swap ended less than --model-swap-interval ago: a client alternating two model
+        names would otherwise keep the server loading (40 s a swap) and serving no one."""
+        interval_s = self.state.limits.model_swap_interval_s
+        if interval_s and self._last_load_end is not None:
+            waited_s = time.monotonic() - self._last_load_end
+            if waited_s < interval_s:
+                raise swap_too_soon(name, interval_s, interval_s - waited_s)
 
     def _start_swap(self, name: str) -> asyncio.Future:
         self.loading = name
@@ -219,7 +236,10 @@ class ModelResidency:
         logger.info("loaded %s in %.1f s", name, time.perf_counter() - started)
 
     async def _load(self, spec: str) -> None:
-        async_engine = await in_daemon_thread(self.load, spec)
+        try:
+            async_engine = await in_daemon_thread(self.load, spec)
+        finally:  # a failed load counts too: it cost as much
+            self._last_load_end = time.monotonic()
         try:
             self.state.check_available()  # the server began draining while we loaded
         except ApiError:
@@ -252,6 +272,13 @@ def is_loadable_name(name: str, chat: bool = False) -> bool:
     """Whether a client may name `name` for loading: a store name or a hub id (for a `chat` model, with
     `@revision` and `:file.gguf`), never a path."""
     return bool((_LOADABLE_CHAT_NAME if chat else _LOADABLE_NAME).match(name)) and ".." not in name
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for the filesystem names no folder either
+        return False
 
 
 def _kept(path: Path) -> bool:

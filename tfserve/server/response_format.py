@@ -2,7 +2,8 @@
 starts (off the event loop and the step loop) so that a bad schema is a 400 naming its field.
 
 OpenAI's `response_format` (`text`, `json_object`, `json_schema`), two extensions of ours in the same place
-(`{"type": "regex", "regex": ...}`, `{"type": "grammar", "grammar": <Lark or GBNF>}`), and vLLM's
+(`{"type": "regex", "regex": ...}`, `{"type": "grammar", "grammar": <Lark or GBNF>}`), TGI's (`json_object` or
+`json` with the schema as `value`, `regex` with the regex as `value`), and vLLM's
 `structured_outputs` object (`json`, `regex`, `choice`, `grammar`, `json_object`) with its older top-level
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, so vLLM clients work unchanged.
 """
@@ -10,6 +11,7 @@ OpenAI's `response_format` (`text`, `json_object`, `json_schema`), two extension
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tfserve.engine.structured import GrammarError
@@ -19,6 +21,12 @@ from tfserve.server.errors import bad_request
 from tfserve.server.protocol import check_name, check_schema, field
 
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# a grammar's compile, at most: llguidance compiles a nested JSON schema in ms, but its fuel limits do not bound
+# validation (a 260 KB alternation of words takes a second); past it the request is a 400, not a stall
+MAX_COMPILE_S = 2.0
+# compiles run here, not on the default executor: one that ran past its budget goes on in its thread (it cannot
+# be interrupted), and must not hold up image decoding or tokenizing; two at a time on any machine
+_COMPILES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tfserve-grammar")
 _GUIDED = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
 
 
@@ -52,6 +60,11 @@ def _from_response_format(response_format: dict[str, Any], where: str) -> Gramma
     kind = field(response_format, "type", str, required=True, param=f"{where}.type")
     if kind == "text":
         return None
+    if kind in ("json_object", "json") and (response_format.get("value") is not None or kind == "json"):
+        # TGI's shape (huggingface_hub's InferenceClient sends it): the schema is the `value`
+        if "value" not in response_format:
+            raise bad_request(f"{where}.value is required: the JSON schema", f"{where}.value")
+        return _from_vllm("json", response_format["value"], f"{where}.value")
     if kind == "json_object":
         return Grammar.json_object()
     if kind == "json_schema":
@@ -63,10 +76,11 @@ def _from_response_format(response_format: dict[str, Any], where: str) -> Gramma
         check_schema(schema, f"{where}.json_schema.schema")
         return Grammar.json_object() if schema is None else Grammar.json_schema(schema)
     if kind == "regex":
-        return Grammar.regex(_non_empty(response_format, "regex", f"{where}.regex"))
+        key = "value" if "regex" not in response_format and "value" in response_format else "regex"  # TGI: value
+        return Grammar.regex(_non_empty(response_format, key, f"{where}.{key}"))
     if kind == "grammar":
         return _grammar(_non_empty(response_format, "grammar", f"{where}.grammar"), f"{where}.grammar")
-    raise bad_request(f"{where}.type must be text, json_object, json_schema, regex or grammar (got {kind!r})",
+    raise bad_request(f"{where}.type must be text, json_object, json_schema, json, regex or grammar (got {kind!r})",
                       f"{where}.type")
 
 
@@ -110,11 +124,20 @@ def _non_empty(spec: dict[str, Any], key: str, where: str) -> str:
 
 async def compile_grammar(engine: Any, grammar: Grammar, param: str) -> None:
     """Compile `grammar` into the engine's cache on a worker thread (a first use also reads the tokenizer, about
-    half a second); a grammar that does not compile is a 400 naming `param`."""
+    half a second); a grammar that does not compile, or not within MAX_COMPILE_S, is a 400 naming `param`."""
+    structured = engine.structured
+    if structured.is_compiled(grammar):
+        return
+    loop = asyncio.get_running_loop()
     try:
-        await asyncio.to_thread(engine.structured.compile, grammar)
+        if not structured.has_ll_tokenizer:  # once, ~0.5 s: not the grammar's cost
+            await loop.run_in_executor(_COMPILES, lambda: structured.ll_tokenizer)
+        await asyncio.wait_for(loop.run_in_executor(_COMPILES, structured.compile, grammar), MAX_COMPILE_S)
     except GrammarError as exc:
         raise bad_request(f"{param}: {_readable(str(exc), grammar)}", param, code="invalid_grammar") from None
+    except TimeoutError:
+        raise bad_request(f"{param}: the constraint took more than {MAX_COMPILE_S:g} s to compile; simplify it",
+                          param, code="invalid_grammar") from None
 
 
 def _readable(message: str, grammar: Grammar) -> str:

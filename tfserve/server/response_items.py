@@ -1,22 +1,19 @@
 """The Responses API's own shapes: `input` items (messages, their `input_image` parts, `function_call`,
-`function_call_output`) -> chat messages for the template, its flat function `tools`, `text.format`, and the
-bounded store behind `previous_response_id`."""
+`function_call_output`) -> chat messages for the template, its flat function `tools`, `text.format`, and
+item references resolved against the stores (stores.py)."""
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
-from dataclasses import field as dataclass_field
 from typing import Any
 
-from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.errors import bad_request
 from tfserve.server.media import ImageRef, content_of
 from tfserve.server.chat_prompt import (check_function, check_function_names, refuse_tool_choice_without_tools,
                                          template_arguments)
 from tfserve.server.protocol import check_name, check_schema, field, one_of, shorten, text_of
+from tfserve.server.stores import ConversationStore, ResponseStore
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -174,111 +171,6 @@ def as_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
     if fmt.get("type") != "json_schema":
         return fmt
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-
-
-@dataclass(slots=True)
-class StoredResponse:
-    messages: list[dict[str, Any]]  # the conversation so far, the response's own output included
-    model: str
-    # MCP calls waiting for an mcp_approval_response: approval request id -> its item (server_label, name, arguments)
-    pending_approvals: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
-    listed: frozenset[str] = frozenset()  # MCP server labels whose tools an mcp_list_tools item already gave
-    # the conversation's images as sent (URLs, not pixels), fetched and decoded again by the next turn
-    images: list[ImageRef] = dataclass_field(default_factory=list)
-    response: dict[str, Any] | None = None  # the Response object as returned, for GET /v1/responses/{id}
-    input_items: list[dict[str, Any]] = dataclass_field(default_factory=list)  # this turn's input, with ids
-
-
-class _BoundedStore:
-    """The last `max_size` records by id, in memory: the oldest dropped first. `_items_of(record)` names the
-    Responses items a record holds, which `item` looks up by id."""
-
-    def __init__(self, max_size: int = 1000) -> None:
-        self.max_size = max_size
-        self._records: OrderedDict[str, Any] = OrderedDict()
-
-    def _put(self, key: str, record: Any) -> None:
-        self._records[key] = record
-        while len(self._records) > self.max_size:
-            self._records.popitem(last=False)
-
-    def _items_of(self, record: Any) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def item(self, item_id: str) -> dict[str, Any] | None:
-        """An item of a record by its id (the newest record first), or None."""
-        for record in reversed(self._records.values()):
-            for item in self._items_of(record):
-                if item.get("id") == item_id:
-                    return item
-        return None
-
-    def find(self, key: str) -> Any:
-        raise NotImplementedError
-
-    def delete(self, key: str) -> None:
-        self.find(key)
-        del self._records[key]
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-
-class ResponseStore(_BoundedStore):
-    """The last `max_responses` stored responses (`store` true, OpenAI's default), in memory, for
-    `previous_response_id`: oldest dropped first."""
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._put(response_id, stored)
-
-    def get(self, response_id: str) -> StoredResponse:
-        stored = self._records.get(response_id)
-        if stored is None:
-            raise ApiError(400, f"Previous response with id {response_id!r} not found (this server keeps the last "
-                                f"{self.max_size} stored responses, in memory)", param="previous_response_id",
-                           code="previous_response_not_found")
-        return stored
-
-    def _items_of(self, stored: StoredResponse) -> list[dict[str, Any]]:
-        """Its input and output items."""
-        return [*stored.input_items, *((stored.response or {}).get("output") or ())]
-
-    def find(self, response_id: str) -> StoredResponse:
-        """The stored response `response_id` for its own routes (retrieve, delete, input items); 404 if none."""
-        stored = self._records.get(response_id)
-        if stored is None:
-            raise ApiError(404, f"No response found with id {response_id!r} (this server keeps the last "
-                                f"{self.max_size} stored responses, in memory)", code="not_found")
-        return stored
-
-
-@dataclass
-class StoredConversation:
-    id: str
-    created_at: int
-    metadata: dict[str, str]
-    items: list[dict[str, Any]] = dataclass_field(default_factory=list)  # Responses items with ids, oldest first
-
-    def object(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
-
-
-class ConversationStore(_BoundedStore):
-    """The last 1000 conversations (/v1/conversations), in memory: the oldest dropped first."""
-
-    def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> StoredConversation:
-        stored = StoredConversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata, items)
-        self._put(stored.id, stored)
-        return stored
-
-    def _items_of(self, stored: StoredConversation) -> list[dict[str, Any]]:
-        return stored.items
-
-    def find(self, conversation_id: str, param: str | None = None) -> StoredConversation:
-        stored = self._records.get(conversation_id)
-        if stored is None:  # OpenAI's words
-            raise ApiError(404, f"Conversation with id '{conversation_id}' not found.", param=param, code="not_found")
-        return stored
 
 
 def resolve_references(body: dict[str, Any], *stores: ResponseStore | ConversationStore) -> dict[str, Any]:

@@ -21,8 +21,10 @@ from tfserve.server.logprobs import top_count
 from tfserve.server.media import gather_images
 from tfserve.server.protocol import INCLUDABLE, RESPONSES_FIELDS, check_fields, field, one_of, read_json, use_model
 from tfserve.server.response_format import requested_grammar
-from tfserve.server.response_items import (StoredResponse, as_response_format, input_items, page, parse_input,
-                                           parse_tools, resolve_references, text_format)
+from tfserve.server.response_items import (as_response_format, input_items, page, parse_input, parse_tools,
+                                           resolve_references, text_format)
+from tfserve.server.request_limits import check_messages
+from tfserve.server.stores import StoredResponse, json_size
 from tfserve.server.response_output import ResponseOutput
 from tfserve.server.state import STATE
 from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
@@ -65,8 +67,13 @@ async def conversation(request: web.Request, body: dict) -> Conversation:
         earlier, earlier_images = parse_input({"input": thread.items}) if thread.items else ([], [])
     else:
         earlier, earlier_images = (previous.messages, previous.images) if previous else ([], [])
+    check_messages(state.limits, body.get("input"), "input")
     new_messages, new_images = parse_input(body, earlier)
     history = earlier + new_messages
+    check_messages(state.limits, history, "input")
+    if thread is not None:  # its input goes on it: refused now if it would not fit, not after the reply
+        state.conversations.check_fits(state.conversations.size_of(thread.id) + json_size(body.get("input")),
+                                       "the conversation", "conversation")
     # instructions are not carried over to the next response (as OpenAI): they lead this turn only, unstored
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     check_text_fits(state, text_chars(messages), "input")
@@ -90,6 +97,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                           "(or stream it)", "background")
     stream, store = field(body, "stream", bool, False), field(body, "store", bool, True)
     talk = await conversation(request, body)
+    if store:  # a response too large to keep is refused before it runs (store false answers it unkept)
+        state.responses.check_fits(json_size(talk.history), "the stored response (the conversation so far)",
+                                   "previous_response_id" if talk.previous else "input")
     body = talk.body
     model, previous, history, messages, image_refs, offer, turns, max_tool_calls = (
         talk.model, talk.previous, talk.history, talk.messages, talk.image_refs, talk.offer, talk.turns,
@@ -113,7 +123,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     new_items = input_items(body)  # with ids, the same wherever this input is listed
     if talk.thread is not None:  # the conversation goes on with this turn's input and output
         present = {item.get("id") for item in talk.thread.items}  # an item_reference to one of its own: once
-        talk.thread.items += [item for item in new_items + response["output"] if item.get("id") not in present]
+        state.conversations.add_items(talk.thread, [item for item in new_items + response["output"]
+                                                    if item.get("id") not in present], check=False)
     if store:
         # the images as URLs (fetched again by the next turn), named by the field that brings them back
         state.responses.put(output.id, StoredResponse(

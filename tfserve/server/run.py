@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from tfserve.server.app import json_errors
+from tfserve.server.connections import quiet_accept_errors
 from tfserve.server.threads import in_daemon_thread
-from tfserve.server.state import STATE, ServerState
+from tfserve.server.state import READY, STATE, ServerState
 
 if TYPE_CHECKING:
     from tfserve.engine.async_engine import AsyncEngine
@@ -37,6 +38,7 @@ async def serve(app: web.Application, host: str, port: int, *, drain_timeout: fl
         (hurry if stop.is_set() else stop).set()
 
     loop = asyncio.get_running_loop()
+    quiet_accept_errors(loop)  # out of open files: one line every few seconds, not a traceback per accept()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, on_signal)
@@ -78,7 +80,11 @@ async def _load(state: ServerState, load: Callable[[], AsyncEngine], stop: async
     if not loading.done():
         loading.cancel()
         return False
-    state.set_engine(loading.result())
+    engine = loading.result()
+    if engine is not None:
+        state.set_engine(engine)
+    elif state.embeddings.alone:  # `--model` named an encoder: its embedding model serves, no chat model
+        state.status = READY
     return True
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tfserve.errors import ModelNotFoundError, TfserveError
-from tfserve.server.errors import ApiError
+from tfserve.server.errors import ApiError, model_not_found
 from tfserve.server.residency import is_loadable_name
 from tfserve.server.threads import in_daemon_thread
 
@@ -57,8 +57,7 @@ class SpeechModels:
         if spec in chat_names:
             raise _not_speech(spec)
         if spec != self.options.default_model and not is_loadable_name(spec):
-            raise ApiError(404, f"The model {spec[:80]!r} does not exist or is not served here (names must be store "
-                                f"models or hub ids, not paths)", param="model", code="model_not_found")
+            raise model_not_found(spec)
         future = self._loading.get(spec)
         if future is None:
             future = self._loading[spec] = asyncio.ensure_future(self._load(spec))
@@ -77,8 +76,8 @@ class SpeechModels:
         except NotSpeechModelError:
             raise _not_speech(spec) from None
         except ModelNotFoundError as exc:
-            raise ApiError(404, f"The model {spec!r} does not exist or is not served here ({exc})", param="model",
-                           code="model_not_found") from None
+            logger.debug("speech model %r cannot be loaded: %s", spec, exc)  # the operator's detail, not the client's
+            raise model_not_found(spec) from None
         except TfserveError as exc:
             raise ApiError(500, f"loading speech model {spec!r} failed: {exc}", param="model",
                            code="model_load_failed") from None

@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tfserve.server.embedding_models import EmbeddingModels, EmbeddingOptions
 from tfserve.server.errors import ApiError
 from tfserve.server.logprobs import TokenTexts
 from tfserve.server.mcp_tools import McpOptions
 from tfserve.server.media import MediaOptions
 from tfserve.server.metrics import ServerMetrics
+from tfserve.server.request_limits import RequestLimits
 from tfserve.server.residency import Loader, ModelResidency
-from tfserve.server.response_items import ConversationStore, ResponseStore
+from tfserve.server.stores import ConversationStore, ResponseStore
 from tfserve.server.speech import SpeechModels, SpeechOptions
 
 if TYPE_CHECKING:
@@ -33,7 +35,8 @@ class ServerState:
     def __init__(self, *, max_queued: int = 1024, force_model: bool = False, load: Loader | None = None,
                  model_timeout_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                  mcp: McpOptions | None = None, media: MediaOptions | None = None,
-                 speech: SpeechOptions | None = None) -> None:
+                 speech: SpeechOptions | None = None, embeddings: EmbeddingOptions | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.engine: Any = None  # tfserve Engine, once loaded
         self.async_engine: Any = None
         self.model_name: str | None = None
@@ -52,17 +55,20 @@ class ServerState:
         self.admitted: weakref.WeakSet = weakref.WeakSet()
         self.num_active = 0  # HTTP requests being answered (draining waits for 0)
         self.token_texts: TokenTexts | None = None
+        self.limits = limits or RequestLimits()  # per-request budgets: messages, n, model swaps, stored bytes
         self.metrics = ServerMetrics(self)
         self.models = ModelResidency(self, load, model_timeout_s)  # `load(spec)` loads models on demand; None: never
         # defaults for every chat template render (--chat-template-kwargs, --reasoning); a request's own override
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self.telemetry: Any = None  # tfserve.server.telemetry.Telemetry, with --otel
-        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
-        self.conversations = ConversationStore()  # /v1/conversations, for a response's `conversation`
+        # stored /v1/responses results (for previous_response_id) and /v1/conversations, each within its bytes
+        self.responses = ResponseStore(self.limits.max_store_bytes, self.limits.max_stored_item_bytes)
+        self.conversations = ConversationStore(self.limits.max_store_bytes, self.limits.max_stored_item_bytes)
         self.mcp_options = mcp or McpOptions()
         self._mcp_servers: Any = None  # tfserve.mcp.client.McpServers, made on first use (the SDK loads then)
         self.media_options = media or MediaOptions()  # image URLs, files and limits
         self.speech = SpeechModels(speech)  # Whisper models for /v1/audio/*, loaded on first use
+        self.embeddings = EmbeddingModels(embeddings)  # encoders for /v1/embeddings, loaded at start
 
     @property
     def mcp_servers(self) -> Any:
@@ -162,6 +168,7 @@ class ServerState:
         if self.async_engine is not None:
             self.async_engine.stop()
         self.speech.stop()
+        self.embeddings.stop()
 
 
 STATE = web.AppKey("tfserve_state", ServerState)  # app[STATE]: the state every handler reads

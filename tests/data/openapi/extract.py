@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse",
-         "ListModelsResponse", "Model", "ErrorResponse", "Response", "ResponseStreamEvent"]
+         "ListModelsResponse", "Model", "ErrorResponse", "Response", "ResponseStreamEvent", "CreateEmbeddingResponse"]
 
 
 def referenced(value, found: set[str]) -> None:
