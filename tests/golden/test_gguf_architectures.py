@@ -209,7 +209,14 @@ def _add_ties(near_ties: set[int], router_logits: torch.Tensor, router, atol: fl
 @pytest.mark.parametrize("case", CASES)
 def test_an_f32_file_gives_hf_logits_and_greedy_tokens(case, tmp_path):
     model = _model(case)
-    outputs = _run(write_gguf(model, tmp_path / f"{case}.gguf"))
+    path = write_gguf(model, tmp_path / f"{case}.gguf")
+    outputs = _run(path)
+    # a second start reads the config from tfserve's cache, not through the transformers class: the same outputs
+    again = _run(path)
+    assert type(Engine.from_pretrained(str(path), num_blocks=8, block_size=4).model.config).__module__ == \
+        "tfserve.models.gguf_native"
+    assert [o.generated_tokens for o in again] == [o.generated_tokens for o in outputs]
+    assert [o.logprobs for o in again] == [o.logprobs for o in outputs]
     for prompt, output in zip(PROMPTS, outputs):
         assert output.generated_tokens == _hf_greedy(model, prompt)
         error, _ = _compare(model, output, F32_ATOL)

@@ -104,6 +104,22 @@ def test_banner(async_engine, monkeypatch):
     assert (f"paged, CPU kernel ({ops.isa})" if ops is not None else "SDPA over the KV blocks") in text
 
 
+def test_banner_names_the_matrix_units_once_per_unit(async_engine, monkeypatch):
+    from tfserve.cli import output
+    from tfserve.cli.serve import print_banner
+
+    engine = async_engine.engine
+    int8 = "AVX512-VNNI int8 dot products (decode rows), AVX-512 float32 FMA (prompt rows)"
+    monkeypatch.setattr(engine, "matmul_units", {"Q6_K": int8, "bfloat16": "AVX512-BF16 dot products", "Q4_K": int8},
+                        raising=False)
+    capture = Console(file=io.StringIO(), width=140, force_terminal=False)
+    monkeypatch.setattr(output, "console", capture)
+    print_banner(make_state(async_engine), "http://127.0.0.1:8000", has_api_key=False)
+    text = capture.file.getvalue()
+    assert f"Matrix units  Q4_K/Q6_K: {int8}" in text and "bfloat16: AVX512-BF16 dot products" in text
+    assert text.count("Matrix units") == 1
+
+
 def test_banner_counts_the_replicas(tokenizer, monkeypatch):
     from tfserve.cli import output
     from tfserve.cli.serve import print_banner

@@ -554,8 +554,11 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     else:
         table.add_row("Dtype", dtype)
     table.add_row("Device", str(engine.device))
+    formats_by_unit: dict[str, list[str]] = {}
     for fmt, unit in getattr(engine, "matmul_units", {}).items():
-        table.add_row("Matrix units" if fmt == next(iter(engine.matmul_units)) else "", f"{fmt}: {unit}")
+        formats_by_unit.setdefault(unit, []).append(fmt)
+    for i, (unit, formats) in enumerate(formats_by_unit.items()):
+        table.add_row("" if i else "Matrix units", f"{'/'.join(sorted(formats))}: {unit}")
     load_seconds = getattr(engine, "load_seconds", None)
     if load_seconds is not None:  # from the start of the load (the file read, the kernels) to a ready engine
         table.add_row("Loaded in", f"{load_seconds:.1f} s")

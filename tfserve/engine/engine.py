@@ -153,8 +153,9 @@ class Engine:
         if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
             engine.quantization = "/".join(sorted(formats))
         engine.matmul_units = matmul_units(formats, getattr(engine.runner.forward, "ops", None))
-        for fmt, unit in engine.matmul_units.items():
-            logger.info("%s weights multiply through %s", fmt, unit)
+        for unit in dict.fromkeys(engine.matmul_units.values()):
+            formats = "/".join(sorted(f for f, u in engine.matmul_units.items() if u == unit))
+            logger.info("%s weights multiply through %s", formats, unit)
         engine.load_seconds = time.perf_counter() - start
         logger.info("%s ready in %.1f s (%s)", loaded.name, engine.load_seconds,
                     "its GGUF blocks as stored" if is_native(loaded.model) else f"weights {engine.quantization}")

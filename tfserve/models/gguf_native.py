@@ -13,6 +13,7 @@ number seen through a zero stride); only the engine's lean forward runs such a m
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -21,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +30,25 @@ from tfserve.errors import ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "5"  # bump when what the cache holds changes shape (5: the experts' width stated)
+CACHE_VERSION = "6"  # bump when what the cache holds changes shape (6: every config field, FULL_CONFIG)
 MAX_CACHED_FILES = 16  # config + tokenizer folders kept; the oldest used go first
 PICKLED_TOKENIZER = "tokenizer.pickle"
+FULL_CONFIG = "config.full.json"  # every field of the config (config.json leaves out the class's defaults)
 
 
 def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
     """(config, tokenizer) of a GGUF file: from the cache when this file was read before, else from its metadata
     through transformers' mapping (then cached)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     from tfserve.models.gguf_reader import serving_gguf_readers
 
     folder = _cache_dir(path)
     if (folder / "config.json").is_file():
         try:
             os.utime(folder)  # used now: the last to go when the cache is pruned
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-            tokenizer = _pickled(folder / PICKLED_TOKENIZER) or AutoTokenizer.from_pretrained(folder,
-                                                                                            local_files_only=True)
+            # (transformers' Auto classes only where the cache's own files are not enough: importing them scans
+            # every model folder of transformers, 1 s)
+            config = _light_config(folder / FULL_CONFIG) or _auto("AutoConfig", folder)
+            tokenizer = _pickled(folder / PICKLED_TOKENIZER) or _auto("AutoTokenizer", folder)
             return _named(path, config, tokenizer)
         except (OSError, ValueError, KeyError) as exc:  # a cache left damaged: read the file again
             logger.debug("GGUF cache %s unreadable (%s); reading %s", folder, first_line(exc), path)
@@ -58,6 +60,12 @@ def load_config_and_tokenizer(path: Path) -> tuple[Any, Any]:
                 path.name, time.perf_counter() - start)
     _save(folder, config, tokenizer)
     return _named(path, config, tokenizer)
+
+
+def _auto(name: str, folder: Path) -> Any:
+    import transformers
+
+    return getattr(transformers, name).from_pretrained(folder, local_files_only=True)
 
 
 def _from_metadata(source: str, path: Path) -> tuple[Any, Any]:
@@ -227,6 +235,8 @@ def _save(folder: Path, config: Any, tokenizer: Any) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
         config.save_pretrained(work)
+        (work / FULL_CONFIG).write_text(json.dumps({"class": type(config).__name__, "fields": config.to_dict(),
+                                                    "class_fields": _class_fields(config)}))
         tokenizer.save_pretrained(work)  # the files anyone can read; the pickle is what a start reads
         (work / PICKLED_TOKENIZER).write_bytes(pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL))
         try:
@@ -236,6 +246,41 @@ def _save(folder: Path, config: Any, tokenizer: Any) -> None:
         _prune(folder.parent)
     except OSError as exc:
         logger.warning("cannot cache the GGUF file's config and tokenizer in %s (%s)", folder, first_line(exc))
+
+
+def _light_config(path: Path) -> Any:
+    """The cached config with every field its transformers class resolved on the first read, as an instance of a
+    PretrainedConfig subclass of the same name and model type, or None where the file is missing or unreadable.
+    Importing the class itself costs 1.2 s of a 2-core machine's start (its module pulls in transformers'
+    activations, hub kernels and with them torch.distributed.tensor and sympy), for fields the cache holds."""
+    try:
+        saved = json.loads(path.read_text())
+        fields = saved["fields"]
+        config = _config_class(saved["class"], json.dumps(saved["class_fields"], sort_keys=True))(**fields)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for key, value in fields.items():  # the fields PretrainedConfig takes for itself and drops (use_cache)
+        if not hasattr(config, key):
+            setattr(config, key, value)
+    return config
+
+
+# what a config class says besides its fields: model_type, aliases (Qwen3-MoE's num_experts), rope defaults, plans
+_CLASS_FIELDS = ("model_type", "attribute_map", "default_theta", "keys_to_ignore_at_inference", "base_model_tp_plan",
+                 "base_model_ep_plan")
+
+
+def _class_fields(config: Any) -> dict[str, Any]:
+    return {name: getattr(type(config), name) for name in _CLASS_FIELDS if hasattr(type(config), name)}
+
+
+@cache
+def _config_class(name: str, class_fields: str) -> type:
+    from transformers import PretrainedConfig
+
+    namespace = {**json.loads(class_fields), "__module__": __name__,
+                 "__doc__": f"{name}'s fields, read from tfserve's GGUF cache."}
+    return type(name, (PretrainedConfig,), namespace)
 
 
 def _pickled(path: Path) -> Any:
