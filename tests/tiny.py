@@ -331,3 +331,27 @@ class ServeProcess:
         self.process.send_signal(signal.SIGINT)
         output, _ = self.process.communicate(timeout=timeout)
         return output
+
+
+def slow_masks(monkeypatch, seconds: float) -> None:
+    """Every grammar mask busy for `seconds` of the thread's CPU time first (the budget counts CPU time, not
+    wall): a hostile grammar's mask, where a tiny vocabulary masks in microseconds."""
+    import time
+
+    from tfserve.engine.structured import StructuredOutputs
+
+    class Slow:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def unsafe_compute_mask_ptr(self, *args):
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+            return self.matcher.unsafe_compute_mask_ptr(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+    make = StructuredOutputs.matcher
+    monkeypatch.setattr(StructuredOutputs, "matcher", lambda self, grammar: Slow(make(self, grammar)))

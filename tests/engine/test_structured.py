@@ -14,6 +14,7 @@ from tfserve import SamplingParams
 from tfserve.engine.structured import GrammarError, unpack_bitmask
 from tfserve.sampling_params import Grammar
 from tiny import run_engine as run
+from tiny import slow_masks
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64]
 
@@ -264,26 +265,9 @@ def test_a_constrained_request_sent_to_another_process_is_held_to_its_grammar_th
 def test_a_grammar_whose_mask_overruns_its_budget_ends_its_request_and_only_it(make_engine, monkeypatch):
     """A mask slower than MAX_MASK_S (a hostile regex on a large vocabulary) ends that request with a grammar
     error after one step, rather than stalling every step of the batch; the free request goes on."""
-    import time
-
     from tfserve.engine import structured
-    from tfserve.engine.structured import StructuredOutputs
 
-    class Slow:
-        def __init__(self, matcher):
-            self.matcher = matcher
-
-        def unsafe_compute_mask_ptr(self, *args):  # busy: the budget counts the thread's CPU time
-            end = time.thread_time() + 0.03
-            while time.thread_time() < end:
-                pass
-            return self.matcher.unsafe_compute_mask_ptr(*args)
-
-        def __getattr__(self, name):
-            return getattr(self.matcher, name)
-
-    make = StructuredOutputs.matcher
-    monkeypatch.setattr(StructuredOutputs, "matcher", lambda self, grammar: Slow(make(self, grammar)))
+    slow_masks(monkeypatch, 0.03)
     monkeypatch.setattr(structured, "MAX_MASK_S", 0.01)
     slow, free = run(make_engine(), [(PROMPT, SamplingParams(grammar=Grammar.regex("(.*a){30}"), max_tokens=50)),
                                      (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))])

@@ -13,7 +13,7 @@ import time
 import pytest
 from PIL import Image
 
-from tiny import MODEL_NAME
+from tiny import MODEL_NAME, slow_masks
 
 from tfserve.server.media import MediaOptions
 from tfserve.server.request_limits import RequestLimits
@@ -165,23 +165,8 @@ def test_a_grammar_whose_masks_are_slow_fails_alone(server, monkeypatch):
     """Row 9: a constraint whose mask overruns the step's budget (`(.*a){30}` on a large vocabulary; slowed by
     hand here, the tiny vocabulary masks it in microseconds) is a 400, and the other chats go on."""
     from tfserve.engine import structured
-    from tfserve.engine.structured import StructuredOutputs
 
-    class Slow:
-        def __init__(self, matcher):
-            self.matcher = matcher
-
-        def unsafe_compute_mask_ptr(self, *args):  # busy: the budget counts the thread's CPU time
-            end = time.thread_time() + 0.2
-            while time.thread_time() < end:
-                pass
-            return self.matcher.unsafe_compute_mask_ptr(*args)
-
-        def __getattr__(self, name):
-            return getattr(self.matcher, name)
-
-    make = StructuredOutputs.matcher
-    monkeypatch.setattr(StructuredOutputs, "matcher", lambda self, grammar: Slow(make(self, grammar)))
+    slow_masks(monkeypatch, 0.2)
     monkeypatch.setattr(structured, "MAX_MASK_S", 0.1)
     body = {"model": MODEL_NAME, "max_tokens": 60, "messages": [{"role": "user", "content": "hi"}],
             "response_format": {"type": "regex", "regex": "(.*a){30}"}}
