@@ -446,3 +446,10 @@ def test_the_speech_model_is_checked_at_start(served, tmp_path, make_fake_model)
     chat = make_fake_model(tmp_path / "a-chat-model")
     assert_one_line(served("--speech-model", str(chat))["result"], "is not a speech-to-text (Whisper) model")
     assert_one_line(served("--speech-model", "smollm2-135m-instruct")["result"], "is a chat model")
+
+
+def test_pin_model_gives_the_server_no_loader(served):
+    """--pin-model: the served model is the only one, whatever a request names (no on-demand swap); without it
+    the server can load another store model on demand."""
+    assert ok(served("MODEL_DIR"))["state"].models.load is not None
+    assert ok(served("MODEL_DIR", "--pin-model"))["state"].models.load is None
