@@ -36,8 +36,14 @@ def _reference(path, texts):
 
 @pytest.mark.parametrize("modes,normalize", POOLINGS, ids=["+".join(m) + ("-norm" if n else "") for m, n in POOLINGS])
 def test_vectors_equal_sentence_transformers(tmp_path, modes, normalize):
+    from tfserve.engine.cpu_linear import PackedLinear
+    from tfserve.engine.kernels import cpu_ops
+
     path = build_encoder_dir(tmp_path, modes=modes, normalize=normalize)
     encoder = Encoder.from_pretrained(path)
+    # where the kernels are built, every linear layer multiplies on their float32 panels (1.5-2x torch at batch 1)
+    linears = [m for m in encoder.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) == (cpu_ops() is not None) for m in linears)
     assert read_pooling_config(path) == PoolingConfig(modes=modes, normalize=normalize, max_seq_length=MAX_SEQ_LENGTH)
     ours = encoder.encode(encoder.tokenize(SENTENCES))
     reference = _reference(path, SENTENCES)

@@ -73,7 +73,13 @@ class Encoder:
             raise ModelLoadError(f"cannot load embedding model {path}: {exc}") from None
         if not tokenizer.is_fast:
             raise ModelLoadError(f"{path} has no fast tokenizer (tokenizer.json); embedding models need one")
-        return cls(model.to(resolve_device(device)).eval(), tokenizer, pooling, name or path.name)
+        model = model.to(resolve_device(device)).eval()
+        if next(model.parameters()).device.type == "cpu":  # the linear layers on tfserve's panel kernel
+            from tfserve.engine.cpu_linear import pack_linears
+            from tfserve.engine.kernels import cpu_ops
+
+            pack_linears(model, cpu_ops())
+        return cls(model, tokenizer, pooling, name or path.name)
 
     @classmethod
     def from_spec(cls, spec: str, allow_paths: bool = True, device: str = "cpu") -> Encoder:
