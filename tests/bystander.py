@@ -9,12 +9,13 @@ from tiny import MODEL_NAME
 
 
 class Bystander:
-    """Another client's small chats, one after another on a thread while an attack runs: each must answer within
-    `within_s`."""
+    """Another client's small chats, one after another on a thread while an attack runs, each followed by a
+    `GET /health`: each chat must answer within `within_s`, each health check within `health_within_s`."""
 
-    def __init__(self, live, within_s: float = 2.0) -> None:
-        self.live, self.within_s = live, within_s
+    def __init__(self, live, within_s: float = 2.0, health_within_s: float = 1.0) -> None:
+        self.live, self.within_s, self.health_within_s = live, within_s, health_within_s
         self.latencies: list[float] = []
+        self.health_latencies: list[float] = []
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -30,6 +31,12 @@ class Bystander:
                 self.errors.append(exc)
                 return
             self.latencies.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            status = self.live.request("GET", "/health")[0]
+            self.health_latencies.append(time.perf_counter() - started)
+            if status != 200:
+                self.errors.append(AssertionError(f"/health answered {status}"))
+                return
 
     def __enter__(self) -> Bystander:
         self._thread.start()
@@ -43,3 +50,35 @@ class Bystander:
         self._thread.join(30)
         assert not self.errors, self.errors
         assert self.latencies and max(self.latencies) < self.within_s, self.latencies
+        assert max(self.health_latencies) < self.health_within_s, self.health_latencies
+
+
+class PeakRss:
+    """The highest resident set of this process (the live server runs in it) while the block runs, above the
+    one at its start, in bytes (`grown`), sampled every 5 ms from /proc/self/statm."""
+
+    def __init__(self) -> None:
+        self.grown = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def rss() -> int:
+        import os
+
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.grown = max(self.grown, self.rss() - self.start)
+
+    def __enter__(self) -> PeakRss:
+        self.start = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.grown = max(self.grown, self.rss() - self.start)

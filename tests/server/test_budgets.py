@@ -12,7 +12,7 @@ import time
 import pytest
 from PIL import Image
 
-from bystander import Bystander
+from bystander import Bystander, PeakRss
 from tiny import MODEL_NAME, slow_masks
 
 from tfserve.server.media import MediaOptions
@@ -50,11 +50,13 @@ def test_the_pixel_budget_is_per_request_and_read_from_the_headers(start_server,
     url = black_png(5600, 5600)
     body = {"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what?"}, *[{"type": "image_url", "image_url": {"url": url}}] * 8]}]}
-    with Bystander(live):
+    with Bystander(live), PeakRss() as memory:
         started = time.perf_counter()
         status, _, data = live.request("POST", CHAT, body)
         elapsed = time.perf_counter() - started
     assert status == 400, data
+    # the stated cap: decoding the 8 images would take 750 MB; read from their headers, the request costs its body
+    assert memory.grown < 200 * MIB, memory.grown
     assert "--max-request-pixels" in data["error"]["message"] and "250.9 megapixels" in data["error"]["message"]
     assert data["error"]["param"] == "messages[0].content[3]"  # the third image passes 64 megapixels
     assert elapsed < 2 and not vision
