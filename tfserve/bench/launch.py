@@ -132,16 +132,36 @@ def launched(command: str | None, base_url: str, timeout_s: float = 600.0, log_p
 
 
 def _stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    if process.poll() is not None:
-        return
+    """SIGTERM the launched command's whole process group and wait until every process of it is gone (the shell
+    exits at once; the server it started may still be draining and answering), SIGKILL past `grace_s`: the next
+    launch must not find the last one still listening."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
     except ProcessLookupError:
-        pass
+        return
+    deadline, killed = time.monotonic() + grace_s, False
+    while _group_alive(process):
+        if time.monotonic() > deadline:
+            if killed:  # (a zombie no one reaps keeps its group: give up waiting)
+                break
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline, killed = time.monotonic() + 5.0, True
+        time.sleep(0.05)
+    process.wait()
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    process.poll()  # reap the shell itself once it exits
+    try:
+        os.killpg(process.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def tree_rss_bytes(pid: int) -> int:
