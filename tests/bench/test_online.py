@@ -380,9 +380,9 @@ def test_cli_launch_refuses_when_something_already_answers(fake_server):
 @pytest.mark.parametrize("url", ["8000", "localhost:8000", "http://localhost:8000/", "http://localhost:8000/v1",
                                  "http://localhost:8000/v1/models", "localhost:8000/v1/chat/completions"])
 def test_url_is_read_as_chat_reads_it(url):
-    from tfserve.cli.bench import _base_url
+    from tfserve.chat.client import openai_base_url
 
-    assert _base_url(url) == "http://localhost:8000/v1"
+    assert openai_base_url(url) == "http://localhost:8000/v1"
 
 
 def _one_line(result) -> str:

@@ -99,6 +99,11 @@ class ChatBackend(Protocol):
 URL_FORMS = "use host:port or http(s)://host:port[/v1]"
 
 
+def openai_base_url(url: str) -> str:
+    """The OpenAI base URL (`.../v1`) that a `--url` names, as `normalize_url` reads it."""
+    return normalize_url(url) + "/v1"
+
+
 def normalize_url(url: str) -> str:
     """`8000`, `host:port`, `http(s)://host:port[/v1][/chat/completions][/]` -> `http(s)://host:port` (no
     trailing /v1 nor endpoint). What is no such URL (another scheme, no host, a port that is no number in

@@ -292,7 +292,9 @@ def serve(
     writable(plot, "--plot")
     if plot is not None and not sweep:
         raise UsageError("--plot needs --sweep (it draws throughput and TTFT across the sweep's values)")
-    base_url = _base_url(url)
+    from tfserve.chat.client import openai_base_url
+
+    base_url = openai_base_url(url)  # as `tfserve chat` reads its URL; anything else is a usage error
     extra = _parse_json(extra_body, "--extra-body")
     image_url = _image_data_url(image, endpoint) if image is not None else None
     sweep_key, sweep_values = _parse_sweep(sweep, ctx) if sweep else ("concurrency", [concurrency])
@@ -463,14 +465,6 @@ def _show(result: dict, title: str, output_json: Path | None, settings: dict | N
     console.print(result_table(result, title))
     if output_json is not None:
         write_text(output_json, to_json({**result, "settings": settings}))
-
-
-def _base_url(url: str) -> str:
-    """The OpenAI base URL (`.../v1`) that `--url` names, read as `tfserve chat` reads its URL: a port, host:port,
-    a URL, a pasted endpoint (`.../v1/models`); anything else is a usage error."""
-    from tfserve.chat.client import normalize_url
-
-    return normalize_url(url) + "/v1"
 
 
 def served_model(base_url: str, api_key: str, model: str | None, chat: bool = True) -> str:

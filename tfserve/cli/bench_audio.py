@@ -66,9 +66,10 @@ def transcribe(
         device = resolve_device(device)  # a device this machine lacks fails now, in one line
     else:
         from tfserve.bench.launch import check_reachable
-        from tfserve.cli.bench import _base_url, served_model
+        from tfserve.chat.client import openai_base_url
+        from tfserve.cli.bench import served_model
 
-        url = _base_url(url)
+        url = openai_base_url(url)
         check_reachable(url, launch_hint=False)  # one line now, not a table of failures
         served_model(url, api_key, model, chat=False)
     audio = []

@@ -49,9 +49,9 @@ def embeddings(
     writable(output_json, "--output-json")
     if url is not None:
         from tfserve.bench.launch import check_reachable
-        from tfserve.cli.bench import _base_url
+        from tfserve.chat.client import openai_base_url
 
-        url = _base_url(url)
+        url = openai_base_url(url)
         check_reachable(url, launch_hint=False)
     encoder, path = _load(model, device)
     texts = sentences(num_inputs)
