@@ -40,7 +40,7 @@ def test_architecture_names_modules_that_exist():
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "docs" / "architecture.md").read_text()
-    paths = set(re.findall(r"((?:server|engine|models|chat|cli|bench)/[\w/]+\.py|config\.py)", text))
+    paths = set(re.findall(r"((?:server|serving|engine|models|protocol|chat|cli|bench)/[\w/]+\.py|config\.py)", text))
     assert len(paths) > 10
     missing = sorted(p for p in paths if not (root / "tfserve" / p).is_file())
     assert not missing, f"docs/architecture.md names modules that are gone: {missing}"

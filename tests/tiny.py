@@ -355,3 +355,22 @@ def slow_masks(monkeypatch, seconds: float) -> None:
 
     make = StructuredOutputs.matcher
     monkeypatch.setattr(StructuredOutputs, "matcher", lambda self, grammar: Slow(make(self, grammar)))
+
+
+def save_model(path, architecture: str, *, heads: int, kv_heads: int, vocab: int, tie: bool, seed: int = 0):
+    """A tiny random model and a tokenizer, saved where other processes (worker ranks, replicas) can load them."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config_class = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        architecture, architecture.replace("ForCausalLM", "Config")))
+    config = config_class(vocab_size=vocab, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=96 // heads,
+                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          tie_word_embeddings=tie)
+    model = getattr(transformers, architecture)(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path

@@ -50,7 +50,7 @@ class EngineConfig:
     speculative: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4  # proposals per step at most
-    # tensor parallelism (tfserve.distributed): the model split across this many ranks (processes), rank 0 this one
+    # tensor parallelism (tfserve.engine.parallel): the model split across this many ranks (processes), rank 0 this one
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None  # the ranks' rendezvous (tcp://host:port, env://); None: local
     nnodes: int = 1  # machines the ranks span; rank 0's starts ranks 1..tensor_parallel_size/nnodes-1 itself

@@ -47,13 +47,67 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-class ContextLengthError(TfserveError, ValueError):
-    """A prompt that leaves no room to generate in the model's context or the KV cache. `param` names the
-    input to shorten ("prompt"); the server answers 400 `context_length_exceeded`."""
+class _Names(dict):
+    """Field names for a message template: a field the caller does not rename keeps its own name."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+class ParamError(TfserveError, ValueError):
+    """A request field whose value cannot run. `param` names it as the engine knows it (`max_tokens`,
+    `logit_bias.50256`); `template` is the message with each field it mentions written `{field}` (literal braces
+    doubled), so the server can show them as the client sent them (`max_completion_tokens`) without rewriting
+    text: `message(names)`, `param_for(names)`. The server answers 400 with `code`."""
+
+    code: str | None = None
+
+    def __init__(self, param: str, template: str, *, code: str | None = None) -> None:
+        self.param, self.template = param, template
+        if code is not None:
+            self.code = code
+        super().__init__(self.message())
+
+    def message(self, names: dict[str, str] | None = None) -> str:
+        """The message, each field named as `names` maps it (engine field -> the client's)."""
+        return self.template.format_map(_Names(names or {}))
+
+    def param_for(self, names: dict[str, str] | None = None) -> str:
+        """`param` as the client sent it: a renamed field, or a renamed field's entry (`logit_bias.7`)."""
+        head, dot, rest = self.param.partition(".")
+        return (names or {}).get(head, head) + dot + rest
+
+    def __reduce__(self):  # pickled whole (a replica's process sends it back), whatever the subclass's signature
+        return _rebuild, (type(self), self.param, self.template, self.code)
+
+
+def _rebuild(cls: type[ParamError], param: str, template: str, code: str | None) -> ParamError:
+    error = cls.__new__(cls)
+    ParamError.__init__(error, param, template, code=code)
+    return error
+
+
+class ContextLengthError(ParamError):
+    """A prompt that leaves no room to generate in the model's context or the KV cache, or a max_tokens past it.
+    `param` names the input to shorten ("prompt", "max_tokens"); the server answers 400 `context_length_exceeded`."""
+
+    code = "context_length_exceeded"
 
     def __init__(self, message: str, param: str = "prompt") -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(param, message)
+
+
+class GrammarFailed(TfserveError):
+    """A request's output grammar failed while it generated (the grammar engine rejected a token its own mask
+    allowed, or a mask took too long): the request ends with this as its error; the server answers 400
+    `invalid_grammar`."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)  # the one argument: pickled and rebuilt as it is
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"the output grammar failed: {self.detail}"
 
 
 class ChatTemplateError(TfserveError, ValueError):

@@ -7,11 +7,75 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tfserve.errors import ParamError
+
 GRAMMAR_KINDS = ("json_schema", "regex", "lark", "choice")
 # temperatures below this sample greedily (as vLLM): dividing float32 logits by less overflows to inf
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4  # far past any useful value (OpenAI takes at most 2); 1e39 is infinite in float32
 MAX_N = 128  # samples of one request, at most (as OpenAI)
+MAX_INT64 = 2**63  # token ids and seeds become int64 tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values one sampling field takes: `low` to `high` (None: unbounded; `low` itself out where `above`),
+    integers only where `integer`. `api_high`: the HTTP API's narrower top, OpenAI's where it has the field (the
+    engine runs more: a temperature of 5 is no error to the Python API). `words`: how a message says the range."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    above: bool = False
+    api_high: float | None = None
+    words: str = ""
+
+    def accepts(self, value: Any, api: bool = False) -> bool:
+        """True for a number of the right kind in the range (the API's where `api`)."""
+        if not (_is_int(value) if self.integer else _is_number(value)):
+            return False
+        high = self.api_high if api and self.api_high is not None else self.high
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return high is None or value <= high
+
+    def what(self, api: bool = False) -> str:
+        """The range in words: "in [0, 2]", "an integer >= 1", "in (0, 2] (1 is off)"."""
+        high = self.api_high if api and self.api_high is not None else self.high
+        kind = "an integer " if self.integer else ""
+        if self.low is None or high is None:
+            bound = f"{'>' if self.above else '>='} {self.low:g}" if high is None else f"<= {high:g}"
+        else:
+            bound = f"in {'(' if self.above else '['}{self.low:g}, {high:g}]"
+        return self.words or kind + bound
+
+    def check(self, name: str, value: Any, api: bool = False) -> None:
+        """ParamError naming `name` unless `value` is in the range."""
+        if not self.accepts(value, api):
+            raise ParamError(name, f"{{{name}}} must be {self.what(api)} (got {shorten(value)})")
+
+
+# Every sampling field's range, the one table: the engine checks it (SamplingParams) and so does the HTTP edge
+# (tfserve.server.requests, with `api`), so a value is told the same words wherever it is wrong.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, integer=True),
+    "temperature": Range(0, MAX_TEMPERATURE, api_high=2),  # past float32's range logits divide to 0, then NaN
+    "top_p": Range(0, 1),  # 0 keeps the most likely token only (greedy)
+    "top_k": Range(-1, integer=True, words=">= 0 (0 or -1 disables it)"),
+    "min_p": Range(0, 1),
+    # vLLM takes any repetition_penalty > 0; past 2 it only garbles text
+    "repetition_penalty": Range(0, above=True, api_high=2, words=""),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "n": Range(1, MAX_N, integer=True),
+    "seed": Range(-MAX_INT64, MAX_INT64 - 1, integer=True, words="a 64-bit integer"),  # sample i of n: seed + i
+    "logprobs": Range(0, 20, integer=True),
+    "top_logprobs": Range(0, 20, integer=True),
+    "prompt_logprobs": Range(0, 20, integer=True),
+    "min_tokens": Range(0, integer=True),
+    "logit_bias": Range(-100, 100),  # each token's bias
+    "token_id": Range(0, MAX_INT64 - 1, integer=True, words="a token id (an integer >= 0)"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +86,8 @@ class Grammar:
 
     kind: str
     source: str  # the schema as JSON text, the regex, the grammar, or the choices as a JSON array
+    # a json_schema's schema as the request gave it, so no one parses `source` back (not part of its identity)
+    schema: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(self.kind in GRAMMAR_KINDS, "grammar", f"kind must be one of {', '.join(GRAMMAR_KINDS)}")
@@ -31,12 +97,18 @@ class Grammar:
     def json_schema(cls, schema: dict | str) -> Grammar:
         """Output that validates against `schema` (a dict or its JSON text)."""
         # keys keep their order: properties are written in the order the schema lists them
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        if isinstance(schema, str):
+            return cls("json_schema", schema)
+        return cls("json_schema", json.dumps(schema), schema)
 
     @classmethod
     def json_object(cls) -> Grammar:
         """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
         return cls.json_schema({"type": "object"})
+
+    def parsed_schema(self) -> Any:
+        """A json_schema grammar's schema as an object (the one it was made from, else its text parsed)."""
+        return self.schema if self.schema is not None else json.loads(self.source)
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -99,28 +171,16 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a finite number")
             setattr(self, name, float(value))
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        for name in _RANGED_FIELDS:
+            RANGES[name].check(name, getattr(self, name))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), name, "must be True or False")
-        # past float32's range the logits would divide to 0 and the probabilities to NaN
-        _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
-               f"must be in [0, {MAX_TEMPERATURE:g}]")
-        _check(_is_number(self.top_p) and 0 <= self.top_p <= 1, "top_p", "must be in [0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        _check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-               "must be in [-2, 2]")
-        _check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-               "must be in [-2, 2]")
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        for name in ("seed", "logprobs", "prompt_logprobs"):  # None: off
+            if getattr(self, name) is not None:
+                RANGES[name].check(name, getattr(self, name))
         # the samples of n > 1 take seed, seed + 1, ...: each must be a 64-bit integer
-        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**63 - self.n), "seed",
-               "must be a 64-bit integer" + (f" (at most 2**63 - {self.n} with n={self.n})" if self.n > 1 else ""))
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
-               "must be an integer in [0, 20]")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-               "prompt_logprobs", "must be an integer in [0, 20]")
+        _check(self.seed is None or self.seed <= MAX_INT64 - self.n, "seed",
+               f"must be a 64-bit integer (at most 2**63 - {self.n} with n={self.n})")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
@@ -128,8 +188,8 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias.items()), "logit_bias",
                "must map token ids (integers >= 0) to numbers in [-100, 100]")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               "must be an integer in [0, max_tokens]")
+        RANGES["min_tokens"].check("min_tokens", self.min_tokens)
+        _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be an integer in [0, {max_tokens}]")
 
     @property
     def greedy(self) -> bool:
@@ -139,8 +199,8 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """True when the sampler changes this request's logits beyond temperature, truncation and a grammar
-        (penalties, biases, a minimum length): its greedy token is not the model's plain argmax, nor the masked
-        argmax that speculative decoding can check proposals against (`structured.mask_proposals`)."""
+        (penalties, biases, a minimum length): its greedy token is not the model's plain argmax, so speculative
+        decoding cannot check proposals against it."""
         return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
@@ -177,6 +237,7 @@ class SamplingParams:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_RANGED_FIELDS = ("max_tokens", *_FLOAT_FIELDS, "top_k", "n")
 
 
 def _is_number(value: Any) -> bool:
@@ -194,6 +255,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(ok: bool, name: str, what: str, value: Any = None) -> None:
+def shorten(value: Any, limit: int = 40) -> str:
+    """`repr(value)`, cut to `limit` characters for an error message (a client may send 4,000 digits); JSON's
+    words for null and the booleans."""
+    if value is None or isinstance(value, bool):
+        text = "null" if value is None else str(value).lower()
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check(ok: bool, name: str, what: str) -> None:
+    """ParamError naming `name` unless `ok`; `what` may name other fields as `{field}`."""
     if not ok:
-        raise ValueError(f"{name} {what}")
+        raise ParamError(name, f"{{{name}}} {what}")

@@ -371,7 +371,7 @@ def test_a_hotter_decode_that_can_no_longer_change_the_transcript_stops(whisper,
     """A fallback decode whose average log-probability can only stay under the threshold, and under a fluent
     attempt's already finished, stops early (the 0.8 decode of this clip rambles 172 tokens; it stops at 81): the
     transcript is the same as when it runs to its end."""
-    from tfserve.audio.transcriber import Fallback
+    from tfserve.audio.window import Fallback
 
     runs = _failing_clip_with_and_without(whisper, monkeypatch, Fallback, "hopeless", lambda *args: False)
     results = {cut: segments for cut, (segments, _) in runs.items()}
@@ -384,7 +384,8 @@ def test_a_hotter_decode_that_can_no_longer_change_the_transcript_stops(whisper,
 def test_a_decode_run_ahead_gives_its_slot_to_a_job_that_waits(whisper, monkeypatch):
     """Once the hotter decodes fill every slot, a job that comes waits no step: the hottest stops (and starts
     again later), and both transcripts are what they are alone."""
-    from tfserve.audio.transcriber import Fallback, Transcriber
+    from tfserve.audio.transcriber import Transcriber
+    from tfserve.audio.window import Fallback
 
     audio, other = _failing_clip(), speech("fox")
     transcriber = Transcriber(whisper, max_num_windows=3).start()

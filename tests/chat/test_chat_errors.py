@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from tiny import MODEL_NAME, FakeHandler, FakeHTTPServer, LiveServer, run_keys, wait_until_idle
 
-from tfserve.chat.client import ChatError, ConnectionLost, RemoteBackend, ServerError
+from tfserve.chat.backend import ChatError, ConnectionLost, ServerError
+from tfserve.chat.client import RemoteBackend
 from tfserve.chat.conversation import Settings
 from tfserve.chat.local import LocalBackend
 from tfserve.chat.session import ChatSession
@@ -320,7 +321,7 @@ def test_error_lines_wrap_between_words_on_a_terminal(monkeypatch):
 
     from rich.console import Console
 
-    from tfserve.chat.client import ContextFull
+    from tfserve.chat.backend import ContextFull
     from tfserve.cli import output
 
     message = str(ContextFull(8192))

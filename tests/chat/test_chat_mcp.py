@@ -19,7 +19,8 @@ from tiny import run_keys
 from typer.testing import CliRunner
 
 from tfserve.chat.agent import CANCELLED, DECLINED, MAX_TOOL_ROUNDS, NOT_RUN
-from tfserve.chat.client import RemoteBackend, ReplyStats
+from tfserve.chat.backend import ReplyStats
+from tfserve.chat.client import RemoteBackend
 from tfserve.chat.mcp_tools import McpToolbox, function_names
 from tfserve.chat.session import ChatSession
 from tfserve.cli import app
@@ -382,7 +383,8 @@ def test_in_process_replies_keep_tool_calls_out_of_the_text(tokenizer):
 
     from tfserve.chat.local import _LocalReply
     from tfserve.engine.request import RequestOutput
-    from tfserve.engine.tool_calls import ToolCallStream, detect_format
+    from tfserve.protocol.reply import ReplyParser
+    from tfserve.protocol.tool_formats import detect_format
 
     aborted = []
 
@@ -396,7 +398,7 @@ def test_in_process_replies_keep_tool_calls_out_of_the_text(tokenizer):
         outputs.put(RequestOutput("r", [1], list(range(i + 1)), "", delta_text=piece,
                                   finish_reason="stop" if i == len(pieces) - 1 else None))
     reply = _LocalReply(Manager(), "r", outputs, ReplyStats(num_prompt_tokens=3),
-                        ToolCallStream(detect_format(tokenizer)))
+                        ReplyParser(detect_format(tokenizer)))
     assert "".join(reply) == "Let me add."
     (call,) = reply.stats.tool_calls
     assert call["type"] == "function" and call["id"].startswith("call_")

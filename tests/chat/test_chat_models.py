@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from tiny import FakeHandler, FakeHTTPServer, run_keys
 
-from tfserve.chat.client import ChatError, RemoteBackend
+from tfserve.chat.backend import ChatError
+from tfserve.chat.client import RemoteBackend
 from tfserve.chat.session import ChatSession
 from tfserve.cli import app
 

@@ -8,7 +8,7 @@ import re
 
 from tiny import MODEL_NAME, run_keys
 
-from tfserve.chat.client import ReplyStats
+from tfserve.chat.backend import ReplyStats
 from tfserve.chat.conversation import Settings
 from tfserve.chat.session import ChatSession
 
@@ -206,7 +206,7 @@ def test_completion_of_commands_and_arguments():
 
 
 def test_a_reasoning_models_thinking_is_shown_apart_and_not_kept(console):
-    from tfserve.chat.client import Thinking
+    from tfserve.chat.backend import Thinking
 
     pieces = [Thinking("Let me think"), Thinking(" about it."), "The answer ", "is 42."]
     session = ChatSession(ScriptedBackend(pieces), console)
@@ -219,7 +219,8 @@ def test_a_reasoning_models_thinking_is_shown_apart_and_not_kept(console):
 def test_reasoning_content_deltas_become_thinking():
     from types import SimpleNamespace
 
-    from tfserve.chat.client import Thinking, _RemoteReply
+    from tfserve.chat.backend import Thinking
+    from tfserve.chat.client import _RemoteReply
 
     def chunk(finish=None, **delta):
         return SimpleNamespace(usage=None, choices=[SimpleNamespace(finish_reason=finish,

@@ -703,7 +703,7 @@ def test_the_banner_says_the_context_the_kv_cache_allows():
     """`--num-blocks 1` showed "Context 8192 tokens" while requests past 16 tokens were refused."""
     from types import SimpleNamespace
 
-    from tfserve.cli.serve import context_label
+    from tfserve.cli.serve_banner import context_label
 
     def engine(num_blocks: int):
         return SimpleNamespace(block_pool=SimpleNamespace(num_blocks=num_blocks, block_size=16), max_model_len=8192)

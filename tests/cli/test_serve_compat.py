@@ -364,7 +364,7 @@ def test_distributed_flags_reach_the_engine_and_its_loader(served):
 
 
 def test_replica_scaling_flags_make_a_policy(served):
-    from tfserve.distributed.autoscale import AutoscalePolicy
+    from tfserve.serving.autoscale import AutoscalePolicy
 
     seen = ok(served("MODEL_DIR", "--max-replicas", "4", "--target-requests-per-replica", "8"))
     assert seen["autoscale"] == AutoscalePolicy(1, 4, 8)

@@ -61,8 +61,9 @@ def test_served_split_in_two_answers_and_a_dead_rank_stops_it_cleanly(default_mo
 
 def test_two_nodes_each_run_their_rank_and_stop_with_the_first(tmp_path):
     """`--nnodes 2`: node 0 serves as rank 0, node 1 only runs rank 1; stopping node 0 ends node 1 too."""
-    from test_tensor_parallel import save_model
-    from tfserve.distributed.workers import free_init_method
+    from tiny import save_model
+
+    from tfserve.engine.parallel.workers import free_init_method
 
     path = save_model(tmp_path / "tiny", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home")}
@@ -135,9 +136,9 @@ def test_a_local_ray_cluster_with_two_replicas_serves_a_streamed_chat(tmp_path):
 
 def test_torchrun_starts_every_rank_and_rank_0_serves(tmp_path):
     """`torchrun --nproc-per-node 2 -m tfserve serve -tp 2`: tfserve takes its rank from torchrun's environment."""
-    from test_tensor_parallel import save_model
-    from tfserve.distributed.workers import free_init_method
-    from tiny import free_port, wait_healthy
+    from tiny import free_port, save_model, wait_healthy
+
+    from tfserve.engine.parallel.workers import free_init_method
 
     path = save_model(tmp_path / "tiny", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TFSERVE_HOME": str(tmp_path / "home")}

@@ -11,7 +11,7 @@ import pytest
 
 from tfserve import SamplingParams
 from tfserve.engine.async_engine import AsyncEngine
-from tfserve.engine.chat_template import ChatTemplateError, render_chat
+from tfserve.protocol.chat_template import ChatTemplateError, render_chat
 from tfserve.engine.manager import BatchingManager
 from tfserve.errors import ContextLengthError
 

@@ -25,7 +25,7 @@ from transformers import (  # noqa: E402
 
 from tfserve import Engine, SamplingParams  # noqa: E402
 from tfserve.config import EngineConfig  # noqa: E402
-from tfserve.engine.backends import lean, select_backend  # noqa: E402
+from tfserve.engine.backends import lean_layers, select_backend  # noqa: E402
 from tfserve.engine.backends.hf import HFForward  # noqa: E402
 from tfserve.engine.backends.lean import LeanForward  # noqa: E402
 from tfserve.engine.kernels import cpu_ops  # noqa: E402
@@ -82,8 +82,8 @@ def _step_logits(model, use_lean: bool, kernels: bool = True, pack: bool = False
                     forward_backend="lean" if use_lean else "hf", pack_weights=pack)
     assert engine.runner.forward.name == ("lean" if use_lean else "hf")
     if use_lean and not kernels:  # the torch versions of the fused ops
-        engine.runner.forward.rotary = lean._rotary_embedding_
-        engine.runner.forward.rms_norm = lean._rms_norm
+        engine.runner.forward.rotary = lean_layers.rotary_embedding_
+        engine.runner.forward.rms_norm = lean_layers.rms_norm
     captured = []
     sampler = engine.runner.sampler
     engine.runner.sampler = lambda logits, requests: (captured.append(logits.clone()), sampler(logits, requests))[1]
@@ -145,7 +145,7 @@ def test_rotary_table_gives_the_modules_own_bits_at_any_position(scaling):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(LlamaConfig(**{**SIZES, "rope_scaling": scaling}))
-    rope = lean._RopeTable(rotary)
+    rope = lean_layers.RopeTable(rotary)
     assert rope.static == (scaling is None or scaling["rope_type"] != "dynamic")
     x = torch.randn(5, SIZES["hidden_size"])
     for positions in ([0, 1, 2, 3, 4], [1023, 5, 7, 1500, 3000], [17]):

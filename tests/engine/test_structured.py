@@ -12,6 +12,7 @@ import pytest
 
 from tfserve import SamplingParams
 from tfserve.engine.structured import GrammarError, unpack_bitmask
+from tfserve.errors import GrammarFailed
 from tfserve.sampling_params import Grammar
 from tiny import run_engine as run
 from tiny import slow_masks
@@ -117,7 +118,8 @@ def test_a_grammar_that_fails_midway_ends_its_request_with_an_error(make_engine,
     monkeypatch.setattr(StructuredOutputs, "matcher", lambda self, grammar: Failing(make(self, grammar)))
     failing, free = run(make_engine(), [(PROMPT, SamplingParams(grammar=Grammar.json_object(), max_tokens=50)),
                                         (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))])
-    assert failing.finish_reason == "error" and "grammar failed: Parser Error: a limit" in failing.error
+    assert failing.finish_reason == "error" and isinstance(failing.error, GrammarFailed)
+    assert "grammar failed: Parser Error: a limit" in str(failing.error)
     assert len(failing.generated_tokens) == 3
     assert free.finish_reason == "length" and len(free.generated_tokens) == 12
 
@@ -271,6 +273,7 @@ def test_a_grammar_whose_mask_overruns_its_budget_ends_its_request_and_only_it(m
     monkeypatch.setattr(structured, "MAX_MASK_S", 0.01)
     slow, free = run(make_engine(), [(PROMPT, SamplingParams(grammar=Grammar.regex("(.*a){30}"), max_tokens=50)),
                                      (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))])
-    assert slow.finish_reason == "error" and "mask took" in slow.error and "grammar failed" in slow.error
+    assert slow.finish_reason == "error" and isinstance(slow.error, GrammarFailed)
+    assert "mask took" in str(slow.error) and "grammar failed" in str(slow.error)
     assert len(slow.generated_tokens) <= 2  # (its first mask, warming the grammar, has FIRST_MASK_TIMES the budget)
     assert free.finish_reason == "length" and len(free.generated_tokens) == 12

@@ -149,7 +149,8 @@ def test_the_default_model_fills_a_json_schema_and_a_forced_tool_call(gguf_engin
 
     from tfserve import SamplingParams
     from tfserve.sampling_params import Grammar
-    from tfserve.engine.tool_calls import detect_format, parse_tool_calls
+    from tfserve.protocol.tool_formats import detect_format
+    from tfserve.protocol.tool_calls import parse_tool_calls
     from tfserve.server.tool_choice import tool_call_grammar
 
     tokenizer = gguf_engine.tokenizer

@@ -136,6 +136,6 @@ def test_a_transformers_qwen3_moe_runs_on_the_lean_forward(weights):
 
 
 def test_tensor_parallelism_refuses_a_mixture_of_experts():
-    from tfserve.distributed.tensor_parallel import why_not
+    from tfserve.engine.parallel.tensor_parallel import why_not
 
     assert "mixture of experts" in why_not(_build(), 2)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tfserve.models import store
+from tfserve.models import folder
 from tfserve.models.pull import pull
 
 pytestmark = pytest.mark.slow
@@ -17,8 +17,8 @@ def test_store_dir_is_a_plain_float32_hf_model(default_model_dir):
     config = json.loads((default_model_dir / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["dtype"] == "float32" and config["architectures"] == ["LlamaForCausalLM"]
-    assert store.has_chat_template(default_model_dir)
-    assert store.count_parameters(default_model_dir) == 134_515_008
+    assert folder.has_chat_template(default_model_dir)
+    assert folder.count_parameters(default_model_dir) == 134_515_008
     assert not [p for p in default_model_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 

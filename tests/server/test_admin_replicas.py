@@ -1,5 +1,5 @@
 """GET/POST /admin/replicas: the replicas of a `--data-parallel-size` server, scaled at run time. The replicas
-past the first are stand-ins here (tests/distributed has real replica processes); what is checked is the
+past the first are stand-ins here (tests/serving has real replica processes); what is checked is the
 endpoint: its answers, its errors and its API key."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from tiny import build_engine, make_state
 
-from tfserve.distributed.replicas import Replica
+from tfserve.serving.replica import Replica
 
 ADMIN = {"Authorization": "Bearer admin"}
 
@@ -26,7 +26,8 @@ class StandIn(Replica):
 
 @pytest.fixture
 def replicated(tokenizer):
-    from tfserve.distributed.replicas import ReplicaSpec, ReplicatedEngine
+    from tfserve.serving.replica import ReplicaSpec
+    from tfserve.serving.replicas import ReplicatedEngine
 
     engine = build_engine(tokenizer, num_blocks=64)
     async_engine = ReplicatedEngine(engine, [], ReplicaSpec("tiny", {}, engine.config, 1))
@@ -100,7 +101,7 @@ def test_the_replicas_follow_the_load(replicated):
     none retires them after theirs."""
     import asyncio
 
-    from tfserve.distributed.autoscale import AutoscalePolicy
+    from tfserve.serving.autoscale import AutoscalePolicy
 
     policy = AutoscalePolicy(1, 3, target_requests=2, upscale_delay_s=0.2, downscale_delay_s=0.4)
 
@@ -140,7 +141,7 @@ def test_the_server_applies_the_policy_while_it_serves(replicated):
 
     from tiny import free_port
 
-    from tfserve.distributed.autoscale import AutoscalePolicy
+    from tfserve.serving.autoscale import AutoscalePolicy
     from tfserve.server.app import create_app
     from tfserve.server.run import serve
     from tfserve.server.state import ServerState

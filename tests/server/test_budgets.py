@@ -31,14 +31,14 @@ def black_png(width: int, height: int) -> str:
 
 @pytest.fixture
 def vision(engine, monkeypatch):
-    """The tiny engine taking images (a processor; the render counts its calls): enough for gather_images."""
+    """The tiny engine taking images (a vision side; the render counts its calls): enough for gather_images."""
     calls = []
 
     def render_multimodal(messages, images, **kwargs):
         calls.append(images)
         return [1, 2, 3], None
 
-    monkeypatch.setattr(engine, "processor", object(), raising=False)
+    monkeypatch.setattr(engine, "vision", object())  # input_modalities: text and image
     monkeypatch.setattr(engine, "render_multimodal", render_multimodal, raising=False)
     return calls
 

@@ -378,9 +378,9 @@ def test_an_engine_error_fails_its_request_and_its_stream(start_server):
 
 def test_a_grammar_that_fails_while_generating_is_a_400(start_server):
     """llguidance meeting a limit only while generating (the grammar compiled): the client's schema is at fault."""
-    from tfserve.engine.structured import GRAMMAR_FAILED
+    from tfserve.errors import GrammarFailed
 
     live = start_server()
-    live.state.generate = scripted_generate(["{"], finish_reason="error", error=f"{GRAMMAR_FAILED}: Too many items")
+    live.state.generate = scripted_generate(["{"], finish_reason="error", error=GrammarFailed("Too many items"))
     status, _, data = live.request("POST", CHAT, chat())
     assert status == 400 and data["error"]["code"] == "invalid_grammar" and "Too many items" in data["error"]["message"]

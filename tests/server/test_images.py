@@ -18,7 +18,7 @@ from PIL import Image
 
 from tiny import MODEL_NAME
 
-from tfserve.engine.chat_template import render_chat
+from tfserve.protocol.chat_template import render_chat
 from tfserve.images import ImageError, data_url_bytes, decode_image
 from tfserve.server.media import MediaOptions
 from tfserve.server.media_fetch import is_public
@@ -56,7 +56,7 @@ def chat_body(*parts, text: str = "What is this?") -> dict:
 
 
 class Vision:
-    """The tiny engine dressed as a vision-language model: a processor, and a `render_multimodal` that records
+    """The tiny engine dressed as a vision-language model: a vision side, and a `render_multimodal` that records
     what it was given and renders the text through the chat template."""
 
     def __init__(self, engine, monkeypatch) -> None:
@@ -83,7 +83,7 @@ class Vision:
             self.mm_seen.append(kwargs.get("mm"))
             return real_make_requests(prompt, params, request_id)
 
-        monkeypatch.setattr(engine, "processor", object(), raising=False)
+        monkeypatch.setattr(engine, "vision", object())  # input_modalities: text and image
         monkeypatch.setattr(engine, "render_multimodal", render_multimodal, raising=False)
         monkeypatch.setattr(engine, "make_requests", make_requests)
 

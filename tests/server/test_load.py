@@ -220,7 +220,7 @@ def test_drain_aborts_what_is_left_at_its_timeout_or_a_second_signal(tokenizer, 
 ])
 def test_a_long_prompt_renders_off_the_event_loop(server, monkeypatch, path, body):
     """A prompt of megabytes takes seconds to render and tokenize: meanwhile the server answers the others."""
-    from tfserve.engine import chat_template
+    from tfserve.protocol import chat_template
 
     started = threading.Event()
 

@@ -10,8 +10,8 @@ import json
 import pytest
 from test_openapi import check, event_schemas, stream
 
-from tfserve.engine.chat_template import render_chat
-from tfserve.server.reasoning import (CONTENT, REASONING, START, THINK, ReasoningStream, detect_markers, output_phase,
+from tfserve.protocol.chat_template import render_chat
+from tfserve.protocol.reasoning import (CONTENT, REASONING, START, THINK, ReasoningStream, detect_markers, output_phase,
                                       reasoning_for, split_reasoning, starts_in_reasoning)
 from tiny import CHAT_TEMPLATE, MODEL_NAME, scripted_generate
 

@@ -8,7 +8,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 
-from tfserve.engine.tool_calls import HERMES
+from tfserve.protocol.tool_formats import HERMES
 from tfserve.server.response_output import ResponseOutput
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'

@@ -79,7 +79,7 @@ def test_otel_without_the_extra_is_one_line(monkeypatch):
 
 
 def test_parse_size():
-    from tfserve.cli.serve import parse_size
+    from tfserve.cli.serve_flags import parse_size
 
     assert parse_size("0.5", "x") == 0.5
     assert parse_size("2GiB", "x") == 2 * 2**30
@@ -88,7 +88,7 @@ def test_parse_size():
 
 def test_banner(async_engine, monkeypatch):
     from tfserve.cli import output
-    from tfserve.cli.serve import print_banner
+    from tfserve.cli.serve_banner import print_banner
 
     capture = Console(file=io.StringIO(), width=100, force_terminal=False)
     monkeypatch.setattr(output, "console", capture)
@@ -106,7 +106,7 @@ def test_banner(async_engine, monkeypatch):
 
 def test_banner_names_the_matrix_units_once_per_unit(async_engine, monkeypatch):
     from tfserve.cli import output
-    from tfserve.cli.serve import print_banner
+    from tfserve.cli.serve_banner import print_banner
 
     engine = async_engine.engine
     int8 = "AVX512-VNNI int8 dot products (decode rows), AVX-512 float32 FMA (prompt rows)"
@@ -122,8 +122,9 @@ def test_banner_names_the_matrix_units_once_per_unit(async_engine, monkeypatch):
 
 def test_banner_counts_the_replicas(tokenizer, monkeypatch):
     from tfserve.cli import output
-    from tfserve.cli.serve import print_banner
-    from tfserve.distributed.replicas import Replica, ReplicatedEngine
+    from tfserve.cli.serve_banner import print_banner
+    from tfserve.serving.replica import Replica
+    from tfserve.serving.replicas import ReplicatedEngine
 
     engine = build_engine(tokenizer, num_blocks=64)
     capture = Console(file=io.StringIO(), width=120, force_terminal=False)
@@ -135,7 +136,7 @@ def test_banner_counts_the_replicas(tokenizer, monkeypatch):
 def test_banner_names_the_draft_model(tokenizer, monkeypatch):
     from tfserve import Engine
     from tfserve.cli import output
-    from tfserve.cli.serve import print_banner
+    from tfserve.cli.serve_banner import print_banner
     from tfserve.engine.async_engine import AsyncEngine
 
     llama = build_llama(tokenizer)
@@ -149,7 +150,7 @@ def test_banner_names_the_draft_model(tokenizer, monkeypatch):
 
 def test_banner_states_the_quantization(async_engine, monkeypatch):
     from tfserve.cli import output
-    from tfserve.cli.serve import print_banner
+    from tfserve.cli.serve_banner import print_banner
 
     capture = Console(file=io.StringIO(), width=100, force_terminal=False)
     monkeypatch.setattr(output, "console", capture)

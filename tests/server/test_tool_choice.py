@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from tfserve import Engine, SamplingParams
 from tfserve.server.errors import ApiError
-from tfserve.engine.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, detect_format, parse_tool_calls
+from tfserve.protocol.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, detect_format
+from tfserve.protocol.tool_calls import parse_tool_calls
 from tfserve.engine.structured import GrammarError, StructuredOutputs
 from tfserve.sampling_params import Grammar
 from tfserve.server.tool_choice import (after_first_turn, apply_constraint, callable_tools, forced_tools,
@@ -195,7 +195,7 @@ def test_allowed_tools_restrict_the_calls_in_both_shapes():
     assert [f["name"] for f in callable_tools(FUNCTIONS, flat)] == ["get_weather"]
     assert callable_tools(tools, "none") == [] and len(callable_tools(tools, "auto")) == 2
     later = after_first_turn({**flat, "mode": "required"})
-    assert later["mode"] == "auto" and forced_tools(FUNCTIONS, later) is None and after_first_turn("required") == "auto"
+    assert later.mode == "auto" and forced_tools(FUNCTIONS, later) is None and after_first_turn("required").mode == "auto"
     mcp = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp", "server_label": "wiki"}]}
     assert [f["name"] for f in callable_tools(FUNCTIONS, mcp, lambda entry: ["ping"])] == ["ping"]
 
@@ -223,18 +223,18 @@ def test_a_wrong_allowed_tools_choice_names_its_field(choice, param):
 def test_a_calls_grammar_that_fails_whole_keeps_the_engines_first_line():
     """Where no tool's parameters fail alone, the 400 drops the listing of, and the position in, the grammar the
     server wrote."""
-    class Structured:
-        has_ll_tokenizer = True
+    class Engine:  # the EngineClient's grammar methods, the whole-calls grammar failing
+        grammars_ready = True
 
-        def is_compiled(self, grammar):
+        def grammar_compiled(self, grammar):
             return False
 
-        def compile(self, grammar):
+        def compile_grammar(self, grammar):
             if grammar.kind == "lark":
                 raise GrammarError('at 3(7): the calls are off    1 | start: call    2 | call: "<tool_call>" body')
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    engine, constraint = SimpleNamespace(structured=Structured()), (Grammar.lark("start: x\n"), "tools")
+    engine, constraint = Engine(), (Grammar.lark("start: x\n"), "tools")
     with pytest.raises(ApiError) as error:
         asyncio.run(apply_constraint(engine, {}, constraint, None, tools, HERMES, None))
     assert (error.value.message, error.value.param) == ("tools: the calls are off", "tools")

@@ -21,128 +21,20 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tfserve.audio.job import (COMPRESSION_RATIO_THRESHOLD, LOGPROB_THRESHOLD, NO_SPEECH_THRESHOLD, TEMPERATURE_STEP,
-                               Segment, Sink, TranscriptionJob, TranscriptionOptions, TranscriptionResult, Word,
+from tfserve.audio.job import (Segment, Sink, TranscriptionJob, TranscriptionOptions, TranscriptionResult,
                                compression_ratio)
-from tfserve.audio.timestamps import TimestampRules, ends_with_single_timestamp, split_window
+from tfserve.audio.segments import window_segments
+from tfserve.audio.timestamps import TimestampRules
 from tfserve.audio.whisper_forward import WhisperSlots
-from tfserve.audio.words import word_times
-from tfserve.audio.whisper_model import FRAMES_PER_SECOND, HOP_LENGTH, WINDOW_FRAMES, WhisperModel
-from tfserve.engine.sampler import inverse_cdf
+from tfserve.audio.whisper_model import HOP_LENGTH, WINDOW_FRAMES, WhisperModel
+from tfserve.audio.window import Attempt, Fallback, Window, hotter, sample
 from tfserve.engine.threads import WorkThread, run_in_fresh_thread
-from tfserve.sampling_params import MIN_TEMPERATURE
 
 logger = logging.getLogger("tfserve.audio")
-
-
-@dataclass(eq=False)
-class Window:
-    """One window of a job being decoded in a slot."""
-
-    job: TranscriptionJob
-    seek: int  # its first mel frame
-    num_frames: int  # of audio in it, <= 3000
-    prompt: list[int]  # fed before sampling: previous text, <|startoftranscript|>, language and task
-    temperature: float
-    pending: list[int] = field(default_factory=list)  # fed at the next step
-    position: int = 0  # decoder positions filled
-    sampled: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # of each sampled token
-    sum_logprob: float = 0.0
-    no_speech_prob: float = 0.0
-    sot_index: int = -1  # index of <|startoftranscript|> in `pending` (its logits give the no-speech probability)
-    detect_language: bool = False  # the step after <|startoftranscript|> picks the language first
-    fallback: Fallback | None = None  # the hotter decodes of this window, once its greedy one failed
-    generator: torch.Generator | None = None  # its draws at a temperature (each decode's own, seeded 0)
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One decode of a window, judged by its average log-probability and compression ratio."""
-
-    tokens: list[int]  # sampled, without the end of text
-    logprobs: list[float]  # of each of `tokens`
-    temperature: float
-    avg_logprob: float  # over the window's every token, the end of text included (what the thresholds judge)
-    compression_ratio: float
-    no_speech_prob: float
-
-    @property
-    def silent(self) -> bool:
-        """Likely no speech: the window is skipped."""
-        return self.no_speech_prob > NO_SPEECH_THRESHOLD and self.avg_logprob < LOGPROB_THRESHOLD
-
-    @property
-    def accepted(self) -> bool:
-        """Fluent and likely enough (or silent): no hotter decode is needed."""
-        failed = self.compression_ratio > COMPRESSION_RATIO_THRESHOLD or self.avg_logprob < LOGPROB_THRESHOLD
-        return self.silent or not failed
-
-
-@dataclass(eq=False)
-class Fallback:
-    """The hotter decodes of a window whose greedy decode failed: each temperature decoded once, in a slot of its
-    own (`Transcriber.spread`) or after a cooler one in the same slot; the first in order that passes is taken."""
-
-    greedy: Attempt
-    temperatures: list[float]
-    waiting: list[float] = field(init=False)  # not started (or stopped for a job), coolest first
-    attempts: dict[float, Attempt] = field(default_factory=dict)  # the finished ones, by temperature
-    windows: list[Window] = field(default_factory=list)  # decoding one of the temperatures
-
-    def __post_init__(self) -> None:
-        self.waiting = list(self.temperatures)
-
-    def take(self) -> float | None:
-        """The coolest temperature not decoding nor done, or None."""
-        return self.waiting.pop(0) if self.waiting else None
-
-    def give_back(self, window: Window) -> None:
-        """`window`'s temperature stops decoding (its slot goes to a job); it starts again later."""
-        self.windows.remove(window)
-        self.waiting = sorted(self.waiting + [window.temperature])
-
-    def ahead(self) -> list[Window]:
-        """The windows decoding what one decode after another would not have reached yet: all but the coolest."""
-        return sorted(self.windows, key=lambda w: w.temperature)[1:]
-
-    def hopeless(self, window: Window, max_sample_len: int) -> bool:
-        """Whether `window`'s decode can no longer change the outcome, however it goes on: even if every token to
-        come had probability 1, its average log-probability stays under the threshold (it cannot pass) and under
-        that of a fluent attempt already finished (it cannot be the likeliest either), and the window is not
-        likely silent (where a low average is what skips it). Such a decode stops: the transcript is the same."""
-        best_case = window.sum_logprob / (max_sample_len + 1)  # every token to come at log-probability 0
-        if best_case >= LOGPROB_THRESHOLD or window.no_speech_prob > NO_SPEECH_THRESHOLD:
-            return False
-        done = [self.greedy, *self.attempts.values()]
-        return any(a.compression_ratio <= COMPRESSION_RATIO_THRESHOLD and a.avg_logprob > best_case for a in done)
-
-    def decide(self) -> Attempt | None:
-        """The attempt taken once the cooler ones are known: the first that passes, or the likeliest of all when
-        none does; None while a cooler one is still decoding."""
-        for temperature in self.temperatures:
-            attempt = self.attempts.get(temperature)
-            if attempt is None:
-                return None
-            if attempt.accepted:
-                return attempt
-        return _best([self.greedy, *self.attempts.values()])
-
-
-def _hotter(temperature: float) -> list[float]:
-    """The fallback's temperatures after `temperature`: +0.2 each, up to 1.0."""
-    steps = round((1.0 - temperature) / TEMPERATURE_STEP)
-    return [round(temperature + TEMPERATURE_STEP * (i + 1), 6) for i in range(steps)]
-
-
-def _best(attempts: list[Attempt]) -> Attempt:
-    """The likeliest attempt that does not repeat itself, else the likeliest (as faster-whisper chooses)."""
-    fluent = [a for a in attempts if a.compression_ratio <= COMPRESSION_RATIO_THRESHOLD]
-    return max(fluent or attempts, key=lambda a: a.avg_logprob)
 
 
 @dataclass(slots=True)
@@ -363,7 +255,7 @@ class Transcriber:
             return ended
         rows = logits if len(sampling) == len(windows) else logits[sampling]  # (rules mask in place: ours)
         logprobs = self.rules.apply(rows, [windows[b].sampled for b in sampling])
-        chosen = self._sample(rows, [windows[b] for b in sampling])
+        chosen = sample(rows, [windows[b] for b in sampling])
         for i, b in enumerate(sampling):
             window, token = windows[b], int(chosen[i])
             window.sampled.append(token)
@@ -388,27 +280,6 @@ class Transcriber:
         window.pending = self.tokens.sot_sequence(language, window.job.options.task)[1:]
         window.prompt += window.pending
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, windows: list[Window]) -> torch.Tensor:
-        """Row i's token for windows[i]: the argmax, or drawn at its temperature by inverse CDF (the chat
-        sampler's), one uniform from the decode's own generator, seeded 0 (so a transcript depends neither on the
-        jobs sharing its steps nor on whether its hotter decodes ran side by side). The hot rows are drawn
-        together: one softmax and one running sum for all (torch.multinomial took ~0.9 ms a row)."""
-        chosen = logits.max(dim=-1).indices  # the first maximum, as argmax; ~2x faster on a CPU
-        hot = [i for i, window in enumerate(windows) if window.temperature >= MIN_TEMPERATURE]
-        if not hot:
-            return chosen
-        uniforms = []
-        for i in hot:
-            window = windows[i]
-            if window.generator is None:
-                window.generator = torch.Generator().manual_seed(0)
-            uniforms.append(torch.rand(1, dtype=torch.float64, generator=window.generator))
-        temperatures = torch.tensor([windows[i].temperature for i in hot])[:, None]
-        probs = torch.softmax(logits[hot] / temperatures, dim=-1)
-        chosen[hot] = inverse_cdf(probs, torch.cat(uniforms))
-        return chosen
-
     def finish(self, ended: list[Window]) -> None:
         """Judge each ended window: decode it again hotter, skip it as silence, or take its segments."""
         for window in ended:
@@ -431,7 +302,7 @@ class Transcriber:
         if group is not None:
             group.attempts[window.temperature] = attempt
         elif not attempt.accepted and job.options.temperature == 0 and window.temperature < 1.0 - 1e-6:
-            group = window.fallback = Fallback(attempt, _hotter(window.temperature), windows=[window])
+            group = window.fallback = Fallback(attempt, hotter(window.temperature), windows=[window])
         if group is not None:
             chosen = group.decide()
             if chosen is None:  # a cooler temperature is still decoding: this slot decodes the next, or frees
@@ -467,54 +338,9 @@ class Transcriber:
                        window.sum_logprob / (len(window.sampled) + 1), compression_ratio(text), window.no_speech_prob)
 
     def _segments(self, window: Window, attempt: Attempt) -> list[Segment]:
-        job = window.job
-        raw, advance = split_window(attempt.tokens, window.num_frames, self.tokens.timestamp_begin)
-        offset = window.seek / FRAMES_PER_SECOND
-        new = []
-        for piece in raw:
-            text = self.whisper.decode_text(piece.tokens)
-            if not text.strip():
-                continue
-            # the segment's own tokens (timestamps included), not the window's: segments differ in confidence
-            logprobs = attempt.logprobs[piece.first:piece.first + len(piece.tokens)]
-            new.append(Segment(id=len(job.segments), seek=window.seek, start=round(offset + piece.start, 2),
-                               end=round(min(offset + piece.end, job.duration_s), 2), text=text, tokens=piece.tokens,
-                               temperature=attempt.temperature, avg_logprob=sum(logprobs) / len(logprobs),
-                               compression_ratio=attempt.compression_ratio, no_speech_prob=attempt.no_speech_prob))
-            job.segments.append(new[-1])
-            job.all_tokens += piece.tokens
-        if new and job.options.word_timestamps:
-            self._time_words(window, new)
-            # as openai-whisper: unless the window's text ended, the next one starts at the last word's end (not
-            # at the last timestamp, which can be before it: the words of both windows would overlap)
-            last_end = next((w.end for segment in reversed(new) for w in reversed(segment.words)), None)
-            if (not ends_with_single_timestamp(attempt.tokens, self.tokens.timestamp_begin)
-                    and last_end is not None and last_end > offset):
-                advance = round(last_end * FRAMES_PER_SECOND) - window.seek
-        if attempt.temperature > 0.5:  # a hot decode is not worth conditioning on
-            job.prompt_reset_since = len(job.all_tokens)
-        job.seek += max(advance, 1)
-        return new
-
-    def _time_words(self, window: Window, segments: list[Segment]) -> None:
-        """Give each of `segments` (just decoded in `window`, whose slot still holds its encoder output) its words."""
-        job, eot = window.job, self.tokens.eot
-        texts = [[t for t in s.tokens if t < eot] for s in segments]
-        text_tokens = [t for text in texts for t in text]
-        language = job.language_code
-        prompt = self.tokens.sot_sequence(language, job.options.task) + [self.tokens.no_timestamps]
-        scores = self.slots.alignment(self.windows.index(window), prompt + text_tokens + [eot],
-                                      self.whisper.alignment_heads)
-        timed = word_times(scores, text_tokens, window.num_frames, self.whisper.decode_text, language)
-        offset = window.seek / FRAMES_PER_SECOND
-        words = iter(timed)
-        for segment, text in zip(segments, texts):
-            segment.words, remaining = [], len(text)  # a segment takes words until its tokens are used
-            while remaining > 0 and (word := next(words, None)) is not None:
-                text_word, start, end, num_tokens = word
-                segment.words.append(Word(text_word.strip(), round(min(offset + start, job.duration_s), 2),
-                                          round(min(offset + end, job.duration_s), 2)))
-                remaining -= num_tokens
+        slot = self.windows.index(window)  # still holding the window's encoder output, for its words' times
+        return window_segments(self.whisper, window, attempt,
+                               lambda ids: self.slots.alignment(slot, ids, self.whisper.alignment_heads))
 
     def _restart(self, window: Window, temperature: float) -> None:
         fresh = self._window(window.job, temperature)

@@ -1,13 +1,15 @@
 """The tool side of the MCP agent loop: each call a reply ends with is shown as a panel, approved by the user
 (unless approval is automatic), run on its MCP server, and its result shown and handed back to the model as a
-`tool` message. `ChatSession` streams the replies and loops (at most MAX_TOOL_ROUNDS rounds of calls)."""
+`tool` message. `ChatSession` streams the replies and loops (at most MAX_TOOL_ROUNDS rounds of calls); this module
+knows it only as a `ToolHost`, so the session imports the loop and nothing here imports the session."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rich.console import RenderableType
+from rich.console import Console, RenderableType
 from rich.json import JSON
 from rich.panel import Panel
 from rich.text import Text
@@ -15,7 +17,7 @@ from rich.text import Text
 from tfserve.chat.render import no_echo
 
 if TYPE_CHECKING:
-    from tfserve.chat.session import ChatSession
+    from tfserve.chat.mcp_tools import McpToolbox
 
 MAX_TOOL_ROUNDS = 10  # rounds of calls for one message; then the chat stops and says so
 MAX_SHOWN_LINES = 20  # of a result on screen (the model gets all of it, up to the toolbox's byte cap)
@@ -26,7 +28,17 @@ CANCELLED = "Cancelled by the user."
 NOT_RUN = "Not run: the user stopped the tool calls."
 
 
-def run_tool_calls(session: ChatSession, calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+class ToolHost(Protocol):
+    """What running a reply's tool calls needs of the chat around it (`ChatSession` is one)."""
+
+    console: Console  # panels and results
+    error_console: Console
+    tools: McpToolbox | None
+    auto_approve: bool  # run without asking; "a(lways)" at the question sets it
+    confirm: Callable[[str], str] | None  # asks the user; None: nobody to ask (pipes)
+
+
+def run_tool_calls(session: ToolHost, calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
     """Show, approve and run each call in order. Returns one `tool` message per call whatever happened (declined,
     failed, cancelled), so the conversation stays valid; False when Ctrl-C stopped them (the rest are not run)."""
     messages = []
@@ -45,7 +57,7 @@ def run_tool_calls(session: ChatSession, calls: list[dict[str, Any]]) -> tuple[l
     return messages, not stopped
 
 
-def _run_call(session: ChatSession, call: dict[str, Any]) -> str:
+def _run_call(session: ToolHost, call: dict[str, Any]) -> str:
     """One call: its panel, approval, the run and its result panel; the text the model gets back."""
     name, raw_arguments = call["function"]["name"], call["function"]["arguments"] or "{}"
     tool = session.tools.tools.get(name) if session.tools is not None else None
@@ -72,7 +84,7 @@ def _run_call(session: ChatSession, call: dict[str, Any]) -> str:
     return f"Error: {text}" if result.is_error else text
 
 
-def _approved(session: ChatSession, name: str) -> bool:
+def _approved(session: ToolHost, name: str) -> bool:
     if session.auto_approve:
         return True
     if session.confirm is None:  # piped input: nobody to ask

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from tfserve.chat.client import ChatError
+from tfserve.chat.backend import ChatError
 from tfserve.chat.conversation import Conversation, Settings
 from tfserve.chat.images import Attachment, path_of, read_image
 from tfserve.images import size_text

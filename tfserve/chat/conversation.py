@@ -7,13 +7,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tfserve.sampling_params import SamplingParams
+from tfserve.sampling_params import RANGES, SamplingParams
 
 FORMAT = "tfserve-chat/1"
 # a reply's cap when max_tokens is not set, or less where the context leaves less (a small model sampling
 # freely can otherwise run to the end of its context)
 DEFAULT_MAX_TOKENS = 1024
-MAX_TEMPERATURE = 2.0  # what OpenAI-compatible servers take (tfserve serve too), below what the engine can run
 
 
 @dataclass(slots=True)
@@ -30,8 +29,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         # raises ValueError naming the field (max_tokens None is a default, 0 is not)
-        if isinstance(self.temperature, (int, float)) and not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}]")  # else every message would fail
+        if isinstance(self.temperature, (int, float)):  # what servers take (the API's range): else every turn fails
+            RANGES["temperature"].check("temperature", self.temperature, api=True)
         SamplingParams(**self.sampling_kwargs(max_tokens=1 if self.max_tokens is None else self.max_tokens))
 
     def sampling_kwargs(self, **overrides: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from tfserve.chat.client import ChatError
+from tfserve.chat.backend import ChatError
 from tfserve.images import DEFAULT_MAX_IMAGE_BYTES, FORMAT_NAMES, size_text, sniff_mime
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")

@@ -1,6 +1,6 @@
 """`LocalBackend`: chat with a model loaded in this process, through the engine's `BatchingManager` (no
-server). The CLI loads the model; this module only renders the chat template and streams. With tools, the
-calls in the model's text are parsed as the server parses them (`tfserve.engine.tool_calls`, plain text code).
+server). The CLI loads the model; this module only renders the chat template and streams. The reply is read
+by the server's own parser (`tfserve.protocol.reply`): a reasoning model's thinking apart, with tools their calls.
 Images (data URL parts, as /image sends them) are decoded here and rendered by the engine's processor, as the
 server does."""
 
@@ -11,9 +11,13 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
-from tfserve.chat.client import ChatError, ContextFull, ReplyStats, max_context_tokens_in
+from tfserve.chat.backend import ChatError, ContextFull, ReplyStats, Thinking, max_context_tokens_in
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
-from tfserve.engine.chat_template import has_chat_template, render_chat
+from tfserve.protocol.chat_template import has_chat_template, render_chat
+from tfserve.protocol.events import ReasoningDelta, TextDelta, merge
+from tfserve.protocol.reasoning import reasoning_for
+from tfserve.protocol.reply import ReplyParser
+from tfserve.protocol.tool_formats import detect_format
 from tfserve.engine.request import RequestOutput
 from tfserve.errors import ContextLengthError
 from tfserve.images import ImageError, MediaImage, data_url_bytes, decode_image
@@ -62,11 +66,8 @@ class LocalBackend:
             raise ChatError(str(exc)) from None
         stats = ReplyStats(num_prompt_tokens=len(prompt_ids), context_capped=context_capped,
                            max_context_tokens=num_tokens if context_capped else None)
-        parser = None
-        if tools:
-            from tfserve.engine.tool_calls import ToolCallStream, detect_format
-
-            parser = ToolCallStream(detect_format(self.engine.tokenizer))
+        tokenizer = self.engine.tokenizer
+        parser = ReplyParser(detect_format(tokenizer) if tools else None, reasoning_for(tokenizer, prompt_ids))
         return _LocalReply(self.manager, request_id, outputs, stats, parser)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
@@ -127,41 +128,34 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class _LocalReply:
-    """The deltas of one request on the engine; with a tool-call `parser`, calls are kept out of the text and
-    land in `stats.tool_calls` at the end."""
+    """The deltas of one request on the engine, read by the reply `parser`: a reasoning model's thinking comes as
+    `Thinking`, calls are kept out of the text and land in `stats.tool_calls` at the end."""
 
     def __init__(self, manager: Any, request_id: str, outputs: queue.SimpleQueue, stats: ReplyStats,
-                 parser: Any = None) -> None:
+                 parser: ReplyParser | None = None) -> None:
         self._manager, self._request_id, self._outputs = manager, request_id, outputs
-        self._parser = parser
+        self._parser = parser or ReplyParser()
         self._call_events: list = []
         self._finished = False  # the engine is done with the request
         self.stats = stats
 
     def __iter__(self) -> Iterator[str]:
-        if self._parser is None:
-            yield from self._deltas()
-            return
-        for delta in self._deltas():
-            yield from self._text_of(self._parser.feed(delta))
+        for output in self._engine_outputs():
+            for event in self._parser.feed(output):
+                if isinstance(event, ReasoningDelta):
+                    yield Thinking(event)
+                elif isinstance(event, TextDelta):
+                    yield str(event)
+                else:
+                    self._call_events.append(event)
             if self._parser.repeated:  # a small model repeating a call: that reply is over (close() aborts it)
                 break
-        yield from self._text_of(self._parser.finish(cut=self.stats.finish_reason == "length"))
-        from tfserve.engine.tool_calls import merge
-
         _, calls = merge(self._call_events)
         self.stats.tool_calls = [call.to_openai() for call in calls]
-        if calls and self.stats.finish_reason in ("stop", None):
-            self.stats.finish_reason = "tool_calls"
+        if calls:
+            self.stats.finish_reason = self._parser.finish_reason()
 
-    def _text_of(self, events: list) -> Iterator[str]:
-        for event in events:
-            if isinstance(event, str):
-                yield event
-            else:
-                self._call_events.append(event)
-
-    def _deltas(self) -> Iterator[str]:
+    def _engine_outputs(self) -> Iterator[RequestOutput]:
         while self.stats.finish_reason is None:
             try:
                 output = self._outputs.get(timeout=POLL_S)
@@ -173,8 +167,7 @@ class _LocalReply:
                 self.stats.num_completion_tokens = len(output.generated_tokens)
                 if output.finish_reason == "error":
                     raise ChatError(f"generation failed: {output.error}")
-            if output.delta_text:
-                yield output.delta_text
+            yield output
 
     def close(self) -> None:
         """Abort the request if it is still running; its KV blocks are freed before the next step."""

@@ -10,8 +10,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from tfserve.chat.client import (API_KEY_ENVVARS, ChatError, ConnectionLost, ContextFull, ReplyStats, ServerError,
-                                 Thinking, max_context_tokens_in, normalize_url, tls_problem)
+from tfserve.chat.backend import (ChatError, ConnectionLost, ContextFull, ReplyStats, ServerError, Thinking,
+                                  max_context_tokens_in)
+from tfserve.chat.client import API_KEY_ENVVARS, normalize_url, tls_problem
 from tfserve.chat.conversation import DEFAULT_MAX_TOKENS, Settings
 
 _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "num_predict", "seed": "seed",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfserve.chat.client import ChatError, RemoteBackend, ServerError
+from tfserve.chat.backend import ChatError, ServerError
+from tfserve.chat.client import RemoteBackend
 
 PROTOCOLS = ("auto", "openai", "ollama", "tgi")
 

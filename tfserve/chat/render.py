@@ -16,7 +16,7 @@ from rich.segment import Segment
 from rich.spinner import Spinner
 from rich.text import Text
 
-from tfserve.chat.client import Thinking
+from tfserve.chat.backend import Thinking
 
 REFRESH_PER_SECOND = 12
 

@@ -15,7 +15,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from rich.text import Text
 
-from tfserve.chat.client import ChatError
+from tfserve.chat.backend import ChatError
 from tfserve.chat.commands import COMMANDS, SET_KEYS, attach, plural, run_command
 from tfserve.chat.images import dropped_images, starts_with_image
 from tfserve.chat.session import ChatSession

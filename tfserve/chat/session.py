@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tfserve.chat.agent import MAX_TOOL_ROUNDS, run_tool_calls
-from tfserve.chat.client import ChatBackend, ChatError, ContextFull, Reply, ReplyStats, context_name
+from tfserve.chat.backend import ChatBackend, ChatError, ContextFull, Reply, ReplyStats, context_name
 from tfserve.chat.conversation import Conversation, Settings
 from tfserve.chat.images import Attachment, message_content
 from tfserve.chat.render import LiveReply, PlainReply, TurnStats, footer

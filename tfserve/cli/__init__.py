@@ -59,9 +59,9 @@ def _end_if_torch_work_abandoned(code) -> None:
     """End now, without the interpreter's teardown, where an interrupted model load still runs torch on a thread
     of its own (`tfserve.engine.threads.abandoned_torch_work`), or where this process was a tensor-parallel rank
     (a C++ thread of torch's distributed backend, still joinable, now and then aborted the teardown: -6, as the
-    worker ranks saw, `distributed.workers`): the teardown would abort the process."""
+    worker ranks saw, `engine/parallel/workers.py`): the teardown would abort the process."""
     threads = sys.modules.get("tfserve.engine.threads")
-    tensor_parallel = sys.modules.get("tfserve.distributed.tensor_parallel")
+    tensor_parallel = sys.modules.get("tfserve.engine.parallel.tensor_parallel")
     if not ((threads is not None and threads.abandoned_torch_work())
             or (tensor_parallel is not None and tensor_parallel.joined())):
         return

@@ -67,7 +67,7 @@ def transcribe(
     else:
         from tfserve.bench.launch import check_reachable
         from tfserve.chat.client import openai_base_url
-        from tfserve.cli.bench import served_model
+        from tfserve.cli.bench_common import served_model
 
         url = openai_base_url(url)
         check_reachable(url, launch_hint=False)  # one line now, not a table of failures

@@ -149,7 +149,7 @@ def load_local(spec: str, load_options: dict):
 
 def _load_mcp_config(path: Path) -> dict:
     """The config's servers; a bad file is one line (ChatError) before anything starts."""
-    from tfserve.chat.client import ChatError
+    from tfserve.chat.backend import ChatError
     from tfserve.mcp.config import load_mcp_config
 
     try:

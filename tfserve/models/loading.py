@@ -287,11 +287,13 @@ def _processor(source: str, kwargs: dict[str, Any]) -> Any:
     torchvision), the same processor class without it: images and text are all the engine takes."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+    from tfserve.models.folder import read_json
+
     try:
         return AutoProcessor.from_pretrained(source, **kwargs)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:
-        config = {**(store._read_json(Path(source) / "preprocessor_config.json") or {}),
-                  **(store._read_json(Path(source) / "processor_config.json") or {})}
+        config = {**(read_json(Path(source) / "preprocessor_config.json") or {}),
+                  **(read_json(Path(source) / "processor_config.json") or {})}
         name = config.get("processor_class")
         if not name:
             raise ModelLoadError(f"cannot load the processor of {source}: {first_line(exc)}") from None

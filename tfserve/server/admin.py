@@ -7,26 +7,28 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tfserve.distributed.autoscale import MAX_REPLICAS
 from tfserve.server.body import read_json
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.state import STATE
+from tfserve.serving.autoscale import MAX_REPLICAS
+from tfserve.serving.replicas import ReplicatedEngine
 
 
-
-def _replicated(request: web.Request):
+def _replicated(request: web.Request) -> ReplicatedEngine:
     async_engine = request.app[STATE].async_engine
-    if async_engine is None or not hasattr(async_engine, "scale"):
+    if not isinstance(async_engine, ReplicatedEngine):
         raise ApiError(400, "this server runs one engine: start it with --data-parallel-size 2 or more to have "
                             "replicas to scale", code="not_replicated")
     return async_engine
 
 
 async def get_replicas(request: web.Request) -> web.Response:
+    """GET /admin/replicas: each replica's state and load, and the autoscaling policy."""
     return web.json_response(_replicated(request).describe())
 
 
 async def set_replicas(request: web.Request) -> web.Response:
+    """POST /admin/replicas {"num_replicas": N}: start or retire replicas until N run."""
     body = await read_json(request)
     count = body.get("num_replicas")
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_REPLICAS:

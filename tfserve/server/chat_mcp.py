@@ -18,19 +18,21 @@ from tfserve.server.chat_prompt import parse_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import Reply
 from tfserve.server.media import ImageRef, gather_images
-from tfserve.server.protocol import stream_options
-from tfserve.server.response_format import requested_grammar
 from tfserve.server.response_output import ResponseOutput
-from tfserve.server.tool_loop import Turns, max_tool_calls_of, run_loop
+from tfserve.server.tool_loop import Turns, run_loop
 
 
 async def chat_with_mcp(request: web.Request, state: Any, body: dict[str, Any], model: str,
-                        messages: list[dict], image_refs: list[ImageRef] | None = None) -> web.StreamResponse:
-    function_tools, specs = mcp_tools.split_tools(parse_tools(body) or [], default_approval="never")
-    if body.get("n") not in (None, 1):
+                        messages: list[dict], image_refs: list[ImageRef] | None = None, *,
+                        typed: Any) -> web.StreamResponse:
+    """`typed`: the body's `ChatCompletionRequest` (its sampling fields, constraint and tool choice); `body` as
+    sent, which the reply echoes."""
+    parsed = parse_tools({"tools": typed.tools, "tool_choice": typed.tool_choice})
+    function_tools, specs = mcp_tools.split_tools(parsed or [], default_approval="never")
+    if typed.n not in (None, 1):
         raise bad_request("n must be 1 with mcp tools", "n")
     for unsupported in ("logprobs", "prompt_logprobs", "continue_final_message"):
-        if body.get(unsupported):
+        if getattr(typed, unsupported):
             raise bad_request(f"{unsupported} is not supported with mcp tools", unsupported)
     for spec in specs:
         if spec.approval != "never":
@@ -39,14 +41,14 @@ async def chat_with_mcp(request: web.Request, state: Any, body: dict[str, Any], 
                               f"{spec.where}.require_approval")
     functions = [{"type": "function", **tool["function"]} for tool in function_tools]  # flat, as on responses
     offer = await mcp_tools.resolve(state, specs, {tool["name"] for tool in functions})
-    turns = Turns(state, body, functions, offer, constraint=requested_grammar(body),
-                  max_tokens_fields=("max_completion_tokens", "max_tokens"), prompt_field="messages")
+    turns = Turns(state, typed, functions, offer)
     turns.kwargs.pop("n", None)
     await turns.check()
-    stream, include_usage = stream_options(body)
+    stream, include_usage = bool(typed.stream), typed.include_usage
     turns.images = await gather_images(state, image_refs or [])
     output = ChatOutput(model, body, offer, include_usage)
-    usage = await run_loop(state, request, output, turns, messages, max_tool_calls_of(body), stream)
+    max_tool_calls = mcp_tools.DEFAULT_MAX_TOOL_CALLS if typed.max_tool_calls is None else typed.max_tool_calls
+    usage = await run_loop(state, request, output, turns, messages, max_tool_calls, stream)
     if output.sse is not None:
         if not output.failed:
             await output.finish_chunks(usage)

@@ -8,8 +8,8 @@ import functools
 import json
 from typing import Any
 
-from tfserve.engine import chat_template
-from tfserve.engine.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
+from tfserve.protocol import chat_template
+from tfserve.protocol.chat_template import RENDER_ARGUMENTS, ChatTemplateError, has_chat_template
 from tfserve.server.errors import bad_request
 from tfserve.server.media import no_images, takes_images
 from tfserve.server.protocol import check_name, check_schema, field
@@ -32,7 +32,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
         names.append(check_function(tool["function"], f"tools[{i}].function"))
     check_function_names(names)
-    return None if tool_choice == "none" else tools
+    return None if tool_choice.mode == "none" else tools
 
 
 def check_function(function: dict[str, Any], where: str) -> tuple[str, str]:
@@ -67,8 +67,8 @@ def refuse_tool_choice_without_tools(body: dict[str, Any], mcp: bool = False) ->
     OpenAI: it is only allowed when tools are specified), once its shape is checked. An `mcp` choice with mcp
     tools is theirs to check."""
     tool_choice = tool_choice_of(body)
-    if tool_choice in (None, "auto", "none") or (mcp and (tool_choice == "required" or (
-            isinstance(tool_choice, dict) and tool_choice.get("type") in ("mcp", "allowed_tools")))):
+    if not tool_choice.asks_for_call or (mcp and (tool_choice.sent == "required" or tool_choice.mcp is not None
+                                                   or tool_choice.allowed is not None)):
         return
     raise bad_request("tool_choice asks for a tool call but the request has no tools: it is only allowed when "
                       "tools are specified", "tool_choice")
@@ -125,7 +125,7 @@ def text_chars(messages: list[dict]) -> int:
 async def render_chat(tokenizer: Any, messages: list[dict], tools: list | None,
                       template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
                       continue_final_message: bool = False, param: str = "messages") -> list[int]:
-    """The prompt's token ids through the model's chat template (`tfserve.engine.chat_template`); a model
+    """The prompt's token ids through the model's chat template (`tfserve.protocol.chat_template`); a model
     without one, or a template that rejects the messages, is the client's 400 naming `param` (the body field
     the messages came from)."""
     if not has_chat_template(tokenizer):

@@ -12,12 +12,11 @@ from aiohttp import web
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.generation import Reply, admit, check_sequences, check_text_fits, run_choices
-from tfserve.server.logprobs import (TextOffsets, completion_logprobs, echo_logprobs, prompt_logprobs,
-                                     requested_prompt_logprobs, shown, top_count)
-from tfserve.server.protocol import (continuous_usage, field, make_params, param_names, read_json, sampling_kwargs,
-                                     shorten, stream_options, use_model)
+from tfserve.server.logprobs import TextOffsets, completion_logprobs, echo_logprobs, prompt_logprobs, shown
+from tfserve.server.protocol import field, make_params, read_json, shorten, use_model
 from tfserve.server.request_limits import check_num_sequences
-from tfserve.server.response_format import compile_grammar, requested_grammar
+from tfserve.server.requests.completions import CompletionRequest
+from tfserve.server.response_format import compile_grammar
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.threads import in_daemon_thread
@@ -26,65 +25,51 @@ from tfserve.server.threads import in_daemon_thread
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    model = await use_model(request, body, state)
-    _check_size(state, body)
-    args = (body, state.engine.tokenizer, state.engine.vocab_size)
-    if len(str(body.get("prompt"))) < INLINE_PROMPT_CHARS:
+    completion = CompletionRequest.parse(body)
+    model = await use_model(request, completion.model, state)
+    _check_size(state, completion)
+    args = (completion.prompt, state.engine.tokenizer, state.engine.vocab_size)
+    if len(str(completion.prompt)) < INLINE_PROMPT_CHARS:
         prompts = parse_prompts(*args)
     else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
         prompts = await in_daemon_thread(parse_prompts, *args)
-    echo = field(body, "echo", bool, False)
-    # max_tokens 0 (OpenAI's minimum) only reads the prompt: with echo and logprobs, it scores the prompt
-    # (lm-eval-harness's loglikelihood); one token is generated to finish it, unseen
-    score_only = type(body.get("max_tokens")) is int and body["max_tokens"] == 0
-    kwargs = sampling_kwargs({**body, "max_tokens": 1} if score_only else body, default_max_tokens=16)
-    constraint = requested_grammar(body)  # vLLM takes response_format and structured_outputs here too
-    if constraint is not None:
-        await compile_grammar(state.engine, *constraint)
-        kwargs["grammar"] = constraint[0]
-    num_top = top_count(body, "logprobs")
-    if num_top is not None:
-        kwargs["logprobs"] = num_top
-    if field(body, "suffix", str):
-        raise bad_request("suffix is not supported", "suffix")
-    stream, include_usage = stream_options(body)
-    num_prompt_top = requested_prompt_logprobs(body, stream)
-    # the prompt's own logprobs come first in `logprobs` with echo; vLLM's field shows them on its own
-    wanted = [k for k in (num_prompt_top, num_top if echo else None) if k is not None]
-    if wanted:
-        kwargs["prompt_logprobs"] = max(wanted)
-    names = param_names(body, ("max_tokens",), "prompt")
+    kwargs = completion.to_sampling_kwargs()
+    if completion.constraint is not None:  # vLLM takes response_format and structured_outputs here too
+        await compile_grammar(state.engine, *completion.constraint)
+        kwargs["grammar"] = completion.constraint[0]
+    names = completion.names
     params = make_params(kwargs, max(len(p) for p, _ in prompts), state.engine, names)
     usage, engine_requests = admit(state, request, [p for p, _ in prompts], params, names)
-    reply = _Reply(state, model, num_top, [text for _, text in prompts] if echo else None, params.n)
-    reply.num_prompt_top = num_prompt_top
+    reply = _Reply(state, model, completion.logprobs, [text for _, text in prompts] if completion.echo else None,
+                   params.n)
+    reply.num_prompt_top = completion.prompt_logprobs
     reply.stop_token_ids = frozenset(params.stop_token_ids)
-    if continuous_usage(body):
+    if completion.continuous_usage:
         reply.continuous = usage
     choices = run_choices(state, usage, engine_requests)
-    async with aclosing(_prompt_only(choices, usage) if score_only else choices) as outputs:
-        if stream:
-            return await reply.stream(request, outputs, usage, include_usage)
+    async with aclosing(_prompt_only(choices, usage) if completion.score_only else choices) as outputs:
+        if completion.stream:
+            return await reply.stream(request, outputs, usage, completion.include_usage)
         return await reply.complete(outputs, usage)
 
 
-def _check_size(state: Any, body: dict[str, Any]) -> None:
+def _check_size(state: Any, completion: CompletionRequest) -> None:
     """What can be told before tokenizing: a text past any context, more prompts than the queue takes."""
-    prompt = body.get("prompt")
+    prompt = completion.prompt
     texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
     for text in texts:
         if isinstance(text, str):
             check_text_fits(state, len(text), "prompt")
-    check_num_sequences(state.limits, body.get("n"))
-    n = body.get("n") if type(body.get("n")) is int and body["n"] > 0 else 1
+    check_num_sequences(state.limits, completion.n)
+    n = completion.n or 1
     if isinstance(prompt, list) and prompt and not all(_is_token(t) for t in prompt):
         check_sequences(state, len(prompt) * n, "n" if n > 1 else "prompt")
 
 
-def parse_prompts(body: dict[str, Any], tokenizer: Any, vocab_size: int) -> list[tuple[list[int], str]]:
+def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int) -> list[tuple[list[int], str]]:
     """`prompt` (text, token ids, or a list of either) -> [(token ids, text)]; token ids must be in
     [0, vocab_size)."""
-    prompt = field(body, "prompt", (str, list), required=True)
+    prompt = field({"prompt": prompt}, "prompt", (str, list), required=True)
     if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
         prompt = [prompt]
     if not prompt:

@@ -28,19 +28,20 @@ from tfserve.server.state import STATE
 MAX_ITEMS = 20  # OpenAI's limit on the items one request adds
 
 
-def requested(body: dict[str, Any], store: ConversationStore) -> StoredConversation | None:
-    """The conversation a Responses body names (`conversation`: an id, or `{"id": ...}`), or None."""
-    value = body.get("conversation")
+def conversation_id(value: Any) -> str | None:
+    """The id a Responses body's `conversation` names (an id, or `{"id": ...}`), or None."""
     if value is None:
         return None
     if isinstance(value, dict):
-        value = body_field(value, "id", str, required=True, param="conversation.id")
-    elif not isinstance(value, str):
+        return body_field(value, "id", str, required=True, param="conversation.id")
+    if not isinstance(value, str):
         raise bad_request("conversation must be a conversation id or an object with its id", "conversation")
-    if body.get("previous_response_id") is not None:
-        raise bad_request("conversation and previous_response_id cannot be used together: a conversation "
-                          "holds its own history", "conversation")
-    return store.find(value, param="conversation")
+    return value
+
+
+def requested(conversation: str | None, store: ConversationStore) -> StoredConversation | None:
+    """The stored conversation of the id a Responses request names (`ResponseRequest.conversation`), or None."""
+    return None if conversation is None else store.find(conversation, param="conversation")
 
 
 def checked_items(body: dict[str, Any], required: bool) -> list[dict[str, Any]]:

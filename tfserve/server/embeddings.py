@@ -13,34 +13,25 @@ from aiohttp import web
 
 from tfserve.embeddings.encoder import EmbeddingInputError
 from tfserve.server.errors import ApiError, bad_request
-from tfserve.server.protocol import PLACEHOLDER_MODELS, field, one_of, read_json
+from tfserve.server.protocol import PLACEHOLDER_MODELS, read_json
+from tfserve.server.requests.embeddings import EmbeddingRequest
 from tfserve.server.state import STATE
 
-_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate"}
 _MAX_TOKEN_ID = 2**31  # larger ids would overflow before the vocabulary check
 
 
 async def create_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_available()
-    body = await read_json(request)
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise bad_request(f"unknown field {unknown[0]!r}: /v1/embeddings takes {', '.join(sorted(_FIELDS))}",
-                          unknown[0])
-    name = field(body, "model", str)
+    typed = EmbeddingRequest.parse(await read_json(request))
+    name = typed.model
     if name in state.model_aliases and not state.embeddings.serves(name):
         raise bad_request(f"{name!r} is a chat model, not an embedding model; this server embeds with "
                           f"{', '.join(map(repr, state.embeddings.loaded)) or 'none (see --embedding-model)'}",
                           "model", code="model_not_supported")
     batcher = state.embeddings.get(None if name in PLACEHOLDER_MODELS else name)
-    inputs = parse_input(body.get("input"), state.embeddings.options.max_inputs)
-    encoding = one_of(field(body, "encoding_format", str, "float"), ("float", "base64"), "encoding_format")
-    dimensions = field(body, "dimensions", int)
-    if dimensions is not None and dimensions < 1:
-        raise bad_request(f"dimensions must be at least 1 (got {dimensions})", "dimensions")
-    field(body, "user", str)
-    truncate = field(body, "truncate", bool, False)
+    inputs = parse_input(typed.input, state.embeddings.options.max_inputs)
+    encoding, dimensions, truncate = typed.encoding_format or "float", typed.dimensions, bool(typed.truncate)
     max_tokens = state.embeddings.options.max_total_tokens
     if not isinstance(inputs[0], str) and sum(map(len, inputs)) > max_tokens:
         raise _too_many_tokens(sum(map(len, inputs)), max_tokens)

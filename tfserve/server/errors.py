@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from tfserve.errors import ContextLengthError
+from tfserve.errors import ParamError
 
 # status -> the OpenAI error `type` clients switch on
 _TYPES = {
@@ -45,24 +44,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_value_error(exc: ValueError, default_param: str | None = None,
                      names: dict[str, str] | None = None) -> ApiError:
-    """A 400 from the engine's or SamplingParams' `ValueError("<field> must ...")`: the field is its first word,
-    renamed by `names` to the body field the client sent (max_tokens -> max_completion_tokens). A
-    ContextLengthError names its field itself; its message stays as it is."""
-    message = str(exc)
-    if isinstance(exc, ContextLengthError):
-        if names and exc.param == "max_tokens" and exc.param in names:  # max_completion_tokens, in the words too
-            message = re.sub(rf"\b{exc.param}\b", names[exc.param], message)
-        return ApiError(400, message, param=(names or {}).get(exc.param, exc.param), code="context_length_exceeded")
-    first = message.split(" ", 1)[0].rstrip(":")
-    # a field, or one of its entries (`logit_bias.50256`)
-    param = first if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*", first) else default_param
-    if names and param in names:
-        message = re.sub(rf"\b{param}\b", names[param], message)
-        param = names[param]
-    elif names and "max_tokens" in names:  # another field's limit, in the words the client sent (min_tokens)
-        message = re.sub(r"\bmax_tokens\b", names["max_tokens"], message)
-    code = "context_length_exceeded" if "context" in message or "KV blocks" in message else None
-    return ApiError(400, message, param=param, code=code)
+    """A 400 from the engine's or SamplingParams' ValueError. A ParamError carries its field (and
+    ContextLengthError its code): both named as `names` says the client sent them (max_tokens ->
+    max_completion_tokens), in the message too. Any other ValueError names `default_param`."""
+    if isinstance(exc, ParamError):
+        return ApiError(400, exc.message(names), param=exc.param_for(names), code=exc.code)
+    return ApiError(400, str(exc), param=default_param)
 
 
 # TGI's routes (huggingface_hub's InferenceClient posts text generation to the bare URL, "/"); Ollama's are /api/*

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from tfserve import __version__
-from tfserve.engine.structured import GRAMMAR_FAILED
+from tfserve.errors import GrammarFailed
 from tfserve.server.errors import ApiError, from_value_error
 from tfserve.server.protocol import too_many
 from tfserve.server.state import ServerState
@@ -212,7 +212,7 @@ async def _pump(state: ServerState, index: int, engine_request: Any, queue: asyn
 
 
 def _check_finished(output: Any) -> None:
-    if output.finish_reason == "error" and (output.error or "").startswith(GRAMMAR_FAILED):  # the request's grammar
+    if output.finish_reason == "error" and isinstance(output.error, GrammarFailed):  # the request's grammar
         raise ApiError(400, f"{output.error} while generating; simplify the schema or grammar", code="invalid_grammar")
     if output.finish_reason == "error":
         raise ApiError(500, f"generation failed: {output.error or 'unknown error'}", code="generation_error")

@@ -100,8 +100,8 @@ def image_ref(part: dict[str, Any], where: str) -> ImageRef:
 
 
 def takes_images(engine: Any) -> bool:
-    """Whether the served model has an image processor (a vision-language model)."""
-    return getattr(engine, "processor", None) is not None
+    """Whether the served model takes images (a vision-language model, with its processor)."""
+    return engine is not None and "image" in engine.input_modalities
 
 
 def no_images(model: str | None, where: str) -> ApiError:

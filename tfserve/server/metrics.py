@@ -3,21 +3,38 @@ health.py serves it at `GET /metrics`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tfserve.engine.client import AsyncEngineClient, EngineClient, EngineStats
+
 if TYPE_CHECKING:
     from tfserve.engine.request import RequestOutput
-    from tfserve.server.state import ServerState
+    from tfserve.server.speech import SpeechModels
+    from tfserve.server.stores import ConversationStore, ResponseStore
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class MetricsSource(Protocol):
+    """What the gauges read when scraped (`ServerState`, which passes itself in: this module never imports it).
+    Read at scrape time, so what is made after the metrics (the engine, speech models, stores) is seen."""
+
+    engine: EngineClient | None  # the served engine, None while none is loaded
+    async_engine: AsyncEngineClient | None  # what streams its requests (`replica_stats()` where there are replicas)
+    speech: SpeechModels
+    responses: ResponseStore
+    conversations: ConversationStore
+
+    @property
+    def num_queued(self) -> int: ...
 
 
 class ServerMetrics:
     """Counters and histograms the handlers feed, gauges read from the engine when scraped."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("tfserve_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=registry)
@@ -29,30 +46,31 @@ class ServerMetrics:
                                      buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("tfserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=registry)
-        engine = lambda: state.engine  # noqa: E731 - the engine appears once the model is loaded
+        # the engine appears once the model is loaded: its counters, or zeros before
+        stats = lambda: state.engine.stats() if state.engine is not None else EngineStats()  # noqa: E731
         _gauge(registry, "tfserve_num_requests_running", "Sequences in the running batch",
-               lambda: engine().num_running if engine() else 0)
+               lambda: stats().num_running)
         _gauge(registry, "tfserve_num_requests_waiting", "Sequences queued for the engine",
                lambda: state.num_queued)
         _gauge(registry, "tfserve_kv_cache_blocks_used", "KV cache blocks in use",
-               lambda: engine().block_pool.num_used_blocks if engine() else 0)
+               lambda: stats().kv_cache_blocks_used)
         _gauge(registry, "tfserve_kv_cache_blocks_total", "KV cache blocks",
-               lambda: engine().block_pool.num_blocks if engine() else 0)
+               lambda: stats().kv_cache_blocks_total)
         _gauge(registry, "tfserve_num_preemptions", "Running sequences preempted (KV cache full) and recomputed later",
-               lambda: engine().scheduler.num_preemptions if engine() else 0)
+               lambda: stats().num_preemptions)
         _gauge(registry, "tfserve_prefix_cache_hit_rate", "Share of prompt blocks found in the prefix cache",
-               lambda: engine().block_pool.stats.hit_rate if engine() else 0.0)
+               lambda: stats().prefix_cache_hit_rate)
         _gauge(registry, "tfserve_spec_decode_draft_tokens", "Speculative decoding: tokens proposed and checked",
-               lambda: engine().num_draft_tokens if engine() else 0)
+               lambda: stats().num_draft_tokens)
         _gauge(registry, "tfserve_spec_decode_accepted_tokens", "Speculative decoding: proposals accepted",
-               lambda: engine().num_accepted_tokens if engine() else 0)
+               lambda: stats().num_accepted_tokens)
         _gauge(registry, "tfserve_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed",
-               lambda: engine().spec_acceptance_rate if engine() else 0.0)
+               lambda: stats().spec_acceptance_rate)
 
         _gauge(registry, "tfserve_cuda_graphs_captured", "Decode steps: CUDA graphs captured (one per bucket used)",
-               lambda: _graphs(engine(), "num_captured"))
+               lambda: stats().cuda_graphs_captured)
         _gauge(registry, "tfserve_cuda_graph_replays", "Decode steps run as a CUDA graph replay",
-               lambda: _graphs(engine(), "num_replays"))
+               lambda: stats().cuda_graph_replays)
 
         speech = lambda: state.speech  # noqa: E731 - made after the metrics
         _gauge(registry, "tfserve_audio_windows_running", "Speech: 30-second windows being decoded",
@@ -94,12 +112,6 @@ class ServerMetrics:
                 self.e2e.observe(metrics.e2e_s)
 
 
-def _graphs(engine, what: str) -> int:
-    """A count of the engine's CUDA graphs (engine/backends/cuda_graphs.py): 0 without them."""
-    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
-    return getattr(graphs, what) if graphs is not None else 0
-
-
 def _gauge(registry: CollectorRegistry, name: str, documentation: str, read) -> None:
     Gauge(name, documentation, registry=registry).set_function(read)
 
@@ -117,7 +129,7 @@ class _ReplicaCollector:
                "num_routed": "Requests routed to the replica",
                "num_in_flight": "Requests routed to the replica and not finished"}
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         self.state = state
 
     def describe(self) -> list:
@@ -132,9 +144,7 @@ class _ReplicaCollector:
         if hasattr(async_engine, "replica_stats"):
             stats = async_engine.replica_stats()
         else:
-            from tfserve.distributed.replicas import replica_stats
-
-            stats = [replica_stats(async_engine.engine)]
+            stats = [async_engine.engine.stats().replica_counters()]
         for name, documentation in self._GAUGES.items():
             family = GaugeMetricFamily(f"tfserve_replica_{name}", documentation, labels=["replica"])
             for index, entry in enumerate(stats):
@@ -146,7 +156,7 @@ class _ReplicaCollector:
 class _MatmulCollector:
     """`tfserve_matmul_unit_info{format, unit}`: which instructions multiply each weight format (1 each)."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         self.state = state
 
     def describe(self) -> list:

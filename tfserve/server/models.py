@@ -7,7 +7,7 @@ from aiohttp import web
 
 from tfserve.models import store
 from tfserve.server.errors import ApiError
-from tfserve.server.speech import OPENAI_NAMES
+from tfserve.server.model_names import OPENAI_NAMES
 from tfserve.server.state import STATE
 
 

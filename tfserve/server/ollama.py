@@ -14,17 +14,20 @@ from typing import Any
 
 from aiohttp import web
 
-from tfserve.engine.chat_template import has_chat_template
-from tfserve.engine.tool_calls import ToolCallStream, cut_short, detect_format, merge
+from tfserve.protocol.chat_template import has_chat_template
+from tfserve.protocol.tool_formats import detect_format
+from tfserve.protocol.events import ReasoningDelta, TextDelta, merge
+from tfserve.protocol.reply import ReplyParser
 from tfserve.server import ollama_models
 from tfserve.server.chat import constrain, parse_messages
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS, parse_tools, render_chat, render_multimodal, text_chars
 from tfserve.server.errors import ApiError, bad_request, error_for
 from tfserve.server.generation import admit, check_text_fits, run_choices
 from tfserve.server.media import gather_images
-from tfserve.server.ollama_options import check_fields, ollama_call, openai_message, requested_format, sampling_of
-from tfserve.server.protocol import field, make_params, read_json
-from tfserve.server.reasoning import reasoning_for
+from tfserve.server.ollama_options import ollama_call, openai_message
+from tfserve.server.protocol import make_params, read_json
+from tfserve.server.requests.ollama import OllamaChatRequest, OllamaGenerateRequest
+from tfserve.protocol.reasoning import reasoning_for
 from tfserve.server.request_limits import check_messages
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
@@ -42,42 +45,34 @@ async def chat(request: web.Request) -> web.StreamResponse:
     """POST /api/chat: `messages` (with `images`, `tool_calls`, `tool_name`), `tools`, `format`, `options`,
     `think` -> `message` (with `thinking`, `tool_calls`)."""
     state, body = request.app[STATE], await read_json(request)
-    check_fields(body, "chat")
+    check_messages(state.limits, body.get("messages"))  # before any is read: the count alone refuses 400,000
+    typed = OllamaChatRequest.parse(body)
     model = await ollama_models.use_model(request, body, state)
-    messages = field(body, "messages", list, [])
-    check_messages(state.limits, messages)
-    if not messages:  # Ollama's way to load a model: nothing to answer
+    if not typed.messages:  # Ollama's way to load a model: nothing to answer
         return web.json_response(_loaded(model, "message"))
-    openai_body = {"messages": [openai_message(m, i) for i, m in enumerate(messages)], "tools": body.get("tools"),
-                   "response_format": requested_format(body)}
+    openai_body = {"messages": [openai_message(m, i) for i, m in enumerate(typed.messages)], "tools": typed.tools,
+                   "response_format": typed.response_format}
     messages, image_refs = parse_messages(openai_body)
-    return await _run(request, state, body, model, messages, image_refs, openai_body, "message")
+    return await _run(request, state, typed, model, messages, image_refs, openai_body, "message")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /api/generate: a `prompt` (with `system`, `images`) through the chat template, or as it is with `raw`
     (or for a model without a template) -> `response`."""
     state, body = request.app[STATE], await read_json(request)
-    check_fields(body, "generate")
+    typed = OllamaGenerateRequest.parse(body)
     model = await ollama_models.use_model(request, body, state)
-    prompt = field(body, "prompt", str, "")
-    for name in ("suffix", "template"):  # a fill-in-the-middle, a Go template: neither is done here
-        if field(body, name, str):
-            raise bad_request(f"{name} is not supported by this server", name)
-    if field(body, "context", list):
-        raise bad_request("context (the tokens of an earlier reply) is not supported: send the conversation to "
-                          "/api/chat", "context")
-    images = field(body, "images", list, [])
+    prompt, images = typed.prompt, typed.images
     if not prompt and not images:
         return web.json_response(_loaded(model, "response"))
-    openai_body = {"messages": [], "response_format": requested_format(body)}
-    raw = field(body, "raw", bool, False) or not has_chat_template(state.engine.tokenizer)
+    openai_body = {"messages": [], "response_format": typed.response_format}
+    raw = typed.raw or not has_chat_template(state.engine.tokenizer)
     if not raw:
-        system = field(body, "system", str)
+        system = typed.system
         openai_body["messages"] = [openai_message({"role": "system", "content": system}, 0)] if system else []
         openai_body["messages"].append(openai_message({"role": "user", "content": prompt, "images": images}, 1))
         messages, image_refs = parse_messages(openai_body)
-        return await _run(request, state, body, model, messages, image_refs, openai_body, "response")
+        return await _run(request, state, typed, model, messages, image_refs, openai_body, "response")
     if images:
         raise bad_request("images need the chat template: leave out raw", "images")
     check_text_fits(state, len(prompt), "prompt")
@@ -85,15 +80,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
         ids = state.engine.tokenizer.encode(prompt)
     else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
         ids = await in_daemon_thread(state.engine.tokenizer.encode, prompt)
-    return await _run(request, state, body, model, None, [], openai_body, "response", prompt_ids=ids)
+    return await _run(request, state, typed, model, None, [], openai_body, "response", prompt_ids=ids)
 
 
-async def _run(request: web.Request, state: Any, body: dict, model: str, messages: list | None, image_refs: list,
+async def _run(request: web.Request, state: Any, typed: Any, model: str, messages: list | None, image_refs: list,
                openai_body: dict, shape: str, prompt_ids: list[int] | None = None) -> web.StreamResponse:
     """Generate one reply and answer it in `shape`: "message" (/api/chat) or "response" (/api/generate)."""
-    kwargs = sampling_of(body)
-    think = field(body, "think", (bool, str))
-    stream = field(body, "stream", bool, True)  # every field is checked before the engine requests are made
+    kwargs = typed.sampling_kwargs()
+    think, stream = typed.think, typed.stream is not False  # every field is checked before the engine requests
     tools = parse_tools(openai_body)
     tool_format = detect_format(state.engine.tokenizer)
     await constrain(state, openai_body, tools, tool_format, kwargs)
@@ -110,8 +104,8 @@ async def _run(request: web.Request, state: Any, body: dict, model: str, message
     names = {"max_tokens": "options.num_predict", "prompt": "messages" if shape == "message" else "prompt"}
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names, mm=mm)
-    reply = _Reply(model, shape, ToolCallStream(tool_format) if tools else None,
-                   reasoning_for(state.engine.tokenizer, prompt_ids), think is not False)
+    parser = ReplyParser(tool_format if tools else None, reasoning_for(state.engine.tokenizer, prompt_ids))
+    reply = _Reply(model, shape, parser, think is not False)
     async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if not stream:
             parts: list[dict] = [part async for part in reply.parts(outputs, usage)]
@@ -131,9 +125,8 @@ class _Reply:
     """One reply's NDJSON parts: text (or thinking) as it comes, the tool calls once whole, then the final part
     with `done` and the counts."""
 
-    def __init__(self, model: str, shape: str, parser: ToolCallStream | None, reasoning: Any, think: bool) -> None:
+    def __init__(self, model: str, shape: str, parser: ReplyParser, think: bool) -> None:
         self.model, self.shape, self.parser, self.think = model, shape, parser, think
-        self.splitter = reasoning.stream() if reasoning is not None else None
         self.started_ns = time.perf_counter_ns()
 
     def part(self, content: str = "", thinking: str = "", **extra: Any) -> dict[str, Any]:
@@ -148,17 +141,10 @@ class _Reply:
         final = None
         async for _, output in outputs:
             final = output
-            thinking, content = "", output.delta_text
-            if self.splitter is not None:
-                thinking, content = self.splitter.feed(output.delta_text, len(output.delta_tokens))
-                if output.finished:
-                    more = self.splitter.finish()
-                    thinking, content = thinking + more[0], content + more[1]
-            if self.parser is not None:
-                events = self.parser.feed(content) + (self.parser.finish(cut=cut_short(output)) if output.finished
-                                                      else [])
-                content = "".join(event for event in events if isinstance(event, str))
-                calls += [event for event in events if not isinstance(event, str)]  # calls and their arguments
+            events = self.parser.feed(output)
+            thinking = "".join(event for event in events if isinstance(event, ReasoningDelta))
+            content = "".join(event for event in events if isinstance(event, TextDelta))
+            calls += [event for event in events if not isinstance(event, str)]  # calls and their arguments
             if content or (thinking and self.think):
                 yield self.part(content, thinking)
         if calls:  # whole once the reply has ended

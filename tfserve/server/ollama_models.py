@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from tfserve import __version__
-from tfserve.engine.chat_template import has_chat_template, reads_tools
+from tfserve.protocol.chat_template import has_chat_template, reads_tools
 from tfserve.server import protocol
 from tfserve.embeddings.encoder import EmbeddingInputError
 from tfserve.server.embeddings import parse_input
@@ -90,16 +90,15 @@ async def show(request: web.Request) -> web.Response:
         "modelfile": f"FROM {state.model_spec}\n", "parameters": "", "license": "",
         "template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else "",
         "details": entry["details"], "modified_at": entry["modified_at"], "capabilities": capabilities,
-        "model_info": {"general.architecture": family, "general.parameter_count": _num_parameters(engine),
+        "model_info": {"general.architecture": family, "general.parameter_count": engine.num_parameters,
                        f"{family}.context_length": engine.max_model_len}})
 
 
 def _entry(state: Any, name: str) -> dict[str, Any]:
     """A model as /api/tags lists it; the details are the loaded model's own, else left empty."""
     loaded = state.engine is not None and name == state.model_name
-    config = getattr(getattr(state.engine, "model", None), "config", None) if loaded else None
-    family = getattr(config, "model_type", "") or ""
-    num_parameters = _num_parameters(state.engine) if loaded else 0
+    family = state.engine.model_type if loaded else ""
+    num_parameters = state.engine.num_parameters if loaded else 0
     details = {"parent_model": "", "format": "gguf" if name.endswith(".gguf") else "safetensors", "family": family,
                "families": [family] if family else None,
                "parameter_size": _readable(num_parameters) if num_parameters else "",
@@ -107,14 +106,6 @@ def _entry(state: Any, name: str) -> dict[str, Any]:
     created = datetime.fromtimestamp(state.created, timezone.utc).isoformat().replace("+00:00", "Z")
     return {"name": name, "model": name, "modified_at": created, "size": num_parameters * 2,
             "digest": hashlib.sha256(name.encode()).hexdigest(), "details": details}
-
-
-def _num_parameters(engine: Any) -> int:
-    model = getattr(engine, "model", None)
-    try:
-        return sum(p.numel() for p in model.parameters())
-    except Exception:  # a backend without the module's parameters at hand: not known
-        return 0
 
 
 def _readable(count: int) -> str:

@@ -14,38 +14,59 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
+from tfserve.engine.client import AsyncEngineClient, EngineClient
 from tfserve.errors import TfserveError
 from tfserve.server.errors import ApiError, model_not_found
-from tfserve.server.request_limits import swap_too_soon
+from tfserve.server.model_names import is_loadable_name, refuse_speech_model
+from tfserve.server.request_limits import RequestLimits, swap_too_soon
 from tfserve.server.threads import in_daemon_thread
 
 if TYPE_CHECKING:
-    from tfserve.engine.async_engine import AsyncEngine
-    from tfserve.server.state import ServerState
+    from tfserve.server.embedding_models import EmbeddingModels
 
 logger = logging.getLogger("tfserve.server")
 
 LEASE = web.RequestKey("tfserve_model_lease", str)  # request[LEASE]: the model the request holds
-# what a client may name: a store name or a hub id ("org/name"), never a filesystem path
-_LOADABLE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # a store name or hub id
-# a chat model's name may add transformers' `@revision` and `:file.gguf` (a GGUF file inside the model)
-_LOADABLE_CHAT_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w.-]+)?(:[\w.-]+\.gguf)?$")
-Loader = Callable[[str], "AsyncEngine"]  # spec -> a started engine (runs on a thread)
+Loader = Callable[[str], AsyncEngineClient]  # spec -> a started engine (runs on a thread)
+
+
+class ModelHost(Protocol):
+    """What residency reads and swaps of the server that holds it (`ServerState`, which passes itself in: this
+    module never imports it)."""
+
+    engine: EngineClient | None  # the resident engine, None while none is
+    async_engine: AsyncEngineClient | None  # what streams its requests
+    model_name: str | None
+    model_spec: str | None  # what reloads the resident model
+    model_aliases: set[str]
+    force_model: bool
+    limits: RequestLimits
+    embeddings: EmbeddingModels
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    def check_available(self) -> None: ...
+
+    def resolve_model_name(self, name: str | None) -> str: ...
+
+    def set_engine(self, async_engine: AsyncEngineClient) -> None: ...
+
+    def clear_engine(self) -> None: ...
 
 
 class ModelResidency:
     """Which model is resident, and swapping it for another on request. Lives on the event loop's thread."""
 
-    def __init__(self, state: ServerState, load: Loader | None = None, idle_timeout_s: float | None = None) -> None:
+    def __init__(self, state: ModelHost, load: Loader | None = None, idle_timeout_s: float | None = None) -> None:
         self.state = state
         self.load = load  # None: serve the loaded model only (as with --force-model)
         self.idle_timeout_s = idle_timeout_s  # unload the resident model after this long unused; None: never
@@ -59,6 +80,7 @@ class ModelResidency:
 
     @property
     def on_demand(self) -> bool:
+        """Whether a request may name another model, loaded in the resident one's place."""
         return self.load is not None and not self.state.force_model
 
     # -- leases -------------------------------------------------------------------------------------------
@@ -71,7 +93,7 @@ class ModelResidency:
         if name is None or name not in state.model_aliases:
             state.embeddings.refuse_chat(name)  # an embedding model (or none but them) named for text: a 400
         if name is not None and name not in state.model_aliases:
-            _refuse_speech_model(name)
+            refuse_speech_model(name)
         if not self.on_demand:
             name = state.resolve_model_name(name)  # 404 for any other model unless pinned
             return self._lease(request)
@@ -268,12 +290,6 @@ class ModelResidency:
             torch.cuda.empty_cache()
 
 
-def is_loadable_name(name: str, chat: bool = False) -> bool:
-    """Whether a client may name `name` for loading: a store name or a hub id (for a `chat` model, with
-    `@revision` and `:file.gguf`), never a path."""
-    return bool((_LOADABLE_CHAT_NAME if chat else _LOADABLE_NAME).match(name)) and ".." not in name
-
-
 def _is_dir(path: Path) -> bool:
     try:
         return path.is_dir()
@@ -295,13 +311,3 @@ def _kept(path: Path) -> bool:
 def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
 
-
-def _refuse_speech_model(name: str) -> None:
-    """400 for a Whisper model (or `whisper-1`, the default one) named on a text endpoint (it would be loaded as a
-    text model in the chat model's place)."""
-    from tfserve.models import store
-    from tfserve.server.speech import OPENAI_NAMES  # here: speech imports this module
-
-    if name in OPENAI_NAMES or store.is_speech_model(name):
-        raise ApiError(400, f"{name!r} is a speech-to-text model: send audio to /v1/audio/transcriptions or "
-                       "/v1/audio/translations", param="model", code="model_not_supported")

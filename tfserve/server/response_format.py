@@ -14,6 +14,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tfserve.engine.client import EngineClient
 from tfserve.engine.structured import GrammarError
 from tfserve.sampling_params import Grammar
 from tfserve.server.body import loads
@@ -122,17 +123,16 @@ def _non_empty(spec: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-async def compile_grammar(engine: Any, grammar: Grammar, param: str) -> None:
+async def compile_grammar(engine: EngineClient, grammar: Grammar, param: str) -> None:
     """Compile `grammar` into the engine's cache on a worker thread (a first use also reads the tokenizer, about
     half a second); a grammar that does not compile, or not within MAX_COMPILE_S, is a 400 naming `param`."""
-    structured = engine.structured
-    if structured.is_compiled(grammar):
+    if engine.grammar_compiled(grammar):
         return
     loop = asyncio.get_running_loop()
     try:
-        if not structured.has_ll_tokenizer:  # once, ~0.5 s: not the grammar's cost
-            await loop.run_in_executor(_COMPILES, lambda: structured.ll_tokenizer)
-        await asyncio.wait_for(loop.run_in_executor(_COMPILES, structured.compile, grammar), MAX_COMPILE_S)
+        if not engine.grammars_ready:  # once, ~0.5 s: not the grammar's cost
+            await loop.run_in_executor(_COMPILES, engine.prepare_grammars)
+        await asyncio.wait_for(loop.run_in_executor(_COMPILES, engine.compile_grammar, grammar), MAX_COMPILE_S)
     except GrammarError as exc:
         raise bad_request(f"{param}: {_readable(str(exc), grammar)}", param, code="invalid_grammar") from None
     except TimeoutError:

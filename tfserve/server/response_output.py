@@ -15,14 +15,11 @@ from typing import Any
 from tfserve.server.chat_prompt import template_arguments
 from tfserve.server.logprobs import chat_logprobs, shown
 from tfserve.server.mcp_tools import McpOffer, error_text
-from tfserve.server.reasoning import Reasoning
+from tfserve.protocol.events import ArgumentsDelta, ReasoningDelta, TextDelta, ToolCall
+from tfserve.protocol.reasoning import Reasoning
+from tfserve.protocol.reply import ReplyParser
 from tfserve.server.response_items import echo_tools, text_format
 from tfserve.server.sse import EventStream
-from tfserve.engine.tool_calls import ArgumentsDelta, ToolCall, ToolCallStream, cut_short
-
-
-class ReasoningDelta(str):
-    """Reasoning text, among the content strings and calls of `ResponseOutput.events`."""
 
 
 class ResponseOutput:
@@ -52,9 +49,9 @@ class ResponseOutput:
     # -- one model turn -----------------------------------------------------------------------------------
 
     def begin_turn(self, tool_format: Any, reasoning: Reasoning | None) -> None:
-        """A new model turn: its own tool-call parser and reasoning splitter."""
-        self.parser = ToolCallStream(tool_format) if tool_format is not None else None
-        self.splitter = reasoning.stream() if reasoning is not None else None
+        """A new model turn: its own reply parser (calls in `tool_format` where tools were offered, `reasoning`
+        for a reasoning model)."""
+        self.parser = ReplyParser(tool_format, reasoning)
         self.turn_start = len(self.items)
         self.message: dict | None = None  # the turn's message item, once text arrives
         self.thought: dict | None = None  # the turn's reasoning item, once reasoning text arrives
@@ -63,21 +60,9 @@ class ResponseOutput:
         self.stopped: set[int] = set()  # for run_choices: the turn ended early (a repeated tool call)
 
     def events(self, output: Any) -> list:
-        """An output's new text as a ReasoningDelta (a reasoning model's thinking, first), then content strings
-        and calls (through the tool-call parser when tools are on)."""
-        text, finished, events = output.delta_text, output.finished, []
-        if self.splitter is not None:
-            reasoning, text = self.splitter.feed(text, len(output.delta_tokens))
-            if finished:
-                more_reasoning, more_text = self.splitter.finish()
-                reasoning, text = reasoning + more_reasoning, text + more_text
-            if reasoning:
-                events.append(ReasoningDelta(reasoning))
-        if self.parser is None:
-            return events + ([text] if text else [])
-        events += self.parser.feed(text)
-        if finished:
-            events += self.parser.finish(cut=cut_short(output))
+        """An output's events from the turn's reply parser: a reasoning model's thinking first, then text and
+        calls as the model wrote them."""
+        events = self.parser.feed(output)
         if self.parser.repeated:  # a repeated tool call ends the turn (run_choices aborts the rest)
             self.stopped.add(0)
         return events
@@ -90,7 +75,7 @@ class ResponseOutput:
             if self.num_top is not None:
                 pending += shown(output.delta_logprobs, output) or []
             for event in self.events(output):
-                if type(event) is str:  # message text: the tokens so far are its tokens
+                if isinstance(event, TextDelta):  # message text: the tokens so far are its tokens
                     await self._apply(event, pending)
                     pending = [] if event else pending
                 else:  # reasoning or a call: the tokens so far were theirs
@@ -101,12 +86,11 @@ class ResponseOutput:
 
     async def end_turn(self, final: Any) -> None:
         """Close the turn's items (an empty turn is an empty message) and record it as chat messages."""
-        if self.splitter is not None:
-            self.num_reasoning_tokens += self.splitter.num_reasoning_tokens
+        self.num_reasoning_tokens += self.parser.num_reasoning_tokens
         if len(self.items) == self.turn_start:
             await self._apply("")
         # cut by max_output_tokens, unless all it cut was held back by the parser (every call shown is whole)
-        self.cut = final.finish_reason == "length" and not (self.parser is not None and self.parser.calls_whole)
+        self.cut = self.parser.finish_reason() == "length"
         self.done = final
         status = "incomplete" if self.cut else "completed"
         turn = self.items[self.turn_start:]
@@ -114,7 +98,7 @@ class ResponseOutput:
             if item["type"] in ("message", "function_call") and item["id"] not in self.closed:
                 item["status"] = status
             elif item is self.thought:  # a reasoning block that was closed is whole even when the turn was cut
-                item["status"] = "completed" if self.splitter.closed else status
+                item["status"] = "completed" if self.parser.reasoning_closed else status
         for item in turn:
             if (item is self.thought and self.thought_sent) or item["id"] in self.closed:
                 continue

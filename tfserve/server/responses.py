@@ -17,17 +17,16 @@ from tfserve.server import conversations, mcp_tools
 from tfserve.server.chat_prompt import text_chars
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import check_text_fits
-from tfserve.server.logprobs import top_count
 from tfserve.server.media import gather_images
-from tfserve.server.protocol import INCLUDABLE, RESPONSES_FIELDS, check_fields, field, one_of, read_json, use_model
-from tfserve.server.response_format import requested_grammar
-from tfserve.server.response_items import (as_response_format, input_items, page, parse_input, parse_tools,
-                                           resolve_references, text_format)
+from tfserve.server.mcp_tools import DEFAULT_MAX_TOOL_CALLS
+from tfserve.server.protocol import field, read_json, use_model
+from tfserve.server.requests.responses import ResponseRequest
+from tfserve.server.response_items import input_items, page, parse_input, parse_tools, resolve_references
 from tfserve.server.request_limits import check_messages
 from tfserve.server.stores import StoredResponse, json_size
 from tfserve.server.response_output import ResponseOutput
 from tfserve.server.state import STATE
-from tfserve.server.tool_loop import Turns, call, max_tool_calls_of, run_loop
+from tfserve.server.tool_loop import Turns, call, run_loop
 
 
 @dataclass
@@ -37,6 +36,7 @@ class Conversation:
     every turn shares (`turns`). Every field is checked on the way (a 400 naming it)."""
 
     body: dict  # as sent, with its item references resolved
+    typed: ResponseRequest  # its fields, parsed
     model: str
     previous: StoredResponse | None
     history: list[dict]  # the conversation to store: the previous response's messages, then this input's
@@ -48,19 +48,15 @@ class Conversation:
     thread: conversations.StoredConversation | None  # the conversation it goes on (`conversation`), or None
 
 
-async def conversation(request: web.Request, body: dict) -> Conversation:
+async def conversation(request: web.Request, body: dict, typed: ResponseRequest | None = None) -> Conversation:
+    """What `body` asks the model (`typed`: its fields, parsed; parsed here when not given)."""
     state = request.app[STATE]
-    check_fields(body, RESPONSES_FIELDS)
+    typed = typed or ResponseRequest.parse(body)
     body = resolve_references(body, state.responses, state.conversations)
-    if field(body, "truncation", str, "disabled") not in ("auto", "disabled"):
-        raise bad_request("truncation must be auto or disabled", "truncation")
-    model = await use_model(request, body, state)
-    if body.get("prompt") is not None:  # a template stored on OpenAI's side: nothing here to apply
-        raise bad_request("prompt (a stored prompt template) is not supported: send the instructions and input "
-                          "themselves", "prompt")
-    instructions = field(body, "instructions", str)
-    thread = conversations.requested(body, state.conversations)
-    previous_id = field(body, "previous_response_id", str)
+    model = await use_model(request, typed.model, state)
+    instructions = typed.instructions
+    thread = conversations.requested(typed.conversation, state.conversations)
+    previous_id = typed.previous_response_id
     previous = state.responses.get(previous_id) if previous_id else None
     if thread is not None:  # its items come first, as if sent again before the input
         body = {**body, "conversation": {"id": thread.id}}
@@ -78,25 +74,24 @@ async def conversation(request: web.Request, body: dict) -> Conversation:
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     check_text_fits(state, text_chars(messages), "input")
     image_refs = earlier_images + new_images
-    functions, specs = mcp_tools.split_tools(parse_tools(body))
-    max_tool_calls = max_tool_calls_of(body)
+    functions, specs = mcp_tools.split_tools(parse_tools({"tools": typed.tools, "tool_choice": typed.tool_choice}))
+    max_tool_calls = DEFAULT_MAX_TOOL_CALLS if typed.max_tool_calls is None else typed.max_tool_calls
     offer = await mcp_tools.resolve(state, specs, {tool["name"] for tool in functions})
-    constraint = requested_grammar({"response_format": as_response_format(text_format(body))})
-    turns = Turns(state, body, functions, offer, constraint=constraint and (constraint[0], "text.format"),
-                  max_tokens_fields=("max_output_tokens",), prompt_field="input")
+    turns = Turns(state, typed, functions, offer)
     turns.kwargs.pop("n", None)
-    return Conversation(body, model, previous, history, messages, image_refs, offer, turns, max_tool_calls,
+    return Conversation(body, typed, model, previous, history, messages, image_refs, offer, turns, max_tool_calls,
                         thread)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    if field(body, "background", bool, False):
+    typed = ResponseRequest.parse(body)
+    if typed.background:
         raise bad_request("background responses are not supported here: send the request without background "
                           "(or stream it)", "background")
-    stream, store = field(body, "stream", bool, False), field(body, "store", bool, True)
-    talk = await conversation(request, body)
+    talk = await conversation(request, body, typed)
+    stream, store = bool(typed.stream), typed.stored
     if store:  # a response too large to keep is refused before it runs (store false answers it unkept)
         state.responses.check_fits(json_size(talk.history), "the stored response (the conversation so far)",
                                    "previous_response_id" if talk.previous else "input")
@@ -104,7 +99,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     model, previous, history, messages, image_refs, offer, turns, max_tool_calls = (
         talk.model, talk.previous, talk.history, talk.messages, talk.image_refs, talk.offer, talk.turns,
         talk.max_tool_calls)
-    num_top = requested_logprobs(body)
+    num_top = typed.num_top_logprobs
     if num_top is not None:
         turns.kwargs["logprobs"] = num_top
     await turns.check()
@@ -169,18 +164,6 @@ async def list_input_items(request: web.Request) -> web.Response:
     `after`)."""
     items = request.app[STATE].responses.find(request.match_info["response_id"]).input_items
     return web.json_response(page(items, request.query))
-
-
-def requested_logprobs(body: dict) -> int | None:
-    """How many top tokens each output_text logprob shows (`top_logprobs`, 0 by default), or None when `include`
-    does not ask for `message.output_text.logprobs`."""
-    include = field(body, "include", list, [])
-    for i, name in enumerate(include):
-        if not isinstance(name, str):
-            raise bad_request(f"include[{i}] must be a string", f"include[{i}]")
-        one_of(name, INCLUDABLE, f"include[{i}]")
-    top = top_count(body, "top_logprobs")
-    return (top or 0) if "message.output_text.logprobs" in include else None
 
 
 def _answer_approvals(body: dict, previous: StoredResponse | None, offer: mcp_tools.McpOffer,

@@ -13,15 +13,13 @@ from typing import TYPE_CHECKING
 
 from tfserve.errors import ModelNotFoundError, TfserveError
 from tfserve.server.errors import ApiError, model_not_found
-from tfserve.server.residency import is_loadable_name
+from tfserve.server.model_names import OPENAI_NAMES, is_loadable_name
 from tfserve.server.threads import in_daemon_thread
 
 if TYPE_CHECKING:
     from tfserve.audio.transcriber import Transcriber
 
 logger = logging.getLogger("tfserve.server")
-
-OPENAI_NAMES = ("whisper-1",)  # what OpenAI clients send by default: the default speech model here
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from tfserve.server.speech import SpeechModels, SpeechOptions
 
 if TYPE_CHECKING:
     from tfserve.engine.async_engine import AsyncEngine
+    from tfserve.engine.client import AsyncEngineClient, EngineClient
 
 LOADING, READY, DRAINING = "loading", "ready", "draining"
 
@@ -37,8 +38,8 @@ class ServerState:
                  mcp: McpOptions | None = None, media: MediaOptions | None = None,
                  speech: SpeechOptions | None = None, embeddings: EmbeddingOptions | None = None,
                  limits: RequestLimits | None = None) -> None:
-        self.engine: Any = None  # tfserve Engine, once loaded
-        self.async_engine: Any = None
+        self.engine: EngineClient | None = None  # the engine that admits requests, once loaded
+        self.async_engine: AsyncEngineClient | None = None  # what streams them (one engine, or replicas)
         self.model_name: str | None = None
         self.model_spec: str | None = None  # what reloads the served model after a failed swap
         self.model_aliases: set[str] = set()  # other names a request may use for the served model

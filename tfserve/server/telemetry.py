@@ -93,20 +93,20 @@ class Telemetry:
 
         def gauge(name: str, description: str, unit: str, read) -> None:
             def callback(options):
-                engine = state.engine
-                return [Observation(read(engine) if engine is not None else 0)]
+                engine = state.engine  # its counters (EngineStats), once a model is loaded
+                return [Observation(read(engine.stats()) if engine is not None else 0)]
             meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
 
         gauge("tfserve.requests.running", "Sequences in the running batch", "{sequence}",
-              lambda engine: engine.num_running)
+              lambda stats: stats.num_running)
         gauge("tfserve.requests.waiting", "Sequences queued for the engine", "{sequence}",
-              lambda engine: state.num_queued)
+              lambda stats: state.num_queued)
         gauge("tfserve.kv_cache.blocks_used", "KV cache blocks in use", "{block}",
-              lambda engine: engine.block_pool.num_used_blocks)
+              lambda stats: stats.kv_cache_blocks_used)
         gauge("tfserve.kv_cache.blocks_total", "KV cache blocks", "{block}",
-              lambda engine: engine.block_pool.num_blocks)
+              lambda stats: stats.kv_cache_blocks_total)
         gauge("tfserve.prefix_cache.hit_rate", "Share of prompt blocks found in the prefix cache", "1",
-              lambda engine: engine.block_pool.stats.hit_rate)
+              lambda stats: stats.prefix_cache_hit_rate)
 
     def record_request(self, request: web.Request, endpoint: str, status: int, start_ns: int, start_perf: float,
                        usage: Usage | None, model: str | None) -> None:

@@ -16,18 +16,13 @@ from tfserve import __version__
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS
 from tfserve.server.errors import ApiError, bad_request, error_for
 from tfserve.server.generation import admit, check_text_fits, run_choices
-from tfserve.server.protocol import field, make_params, read_json, sampling_kwargs, use_model
-from tfserve.server.response_format import compile_grammar, requested_grammar
+from tfserve.server.protocol import make_params, read_json, use_model
+from tfserve.server.requests.tgi import TgiRequest
+from tfserve.server.response_format import compile_grammar
 from tfserve.server.sse import EventStream
 from tfserve.server.state import STATE
 from tfserve.server.threads import in_daemon_thread
 
-DEFAULT_MAX_NEW_TOKENS = 100  # huggingface_hub's documented default, where a request sends none
-# parameters that would change the output, accepted at these values only (what TGI does when they are absent)
-_UNHONOURED = {"typical_p": (None, 1.0), "watermark": (None, False), "adapter_id": (None, ""), "best_of": (None, 1)}
-_HONOURED = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty",
-             "frequency_penalty", "do_sample", "details", "decoder_input_details", "return_full_text", "grammar",
-             "top_n_tokens", "truncate")
 
 
 def add_routes(app: web.Application) -> None:
@@ -68,78 +63,33 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
 
 async def _answer(request: web.Request, stream: bool | None) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
-    unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
-    if unknown:
-        raise bad_request(f"unknown field {unknown[0]!r}: send inputs, parameters and stream", unknown[0])
-    await use_model(request, {}, state)
-    inputs = field(body, "inputs", str, required=True)
+    tgi = TgiRequest.parse(await read_json(request))
+    await use_model(request, None, state)
+    inputs, parameters = tgi.inputs, tgi.parameters
     if stream is None:
-        stream = field(body, "stream", bool, False)
-    parameters = field(body, "parameters", dict, {})
+        stream = bool(tgi.stream)
     check_text_fits(state, len(inputs), "inputs")
     if len(inputs) < INLINE_PROMPT_CHARS:
         ids = state.engine.tokenizer.encode(inputs)
     else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
         ids = await in_daemon_thread(state.engine.tokenizer.encode, inputs)
-    truncate = field(parameters, "truncate", int, param="parameters.truncate")
-    if truncate is not None:
-        if truncate < 1:
-            raise bad_request("parameters.truncate must be an integer >= 1", "parameters.truncate")
-        ids = ids[-truncate:]
+    if parameters.truncate is not None:
+        ids = ids[-parameters.truncate:]
     if not ids:
         raise bad_request("inputs must not be empty", "inputs")
-    kwargs, details = await _sampling(state, parameters)
-    params = make_params(kwargs, len(ids), state.engine, {"max_tokens": "parameters.max_new_tokens",
-                                                         "prompt": "inputs"})
-    prefix = inputs if field(parameters, "return_full_text", bool, False) else ""
-    prefill = field(parameters, "decoder_input_details", bool, False)
+    kwargs = parameters.to_sampling_kwargs()
+    if parameters.constraint is not None:
+        await compile_grammar(state.engine, parameters.constraint[0], "parameters.grammar")
+        kwargs["grammar"] = parameters.constraint[0]
+    params = make_params(kwargs, len(ids), state.engine, tgi.names)
+    prefix = inputs if parameters.return_full_text else ""
     usage, engine_requests = admit(state, request, [ids], params, {"prompt": "inputs"})
-    reply = _Reply(state, details, params.seed if kwargs.get("temperature") != 0 else None, prefix)
+    reply = _Reply(state, bool(parameters.details), params.seed if kwargs.get("temperature") != 0 else None, prefix)
     async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if stream:
             return await reply.stream(request, outputs)
-        result = await reply.complete(outputs, prefill)
+        result = await reply.complete(outputs, bool(parameters.decoder_input_details))
         return web.json_response(result if request.path != "/" else [result])
-
-
-async def _sampling(state: Any, parameters: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """`parameters` -> SamplingParams keyword arguments, and whether `details` are asked for."""
-    for name in parameters:
-        if name in _UNHONOURED:
-            if not any(_same(parameters[name], allowed) for allowed in _UNHONOURED[name]):
-                raise bad_request(f"parameters.{name} is not supported by this server", f"parameters.{name}")
-        elif name not in _HONOURED:
-            raise bad_request(f"parameters.{name} is not a parameter this server takes", f"parameters.{name}")
-    try:
-        kwargs = sampling_kwargs({key: parameters.get(key) for key in (
-            "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "frequency_penalty")},
-            default_max_tokens=DEFAULT_MAX_NEW_TOKENS)
-    except ApiError as exc:  # name the field as the client sent it
-        if exc.param:
-            exc.param = f"parameters.{exc.param}"
-            exc.message = f"parameters.{exc.message}"
-        raise
-    max_new_tokens = field(parameters, "max_new_tokens", int, param="parameters.max_new_tokens")
-    if max_new_tokens is not None:
-        if max_new_tokens < 1:
-            raise bad_request("parameters.max_new_tokens must be an integer >= 1", "parameters.max_new_tokens")
-        kwargs["max_tokens"] = max_new_tokens
-    # TGI samples when do_sample is set or a warper is (temperature other than 1, top_k, top_p); else greedy
-    warped = kwargs.get("temperature", 1.0) != 1.0 or "top_k" in kwargs or "top_p" in kwargs
-    if not field(parameters, "do_sample", bool, False) and not warped:
-        kwargs["temperature"] = 0.0
-    top_n = field(parameters, "top_n_tokens", int, 0, param="parameters.top_n_tokens")
-    if not 0 <= top_n <= 20:
-        raise bad_request("parameters.top_n_tokens must be in [0, 20]", "parameters.top_n_tokens")
-    kwargs["logprobs"] = top_n  # every token event carries its logprob
-    if field(parameters, "decoder_input_details", bool, False):
-        kwargs["prompt_logprobs"] = 0
-    constraint = requested_grammar({"parameters.grammar": parameters.get("grammar")}, "parameters.grammar")
-    if constraint is not None:
-        await compile_grammar(state.engine, constraint[0], "parameters.grammar")
-        kwargs["grammar"] = constraint[0]
-    return kwargs, field(parameters, "details", bool, False)
 
 
 class _Reply:
@@ -229,8 +179,3 @@ class _TgiEvents(EventStream):
 
 def _finite(value: float | None) -> float | None:
     return None if value is None or value != value or value in (float("inf"), float("-inf")) else value
-
-
-def _same(value: Any, allowed: Any) -> bool:
-    """JSON equality: a boolean is no number (True is not 1)."""
-    return value is allowed or (isinstance(value, bool) == isinstance(allowed, bool) and value == allowed)

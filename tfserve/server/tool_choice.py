@@ -1,11 +1,12 @@
 """`tool_choice` "required" or a named function, enforced: a grammar over the model's own tool-call format
-(`tool_calls.ToolCallFormat`) whose calls name only the allowed tools, each with arguments that validate
+(`tool_formats.ToolCallFormat`) whose calls name only the allowed tools, each with arguments that validate
 against that tool's `parameters` schema. Even a 135M model then always answers with a valid call."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from tfserve.engine.structured import JSON_OPTIONS
@@ -13,7 +14,7 @@ from tfserve.sampling_params import Grammar
 from tfserve.server.errors import ApiError, bad_request
 from tfserve.server.protocol import field, one_of
 from tfserve.server.response_format import compile_grammar
-from tfserve.engine.tool_calls import ToolCallFormat
+from tfserve.protocol.tool_formats import ToolCallFormat
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # the 400 for a tool_choice of no shape this server takes
@@ -21,38 +22,62 @@ _SHAPES = ('{where} must be none, auto, required, a function\'s object ({{"type"
            'server\'s ({{"type": "mcp", ...}}) or {{"type": "allowed_tools", ...}}')
 
 
-def tool_choice_of(body: dict[str, Any]) -> str | dict | None:
-    """`tool_choice`, its type and shape checked whether or not the request has tools (so a wrong one gets the
-    same 400 either way; the rule that a call needs tools comes after)."""
-    tool_choice = field(body, "tool_choice", (str, dict))
-    _check_shape(tool_choice, "tool_choice")
-    return tool_choice
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """A request's `tool_choice`, parsed once (`parse`): whether a reply may call (mode "none", "auto"), must call
+    ("required"), which functions it may call (`allowed`: OpenAI's allowed_tools entries with their fields; None:
+    every tool), the one it must call (`function`), or the MCP server whose tools it must call (`mcp`). Chat's
+    nested shapes (`{"function": {"name"}}`) and the Responses API's flat ones both."""
+
+    mode: str = "auto"
+    function: str | None = None
+    function_param: str = "tool_choice.name"  # the field naming `function`, for a 400
+    allowed: tuple[tuple[str, dict[str, Any]], ...] | None = None
+    mcp: dict[str, Any] | None = None  # {"type": "mcp", "server_label", "name"?}, which mcp_tools reads
+    sent: Any = None  # as the client sent it
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "tool_choice") -> ToolChoice:
+        """`value` checked for its type and shape whether or not the request has tools (so a wrong one gets the
+        same 400 either way; the rule that a call needs tools comes after). A ToolChoice is taken as it is."""
+        if isinstance(value, ToolChoice):
+            return value
+        value = field({where: value}, where, (str, dict))
+        if value is None or value in ("auto", "none", "required"):
+            return cls(mode=value or "auto", sent=value)
+        if not isinstance(value, dict) or value.get("type") not in ("function", "mcp", "allowed_tools"):
+            raise bad_request(_SHAPES.format(where=where), where)
+        if value["type"] == "mcp":
+            return cls(mode="required", mcp=value, sent=value)
+        if value["type"] == "allowed_tools":
+            mode, entries = allowed_tools(value, where)
+            return cls(mode=mode, allowed=tuple(entries), sent=value)
+        name, param = _function_name(value, where)
+        return cls(mode="required", function=name, function_param=param, sent=value)
+
+    @property
+    def asks_for_call(self) -> bool:
+        """True when the choice is anything but none or auto (absent included): it only makes sense with tools."""
+        return self.sent not in (None, "auto", "none")
+
+    def after_first_turn(self) -> ToolChoice:
+        """The choice of a tool loop's later turns: "auto" (a forced call is made once), within the allowed tools."""
+        return ToolChoice("auto", allowed=self.allowed, sent=self.sent if self.allowed is not None else "auto")
 
 
-def _check_shape(tool_choice: str | dict | None, where: str) -> None:
-    """400 unless `tool_choice` is absent, none, auto, required, a function's object (chat's nested
-    `{"type": "function", "function": {"name": ...}}` or the Responses API's flat one) or an MCP server's
-    (`{"type": "mcp", ...}`, which mcp_tools checks)."""
-    if tool_choice is None or tool_choice in ("auto", "none", "required"):
-        return
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("function", "mcp", "allowed_tools"):
-        raise bad_request(_SHAPES.format(where=where), where)
-    if tool_choice["type"] == "mcp":
-        return
-    if tool_choice["type"] == "allowed_tools":
-        allowed_tools(tool_choice, where)
-        return
-    _check_function_name(tool_choice, where)
+def tool_choice_of(body: dict[str, Any]) -> ToolChoice:
+    """A body's `tool_choice`, parsed (`ToolChoice.parse`)."""
+    return ToolChoice.parse(body.get("tool_choice"))
 
 
-def _check_function_name(choice: dict[str, Any], where: str) -> None:
-    """400 unless `choice` (a tool_choice, or an allowed_tools entry, at `where`) names a function: chat's nested
-    `{"function": {"name": ...}}` or the Responses API's flat `{"name": ...}`."""
+def _function_name(choice: dict[str, Any], where: str) -> tuple[str, str]:
+    """The function `choice` (a tool_choice, or an allowed_tools entry, at `where`) names, and its field: chat's
+    nested `{"function": {"name": ...}}` or the Responses API's flat `{"name": ...}`; 400 when there is none."""
     named = choice.get("function", choice)
     if not isinstance(named, dict):
         raise bad_request(f'{where}.function must be an object: {{"name": ...}}', f"{where}.function")
-    field(named, "name", str, required=True,
-          param=f"{where}.function.name" if "function" in choice else f"{where}.name")
+    param = f"{where}.function.name" if "function" in choice else f"{where}.name"
+    return field(named, "name", str, required=True, param=param), param
 
 
 def allowed_tools(tool_choice: dict[str, Any], where: str = "tool_choice") -> tuple[str, list[tuple[str, dict]]]:
@@ -75,70 +100,64 @@ def allowed_tools(tool_choice: dict[str, Any], where: str = "tool_choice") -> tu
         if not isinstance(entry, dict) or entry.get("type") not in ("function", "mcp"):
             raise bad_request(f'{at} must be {{"type": "function", "name": ...}} or {{"type": "mcp", ...}}', at)
         if entry["type"] == "function":
-            _check_function_name(entry, at)
+            _function_name(entry, at)
         checked.append((at, entry))
     return mode, checked
 
 
-def callable_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, mcp_names: Any = None
+def callable_tools(tools: list[dict[str, Any]], tool_choice: ToolChoice | str | dict | None, mcp_names: Any = None
                    ) -> list[dict[str, Any]]:
     """The function definitions a reply may call: none under "none"; the listed ones under an `allowed_tools`
     choice (the others stay in the prompt, as on OpenAI, but a call of them cannot be sampled); else all.
     `mcp_names(entry)`: the tool names an allowed `mcp` entry stands for (the Responses API's MCP servers)."""
-    if tool_choice == "none":
+    choice = ToolChoice.parse(tool_choice)
+    if choice.mode == "none":
         return []
     # chat's tools nest the function; the Responses API's are flat (where a stray "function" key means nothing)
     functions = [tool["function"] if isinstance(tool.get("function"), dict) else tool for tool in tools]
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "allowed_tools":
+    if choice.allowed is None:
         return functions
     names: set[str] = set()
-    for at, entry in allowed_tools(tool_choice)[1]:
+    for at, entry in choice.allowed:
         if entry["type"] == "mcp":
             if mcp_names is None:
                 raise bad_request(f"{at} names an MCP server, but the request has no mcp tools", at)
             names.update(mcp_names(entry))
             continue
-        names.add(_named(functions, entry, at)[0]["name"])
+        name, param = _function_name(entry, at)
+        names.add(_named(functions, name, at, param)[0]["name"])
     return [f for f in functions if f.get("name") in names]
 
 
-def _named(functions: list[dict[str, Any]], choice: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """The function `choice` names (`{"function": {"name"}}` or a flat `{"name"}`), from `functions`; 400 naming
-    the field `where` holds when there is none."""
-    nested = isinstance(choice.get("function"), dict)
-    name = (choice["function"] if nested else choice)["name"]
+def _named(functions: list[dict[str, Any]], name: str, where: str, param: str) -> list[dict[str, Any]]:
+    """The function called `name` (named at `where`, field `param`) from `functions`; 400 when there is none."""
     chosen = [f for f in functions if f.get("name") == name]
     if not chosen:
         known = ", ".join(repr(f.get("name")) for f in functions) or "none"
-        raise bad_request(f"{where} names the function {name!r}, which is not in tools (tools: {known})",
-                          f"{where}.function.name" if nested else f"{where}.name")
+        raise bad_request(f"{where} names the function {name!r}, which is not in tools (tools: {known})", param)
     return chosen
 
 
-def after_first_turn(tool_choice: str | dict | None) -> str | dict:
-    """The choice of a tool loop's later turns: "auto" (a forced call is made once), within the allowed tools."""
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
-        return {"type": "allowed_tools", "mode": "auto", "tools": [entry for _, entry in allowed_tools(tool_choice)[1]]}
-    return "auto"
+def after_first_turn(tool_choice: ToolChoice | str | dict | None) -> ToolChoice:
+    """The choice of a tool loop's later turns (`ToolChoice.after_first_turn`)."""
+    return ToolChoice.parse(tool_choice).after_first_turn()
 
 
-def forced_tools(tools: list[dict[str, Any]], tool_choice: str | dict | None, where: str = "tool_choice",
-                 mcp_names: Any = None) -> list[dict[str, Any]] | None:
+def forced_tools(tools: list[dict[str, Any]], tool_choice: ToolChoice | str | dict | None,
+                 where: str = "tool_choice", mcp_names: Any = None) -> list[dict[str, Any]] | None:
     """The function definitions a reply must call one of: all for "required", the named one for
     `{"type": "function", "function": {"name": ...}}` (or the Responses API's `{"type": "function", "name": ...}`),
     the listed ones for an `allowed_tools` choice of mode "required", None when the model may answer freely
     ("auto", "none", absent, `allowed_tools` of mode "auto"). 400 for a name not in `tools`."""
-    if tool_choice is None or tool_choice in ("auto", "none"):
+    choice = ToolChoice.parse(tool_choice, where)
+    if choice.mode != "required":
         return None
-    functions = callable_tools(tools, tool_choice, mcp_names)
-    if tool_choice == "required":
-        return functions
-    _check_shape(tool_choice, where)
-    if tool_choice.get("type") == "allowed_tools":
-        return functions if allowed_tools(tool_choice, where)[0] == "required" else None
-    if tool_choice.get("type") != "function":  # an MCP server's choice, on a request without mcp tools
+    if choice.mcp is not None:  # an MCP server's choice, on a request without mcp tools
         raise bad_request(_SHAPES.format(where=where), where)
-    return _named(functions, tool_choice, where)
+    functions = callable_tools(tools, choice, mcp_names)
+    if choice.function is None:
+        return functions
+    return _named(functions, choice.function, where, choice.function_param)
 
 
 def tool_call_grammar(fmt: ToolCallFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any) -> Grammar:
@@ -154,7 +173,7 @@ def answer_or_calls(fmt: ToolCallFormat, functions: list[dict[str, Any]], parall
     reply's start (Llama's calls are bare JSON too) or `answer` is not a JSON schema: `answer` alone then."""
     if answer.kind != "json_schema" or fmt.bare_json_start:
         return None
-    schema = json.dumps({**json.loads(answer.source), "x-guidance": JSON_OPTIONS})
+    schema = json.dumps({**answer.parsed_schema(), "x-guidance": JSON_OPTIONS})
     rules = _call_rules(fmt, functions, parallel, tokenizer, "calls")
     return Grammar.lark("\n".join(["start: answer | calls", f"answer: %json {schema}"] + rules) + "\n")
 

@@ -11,42 +11,33 @@ from typing import Any
 
 from tfserve.server import mcp_tools
 from tfserve.server.chat_prompt import render_chat, render_multimodal, template_kwargs
-from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.errors import ApiError
 from tfserve.server.generation import admit, run_choices
-from tfserve.server.protocol import field, make_params, param_names, sampling_kwargs
-from tfserve.server.reasoning import reasoning_for
+from tfserve.server.protocol import make_params
+from tfserve.protocol.reasoning import reasoning_for
 from tfserve.server.response_items import chat_tools
 from tfserve.server.sse import EventStream
-from tfserve.engine.tool_calls import detect_format
-from tfserve.server.tool_choice import (after_first_turn, apply_constraint, callable_tools, forced_tools,
-                                        reply_constraint)
-
-
-def max_tool_calls_of(body: dict[str, Any]) -> int:
-    value = field(body, "max_tool_calls", int, mcp_tools.DEFAULT_MAX_TOOL_CALLS)
-    if value < 0:
-        raise bad_request("max_tool_calls must be >= 0", "max_tool_calls")
-    return value
+from tfserve.protocol.tool_formats import detect_format
+from tfserve.server.tool_choice import ToolChoice, apply_constraint, callable_tools, forced_tools, reply_constraint
 
 
 class Turns:
     """What every model turn of one request shares: the tools, the constraint, the sampling fields.
 
-    `functions` are the client's tools (flat, Responses-shaped), `constraint` the request's own structured-output
-    grammar and the field that asked for it (text.format, response_format)."""
+    `typed` is the request (a `requests.ResponseRequest` or `ChatCompletionRequest`), `functions` the client's
+    tools (flat, Responses-shaped)."""
 
-    def __init__(self, state: Any, body: dict, functions: list[dict], offer: mcp_tools.McpOffer, *,
-                 constraint: tuple[Any, str] | None, max_tokens_fields: tuple[str, ...], prompt_field: str) -> None:
-        self.state, self.body, self.functions, self.offer = state, body, functions, offer
-        self.constraint = constraint
+    def __init__(self, state: Any, typed: Any, functions: list[dict], offer: mcp_tools.McpOffer) -> None:
+        self.state, self.typed, self.functions, self.offer = state, typed, functions, offer
+        self.constraint = typed.constraint  # the grammar and the field that asked for it (text.format, ...)
         self.tokenizer = state.engine.tokenizer
         self.tool_format = detect_format(self.tokenizer)
-        self.tool_choice = field(body, "tool_choice", (str, dict), "auto")
-        self.kwargs = sampling_kwargs(body, max_tokens_fields=max_tokens_fields)
-        self.names = param_names(body, max_tokens_fields, prompt_field)
-        self.template_kwargs = template_kwargs(state, body)
+        self.tool_choice: ToolChoice = typed.tool_choice  # parsed by the typed request
+        self.kwargs = typed.to_sampling_kwargs()
+        self.names = typed.names
+        self.template_kwargs = template_kwargs(state, {"chat_template_kwargs": typed.chat_template_kwargs})
         # the Responses API's truncation "auto": a conversation past the context drops its oldest turns
-        self.truncate = field(body, "truncation", str, "disabled") == "auto"
+        self.truncate = getattr(typed, "truncate", False)
         self.offered: list[dict] = []
         self.images: list = []  # the conversation's MediaImages (media.gather_images, once check() passed)
 
@@ -56,27 +47,27 @@ class Turns:
 
     def tools(self, first: bool, tools_left: int) -> list[dict]:
         """The tools a turn offers the model (Responses-shaped): none under tool_choice "none"."""
-        tool_choice = self.tool_choice if first else after_first_turn(self.tool_choice)
+        tool_choice = self.tool_choice if first else self.tool_choice.after_first_turn()
         # MCP tools count against max_tool_calls (OpenAI's rule for its built-in tools); a client's functions do not
         tools = self.functions + (self.offer.function_tools() if tools_left > 0 else [])
-        return tools if tool_choice != "none" else []
+        return tools if tool_choice.mode != "none" else []
 
     async def _kwargs(self, first: bool, tools_left: int) -> dict:
-        tool_choice = self.tool_choice if first else after_first_turn(self.tool_choice)
+        tool_choice = self.tool_choice if first else self.tool_choice.after_first_turn()
         self.offered = self.tools(first, tools_left)
         kwargs = dict(self.kwargs)
         constraint = self.constraint
         mcp_names = functools.partial(mcp_tools.mcp_choice, offer=self.offer)
-        if isinstance(tool_choice, dict) and tool_choice.get("type") == "mcp":
-            names = mcp_names(tool_choice)
+        if tool_choice.mcp is not None:
+            names = mcp_names(tool_choice.mcp)
             forced = [tool for tool in self.offered if tool["name"] in names]
         else:
             forced = forced_tools(self.offered, tool_choice, mcp_names=mcp_names) if self.offered else None
         callable_ = callable_tools(self.offered, tool_choice, mcp_names) if self.offered else []
-        parallel = field(self.body, "parallel_tool_calls", bool, True)
-        constraint = reply_constraint(constraint, self.tool_format, callable_, forced, parallel, self.tokenizer)
+        constraint = reply_constraint(constraint, self.tool_format, callable_, forced, self.typed.parallel,
+                                      self.tokenizer)
         await apply_constraint(self.state.engine, kwargs, constraint, forced, self.offered, self.tool_format,
-                               self.tokenizer, field(self.body, "tools", list, []))
+                               self.tokenizer, self.typed.tools or [])
         return kwargs
 
     async def next(self, messages: list[dict], first: bool, tools_left: int, used_tokens: int

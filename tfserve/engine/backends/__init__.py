@@ -7,6 +7,7 @@ decides which runs; every backend is a small class with the same call,
     compiled.py  the same through torch.compile (`compile`), one graph for every step
     lean.py      a lean forward for Llama-family float32 models, with fused CPU kernels and packed weights
     lean_moe.py  its mixture-of-experts MLP (Qwen3-MoE): router, top-k experts, each from its own blocks
+    lean_layers.py  its parts: projections as the kernels hold them, rotary tables, torch versions of fused ops
     cuda_graphs.py  decode steps of whichever backend runs, replayed as CUDA graphs by bucket of batch size
                  (the runner decides, from `EngineConfig.cuda_graph` and the device)
 """
@@ -39,7 +40,7 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
     """The backend `config.forward_backend` asks for: "hf", "lean" (ValueError where it cannot run), or "auto"
     (lean where it applies), with linear weights held as `config.weights` says; the model's own forward is
     compiled where `config.compile` asks (the runner warms it up). `cpu_ops` are the compiled CPU
-    kernels, or None. `tp`: the model is this rank's shard (tfserve.distributed.tensor_parallel), which only the
+    kernels, or None. `tp`: the model is this rank's shard (tfserve.engine.parallel.tensor_parallel), which only the
     lean forward runs; rank 0's sends every step to the other ranks first."""
     if tp is not None and config.forward_backend == "hf":
         raise ValueError("tensor parallelism runs on the lean forward; forward_backend hf cannot split a model")
@@ -80,7 +81,7 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
         blocks = quantized_linear_weights(config.gguf_file, model)
     lean = LeanForward(model, cpu_ops, pack=pack, weights=weights, blocks=blocks, tp=tp)
     if tp is not None and tp.rank == 0:
-        from tfserve.distributed.tensor_parallel import BroadcastForward
+        from tfserve.engine.parallel.tensor_parallel import BroadcastForward
 
         return BroadcastForward(lean, tp)
     return lean

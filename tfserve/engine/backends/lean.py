@@ -7,7 +7,8 @@ walks the same modules and weights with the same operations in the same order, f
 add and RMSNorm are one op, and so is the rotary embedding, all bit-identical to transformers' versions in
 float32 (see csrc/cpu_ops.cpp; in torch where the kernels are off), so the engine's output is unchanged
 (the golden tests compare it with `model.generate`). On CPU its linear layers may multiply through
-panel-packed copies of the weights that this backend holds (cpu_linear.py); the model is never changed.
+panel-packed copies of the weights that this backend holds (cpu_linear.py); the model is never changed. Its
+parts (projections, rotary tables, the torch versions of the fused ops) are in lean_layers.py.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from tfserve.engine.attention import paged_attention_forward
 from tfserve.engine import cpu_linear
 from tfserve.engine.backends import lean_moe
 from tfserve.engine.cpu_linear import EngineLinear
+from tfserve.engine.backends.lean_layers import (Attention, Projection, RopeTable, norm_weight, rms_norm,
+                                                 rotary_embedding_)
 from tfserve.models.gguf_weights import is_placeholder
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
              "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm",
           "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3MoeRMSNorm", "RMSNorm"}  # RMSNorm: tfserve.models.gguf_skeleton's
-_GEMMA_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")  # they multiply by (1 + weight)
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # Gemma: tanh GELU
 
 
@@ -37,7 +39,7 @@ class LeanForward:
     CPU kernels (None: their torch versions); `weights` is how the linear layers hold their weights
     (cpu_linear.py; `blocks`: a GGUF file's quantized weights by module name, for "gguf"); `pack` gives float32
     layers panel-packed weights. With `tp`, the model is one rank's shard and the step's partial sums meet in
-    all-reduces (tfserve.distributed.tensor_parallel)."""
+    all-reduces (tfserve.engine.parallel.tensor_parallel)."""
 
     name = "lean"
 
@@ -47,7 +49,7 @@ class LeanForward:
         self.config = config = model.config
         self.layers = list(model.model.layers[: config.num_hidden_layers])
         self.head_dim = self.layers[0].self_attn.head_dim
-        self.tp = tp  # this rank's share of a model split by tfserve.distributed.tensor_parallel, or None
+        self.tp = tp  # this rank's share of a model split by tfserve.engine.parallel.tensor_parallel, or None
         self.num_heads = tp.num_heads if tp is not None else config.num_attention_heads
         self.num_kv_heads = tp.num_kv_heads if tp is not None else config.num_key_value_heads
         self.eps = config.rms_norm_eps
@@ -56,8 +58,8 @@ class LeanForward:
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
         self.ops = ops
-        self.rotary = ops.rotary_embedding_ if ops is not None else _rotary_embedding_
-        self.rms_norm = ops.rms_norm if ops is not None else _rms_norm
+        self.rotary = ops.rotary_embedding_ if ops is not None else rotary_embedding_
+        self.rms_norm = ops.rms_norm if ops is not None else rms_norm
         self.act = _ACTIVATIONS[_activation(config)]
 
         names = {id(module): name for name, module in model.named_modules()}
@@ -88,31 +90,31 @@ class LeanForward:
                 return "float32" if pack else "torch"  # Q8_0 blocks need whole blocks of 32 inputs
             return "torch" if weights == "float32" and not pack else weights
 
-        def linear(*layers: torch.nn.Linear) -> _Projection:
+        def linear(*layers: torch.nn.Linear) -> Projection:
             """The layers' projections, as one stacked kernel call where their weights share a format."""
             fmts = [format_of(layer) for layer in layers]
             sources = [source(layer) for layer in layers]
             parts = [part for _, part in sources]
             if len(layers) > 1 and len(set(fmts)) == 1 and fmts[0] != "torch" and \
                     len({p.qtype for p in parts if p is not None}) <= 1:
-                return _Projection([cpu_linear.fused([held for held, _ in sources], ops, fmts[0],
+                return Projection([cpu_linear.fused([held for held, _ in sources], ops, fmts[0],
                                                      parts if fmts[0] == "gguf" else None)],
                                    [layer.out_features for layer in layers])
-            return _Projection([EngineLinear(held, ops, fmt, part) for (held, part), fmt in zip(sources, fmts)])
+            return Projection([EngineLinear(held, ops, fmt, part) for (held, part), fmt in zip(sources, fmts)])
 
-        def fused(layer: torch.nn.Linear, sizes: list[int]) -> _Projection:
+        def fused(layer: torch.nn.Linear, sizes: list[int]) -> Projection:
             """One layer that holds several projections (Phi-3's qkv_proj, gate_up_proj), split after it."""
             held, part = source(layer)
-            return _Projection([EngineLinear(held, ops, format_of(layer), part)], sizes)
+            return Projection([EngineLinear(held, ops, format_of(layer), part)], sizes)
 
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
 
-        def qkv(attn: torch.nn.Module) -> _Projection:
+        def qkv(attn: torch.nn.Module) -> Projection:
             if hasattr(attn, "qkv_proj"):
                 return fused(attn.qkv_proj, [q_size, kv_size, kv_size])
             return linear(attn.q_proj, attn.k_proj, attn.v_proj)
 
-        def gate_up(mlp: torch.nn.Module) -> _Projection:
+        def gate_up(mlp: torch.nn.Module) -> Projection:
             if hasattr(mlp, "gate_up_proj"):  # gate, then up
                 return fused(mlp.gate_up_proj, [mlp.down_proj.in_features] * 2)
             return linear(mlp.gate_proj, mlp.up_proj)
@@ -130,18 +132,18 @@ class LeanForward:
         by_type = isinstance(getattr(model.model.rotary_emb, "rope_type", None), dict)
         # Per layer, in the order the forward unpacks them (columns: one list per field).
         self._layers = list(zip(*[
-            (_Attention(l.self_attn), qkv(l.self_attn), linear(l.self_attn.o_proj), *mlp(l),
-             _norm_weight(l.input_layernorm),
-             _norm_weight(l.pre_feedforward_layernorm if sandwich else l.post_attention_layernorm),
-             _norm_weight(l.post_attention_layernorm) if sandwich else None,
-             _norm_weight(l.post_feedforward_layernorm) if sandwich else None,
+            (Attention(l.self_attn), qkv(l.self_attn), linear(l.self_attn.o_proj), *mlp(l),
+             norm_weight(l.input_layernorm),
+             norm_weight(l.pre_feedforward_layernorm if sandwich else l.post_attention_layernorm),
+             norm_weight(l.post_attention_layernorm) if sandwich else None,
+             norm_weight(l.post_feedforward_layernorm) if sandwich else None,
              window, l.self_attn.layer_type if by_type else None)
             for l, window in zip(self.layers, self.windows)
         ]))
         self.lm_head = linear(model.lm_head)
         self.embed = self._embedding(model.model.embed_tokens, blocks.get(names[id(model.model.embed_tokens)]))
-        self.final_norm = _norm_weight(model.model.norm)
-        self.ropes = {kind: _RopeTable(model.model.rotary_emb, kind) for kind in set(self._layers[-1])}
+        self.final_norm = norm_weight(model.model.norm)
+        self.ropes = {kind: RopeTable(model.model.rotary_emb, kind) for kind in set(self._layers[-1])}
         self.stack = self._decoder_stack(sandwich or by_type)
         formats = Counter()
         for projection in (*(p for column in self._layers[1:5] for p in column if p is not None), self.lm_head):
@@ -186,7 +188,7 @@ class LeanForward:
                    for a, q, o, g, d in zip(attns, qkvs, o_projs, gate_ups, downs)):
             return None
 
-        def held(projection: _Projection) -> tuple:
+        def held(projection: Projection) -> tuple:
             linear = projection.linears[0]
             return linear.packed, linear.qtype, linear.out_features, linear.bias
 
@@ -303,109 +305,5 @@ class LeanForward:
         return logits if tp is None else tp.gather_logits(logits)
 
 
-class _Projection:
-    """`projection(x) -> (y, ...)`: one output per layer, from one stacked EngineLinear (`sizes`: each layer's
-    output features) or one EngineLinear per layer. Outputs are contiguous, as the kernels take them."""
-
-    __slots__ = ("linears", "sizes")
-
-    def __init__(self, linears: list[EngineLinear], sizes: list[int] | None = None) -> None:
-        self.linears, self.sizes = linears, sizes
-
-    def __call__(self, x: torch.Tensor, float_from: int = -1) -> tuple[torch.Tensor, ...]:
-        if self.sizes is None:
-            return tuple(linear(x, float_from) for linear in self.linears)
-        return tuple(part.contiguous() for part in self.linears[0](x, float_from).split(self.sizes, dim=1))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weight one decode step reads."""
-        return sum(linear.nbytes for linear in self.linears)
-
-    @property
-    def packed(self) -> bool:
-        """One stacked layer whose weights the kernels hold."""
-        return self.sizes is not None and self.linears[0].format != "torch"
-
-    @property
-    def labels(self) -> list[str]:
-        """Each layer's weight format."""
-        if self.sizes is None:
-            return [linear.label for linear in self.linears]
-        return [self.linears[0].label] * len(self.sizes)
-
-
-class _RopeTable:
-    """`rope(x, positions) -> (cos, sin)`, [num_tokens, head_dim] each, as the model's rotary embedding computes
-    them: where they depend on the position alone (not on the sequence length, as dynamic scaling does), looked
-    up in a table the module filled once for positions 0..n (grown as positions grow), not recomputed every step.
-    Every entry is the module's own arithmetic for that position (one product and its cosine or sine), so the
-    values are the same bits."""
-
-    def __init__(self, rotary: torch.nn.Module, layer_type: str | None = None) -> None:
-        self.rotary = rotary
-        self.kind = {} if layer_type is None else {"layer_type": layer_type}  # Gemma 3's tables by layer type
-        rope_type = getattr(rotary, "rope_type", "default")
-        rope_type = str(rope_type[layer_type] if isinstance(rope_type, dict) else rope_type)
-        self.static = "dynamic" not in rope_type and rope_type != "longrope"
-        self.cos = self.sin = None
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.static:
-            cos, sin = self.rotary(x[None], positions[None], **self.kind)
-            return cos[0], sin[0]
-        # a CUDA graph being captured cannot read positions on the host: its tables were reserved before
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.reserve(int(positions.max()) + 1 if positions.numel() else 0, x)
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-
-    def reserve(self, num_positions: int, x: torch.Tensor) -> None:
-        """Fill the tables for positions 0..num_positions - 1 at least (`x`: their dtype and device)."""
-        if self.static and (self.cos is None or num_positions > self.cos.shape[0]):
-            size = max(num_positions, 2 * (self.cos.shape[0] if self.cos is not None else 1024))
-            cos, sin = self.rotary(x[None], torch.arange(size, device=x.device)[None], **self.kind)
-            self.cos, self.sin = cos[0], sin[0]
-
-
-class _Attention:
-    """What the lean forward reads of an attention module."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.scaling = module.scaling
-        # (weight, eps) of Qwen3's and Gemma 3's per-head norms
-        self.q_norm = _norm_args(module.q_norm) if hasattr(module, "q_norm") else None
-        self.k_norm = _norm_args(module.k_norm) if hasattr(module, "k_norm") else None
-        self.rope = bool(getattr(module, "use_rope", True))
-        self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)  # Gemma 2: tanh-capped scores
-
-
 def _activation(config) -> str | None:
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-
-
-def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
-    """The weight an RMSNorm multiplies by: Gemma's (1 + weight), in float32 as its forward adds it."""
-    plus_one = getattr(norm, "plus_one", type(norm).__name__ in _GEMMA_NORMS)
-    return norm.weight.float() + 1.0 if plus_one else norm.weight
-
-
-def _norm_args(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
-    return _norm_weight(norm), getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's contract in torch: `x += residual` in place (if given), then transformers' RMSNorm."""
-    if residual is not None:
-        x.add_(residual)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place, transformers' `q * cos + rotate_half(q) * sin` (and for k). q: [num_tokens, heads, head_dim],
-    cos/sin: [num_tokens, head_dim]."""
-    cos, sin = cos[:, None], sin[:, None]
-    for x in (q, k):
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        x.copy_(x * cos + rotated * sin)

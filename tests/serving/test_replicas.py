@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tfserve.distributed.replicas import Router
+from tfserve.serving.router import Router
 
 PARAMS = dict(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -17,10 +17,12 @@ PARAMS = dict(max_tokens=6, temperature=0, ignore_eos=True)
 def _tiny_replicas(tmp_path, num_blocks: int):
     """Two replicas of a saved tiny Llama (replica 1 a process): (path, config, the ReplicatedEngine). (Ray actors:
     test_serve_distributed.py.)"""
-    from test_tensor_parallel import save_model
+    from tiny import save_model
+
     from tfserve import Engine
     from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+    from tfserve.serving.replica import ReplicaSpec
+    from tfserve.serving.replicas import start_replicas
 
     path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
     config = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8)
@@ -73,7 +75,7 @@ def test_two_replicas_keep_prefixes_where_they_are_cached_and_a_third_comes_and_
     """Streamed requests through two replicas (one a process) give one engine's tokens, with more prefix hits than
     random routing; a replica process added at run time serves, and stops when retired."""
     from tfserve import Engine, SamplingParams
-    from tfserve.distributed.replicas import STATS_INTERVAL_S
+    from tfserve.serving.process_replica import STATS_INTERVAL_S
 
     path, config, replicated = _tiny_replicas(tmp_path, num_blocks=256)
     params = SamplingParams(**PARAMS)
@@ -164,9 +166,10 @@ def test_a_replica_that_hangs_or_dies_leaves_the_others_serving_and_scale_replac
 
 
 def test_a_dead_replica_fails_what_it_is_sent_and_the_router_avoids_it():
-    from tfserve.distributed.replicas import DEAD, Replica
     from tfserve.engine.request import Request
     from tfserve.sampling_params import SamplingParams
+    from tfserve.serving.replica import Replica
+    from tfserve.serving.replicas import DEAD
 
     replica = Replica()
     replica.error = "replica 1 exited (code -9)"
@@ -192,7 +195,8 @@ def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
     from tiny import build_engine, build_tokenizer
 
     from tfserve import SamplingParams
-    from tfserve.distributed.replicas import Replica, ReplicaSpec, ReplicatedEngine, _failed
+    from tfserve.serving.replica import Replica, ReplicaSpec, failed_output
+    from tfserve.serving.replicas import ReplicatedEngine
 
     class Held(Replica):  # keeps what it is sent until the test finishes it
         def __init__(self, index: int) -> None:
@@ -203,7 +207,7 @@ def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
             self.held += requests
 
         def finish(self) -> None:
-            self._dispatch([_failed(request.request_id, "done") for request in self.held])
+            self._dispatch([failed_output(request.request_id, "done") for request in self.held])
 
         def abort(self, request_id: str) -> None:
             pass
@@ -252,10 +256,12 @@ def test_scaling_starts_replicas_and_retires_the_last_once_their_requests_end():
 @pytest.mark.slow
 def test_replicas_each_split_over_two_ranks_give_one_engines_tokens(tmp_path):
     """`-dp 2 -tp 2`: replica 0 here and replica 1 in its process each start their second rank themselves."""
-    from test_tensor_parallel import save_model
+    from tiny import save_model
+
     from tfserve import Engine, SamplingParams
     from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import ReplicaSpec, start_replicas
+    from tfserve.serving.replica import ReplicaSpec
+    from tfserve.serving.replicas import start_replicas
 
     path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
     config = EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8, tensor_parallel_size=2)
@@ -280,7 +286,7 @@ def test_replicas_each_split_over_two_ranks_give_one_engines_tokens(tmp_path):
 
 
 def test_replicas_take_the_gpus_in_turn():
-    from tfserve.distributed.replicas import gpus_per_actor, replica_device
+    from tfserve.serving.replica import gpus_per_actor, replica_device
 
     assert [replica_device("auto", i, 4) for i in range(5)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0"]
     assert [replica_device("cuda", i, 2) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
@@ -292,10 +298,13 @@ def test_replicas_take_the_gpus_in_turn():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_two_replicas_on_a_gpu_serve_one_engines_tokens(tmp_path):
     """Replica 1 (a process) loads on the GPU as replica 0 does, and both replay CUDA graphs."""
-    from test_tensor_parallel import save_model
+    from tiny import save_model
+
     from tfserve import Engine, SamplingParams
     from tfserve.config import EngineConfig
-    from tfserve.distributed.replicas import STATS_INTERVAL_S, ReplicaSpec, start_replicas
+    from tfserve.serving.process_replica import STATS_INTERVAL_S
+    from tfserve.serving.replica import ReplicaSpec
+    from tfserve.serving.replicas import start_replicas
 
     path = str(save_model(tmp_path / "model", "LlamaForCausalLM", heads=4, kv_heads=2, vocab=320, tie=False))
     config = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8)

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from tfserve.engine.chat_template import reads_tools, render_chat
+from tfserve.protocol.chat_template import reads_tools, render_chat
 from tiny import build_tokenizer
 
 SMOLLM2_TEMPLATE = (  # the default model's own template: no `tools` anywhere

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tfserve.engine.tool_calls import partial_suffix
+from tfserve.protocol.tool_calls import partial_suffix
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from tfserve.engine.tool_calls import ToolCall, ToolCallStream, merge, parse_tool_calls
+from tfserve.protocol.events import ToolCall, merge
+
+from tfserve.protocol.tool_calls import ToolCallStream, parse_tool_calls
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import ray
 
-from tfserve.distributed.replicas import (Replica, ReplicaSpec, gpus_per_actor, replica_stats, replica_threads,
-                                          start_replica_engine)
+from tfserve.serving.replica import (Replica, ReplicaSpec, gpus_per_actor, replica_stats, replica_threads,
+                                    start_replica_engine)
 
-logger = logging.getLogger("tfserve.distributed")
+logger = logging.getLogger("tfserve.serving")
 
 POLL_S = 0.2  # a poll returns as soon as outputs are there, else after this
 
@@ -41,13 +41,16 @@ class ReplicaActor:
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
 
     def ready(self) -> bool:
+        """True once the engine is loaded (Ray runs no method before `__init__` has returned)."""
         return True
 
-    def add(self, requests: list) -> None:  # (pickled without matcher and detokenizer: this engine makes them)
+    def add(self, requests: list) -> None:
+        """Run built requests (pickled without matcher and detokenizer: this engine makes them)."""
         self.manager.add_requests([self.engine.attach(request) for request in requests], stream=True,
                                   sink=self.outputs.put)
 
     def abort(self, request_id: str) -> None:
+        """Abort a request this actor runs."""
         self.manager.abort(request_id)
 
     def poll(self, timeout: float) -> tuple[list, dict[str, float]]:
@@ -62,12 +65,13 @@ class ReplicaActor:
         return outputs, replica_stats(self.engine)
 
     def shutdown(self) -> None:
+        """Stop the engine's manager and the engine."""
         self.manager.stop()
         self.engine.close()  # its ranks, where its model is split
 
 
 class RayReplica(Replica):
-    """A replica as a Ray actor, with the face of RemoteReplica."""
+    """A replica as a Ray actor, with the face of ProcessReplica."""
 
     def __init__(self, index: int, spec: ReplicaSpec) -> None:
         super().__init__()
@@ -80,6 +84,7 @@ class RayReplica(Replica):
         self._reader: threading.Thread | None = None
 
     def wait_ready(self, timeout: float | None = None) -> None:
+        """Return once the actor has loaded its engine; raise RuntimeError where it failed or Ray cannot place it."""
         try:
             ray.get(self.actor.ready.remote(), timeout=timeout)
         except Exception as exc:  # the actor failed to build its engine, or Ray could not place it
@@ -91,9 +96,11 @@ class RayReplica(Replica):
         self.actor.add.remote(requests)
 
     def abort(self, request_id: str) -> None:
+        """Abort a request sent to this actor."""
         self.actor.abort.remote(request_id)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Shut the actor's engine down (within `timeout`) and end the actor."""
         self._stopped.set()
         try:
             ray.get(self.actor.shutdown.remote(), timeout=timeout)

@@ -1,10 +1,5 @@
 """Tool calls in the model's text -> OpenAI `tool_calls`, whole (`parse_tool_calls`) or while streaming
-(`ToolCallStream`), in the format the model's chat template uses (`ToolCallFormat`):
-
-- Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
-- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
-- Llama 3.x JSON: `{"name": ..., "parameters": {...}}` as the whole reply (or after `<|python_tag|>`),
-  several separated by `;`.
+(`ToolCallStream`), in the format the model's chat template uses (`tool_formats.ToolCallFormat`).
 
 Streaming follows OpenAI: a call's first delta carries its id and name with empty arguments, then the
 arguments arrive as they are written. A block that is not a call is left in the content as the model wrote
@@ -15,75 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True, slots=True)
-class ToolCallFormat:
-    """How one family of chat templates writes calls."""
-
-    name: str
-    start: str  # opens a region of calls
-    end: str  # closes it ("" when the region runs to the end of the reply)
-    arguments_key: str  # the key the template writes ("arguments" or "parameters"); both are read
-    list_of_calls: bool  # the region is a JSON array of calls (Mistral)
-    bare_json_start: bool = False  # a reply that starts with `{` opens a region too (Llama 3.x)
-
-
-HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "arguments", list_of_calls=False)
-MISTRAL = ToolCallFormat("mistral", "[TOOL_CALLS]", "", "arguments", list_of_calls=True)
-LLAMA3_JSON = ToolCallFormat("llama3_json", "<|python_tag|>", "", "parameters", list_of_calls=False,
-                             bare_json_start=True)
-FORMATS = {f.name: f for f in (HERMES, MISTRAL, LLAMA3_JSON)}
-
-
-def detect_format(tokenizer) -> ToolCallFormat:
-    """The format a model's chat template asks for (Hermes when it says nothing: what our parser always read)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = "\n".join(str(t) for t in template.values())
-    if "[TOOL_CALLS]" in template or _has_token(tokenizer, "[TOOL_CALLS]"):
-        return MISTRAL
-    if "<tool_call>" in template:
-        return HERMES
-    if "<|python_tag|>" in template or ('"parameters"' in template and "function" in template):
-        return LLAMA3_JSON
-    return HERMES
-
-
-def _has_token(tokenizer, token: str) -> bool:
-    """Whether `token` is one of the tokenizer's tokens (one lookup: `get_vocab()` builds a dict of the whole
-    vocabulary, tens of milliseconds on every request that asked)."""
-    to_id = getattr(tokenizer, "convert_tokens_to_ids", None)
-    if to_id is None:
-        return False
-    token_id = to_id(token)
-    return token_id is not None and token_id != getattr(tokenizer, "unk_token_id", None)
-
-
-@dataclass(slots=True)
-class ToolCall:
-    """One parsed call; `arguments` is a JSON string, as OpenAI sends it."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-    index: int = 0  # position among the calls of one reply
-
-    def to_openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            call = {"index": index, **call}
-        return call
-
-
-@dataclass(slots=True)
-class ArgumentsDelta:
-    """More of the arguments of call `index` (streamed after the ToolCall that opened it with "")."""
-
-    index: int
-    text: str
+from tfserve.protocol.events import ArgumentsDelta, ToolCall, merge
+from tfserve.protocol.tool_formats import HERMES, ToolCallFormat
 
 
 def parse_call(raw: str) -> ToolCall | None:
@@ -104,23 +33,6 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat | None = None) -> tuple[str 
     """Split a whole output into (content outside the calls, or None when empty; the calls)."""
     stream = ToolCallStream(fmt)
     return merge(stream.feed(text) + stream.finish())
-
-
-def merge(events: list) -> tuple[str | None, list[ToolCall]]:
-    """Stream events -> (content or None, whole calls)."""
-    calls: list[ToolCall] = []
-    texts = []
-    for event in events:
-        if isinstance(event, ToolCall):
-            calls.append(ToolCall(event.name, event.arguments, event.id, event.index))
-        elif isinstance(event, ArgumentsDelta):
-            calls[-1].arguments += event.text
-        else:
-            texts.append(event)
-    content = "".join(texts)
-    if calls:
-        content = content.strip()
-    return content or None, calls
 
 
 # the opening of a call object whose name comes first: its arguments can stream as they are written
@@ -396,12 +308,6 @@ class _ObjectReader:
             self._depth -= 1
             return self._depth == 0
         return False
-
-
-def cut_short(output) -> bool:
-    """The engine output ended before the model did: max_tokens, or a stop string (never inside a forced reply of
-    calls; `tool_choice` "auto" leaves them to the text and calls alike)."""
-    return output.finish_reason == "length" or (output.finish_reason == "stop" and isinstance(output.stop_reason, str))
 
 
 def partial_suffix(text: str, marker: str) -> int:

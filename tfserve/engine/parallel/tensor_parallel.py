@@ -33,7 +33,7 @@ import torch
 
 from tfserve.errors import EngineFailedError
 
-logger = logging.getLogger("tfserve.distributed")
+logger = logging.getLogger("tfserve.engine")
 
 DEFAULT_TIMEOUT_S = 60.0
 

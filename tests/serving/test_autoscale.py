@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfserve.distributed.autoscale import Autoscaler, AutoscalePolicy
+from tfserve.serving.autoscale import AutoscalePolicy, Autoscaler
 
 POLICY = AutoscalePolicy(min_replicas=1, max_replicas=4, target_requests=8, upscale_delay_s=5, downscale_delay_s=60)
 

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("tfserve.distributed")
+logger = logging.getLogger("tfserve.engine")
 
 
 @dataclass
@@ -147,8 +147,8 @@ def worker_main(spec: WorkerSpec, rank: int) -> None:
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     import torch
 
-    from tfserve.distributed import tensor_parallel
     from tfserve.engine import attention
+    from tfserve.engine.parallel import tensor_parallel
     from tfserve.engine.runner import ModelRunner
     from tfserve.models.loading import load_model
 

@@ -1,0 +1,149 @@
+"""Ollama's /api/chat and /api/generate bodies, typed, with their `options`: the sampling options under Ollama's
+names (`num_predict`, `repeat_penalty`) with the ranges of the one table; an option that would change the output
+and is not honoured is a 400, never dropped."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from tfserve.server.errors import bad_request
+from tfserve.server.protocol import field
+from tfserve.server.requests.base import RequestModel
+from tfserve.server.requests.sampling import SamplingFields
+
+HONOURED = frozenset({"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "min_p",
+                      "presence_penalty", "frequency_penalty", "repeat_last_n"})
+# how the model runs, not what it writes (num_ctx: the served context is the model's own)
+IGNORED = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "low_vram", "f16_kv", "use_mmap",
+                     "use_mlock", "vocab_only", "numa", "num_keep", "logits_all", "embedding_only"})
+# would change the output: accepted only at the value that leaves it as ours is (Ollama's defaults)
+NEUTRAL = {"typical_p": (1.0,), "tfs_z": (1.0,), "mirostat": (0,), "penalize_newline": (True, False)}
+
+
+class OllamaOptions(SamplingFields):
+    """`options` of /api/chat and /api/generate. `num_predict` -1 or -2 (until the context is full) is no limit."""
+
+    MAX_TOKENS_FIELDS: ClassVar[tuple[str, ...]] = ("num_predict",)
+
+    num_predict: int | None = None
+    repetition_penalty: float | None = Field(None, alias="repeat_penalty")
+    repeat_last_n: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, options: Any) -> Any:
+        """Only the options this server honours reach the fields; the others are ignored or refused here."""
+        if not isinstance(options, dict):
+            return options
+        for name, value in options.items():
+            if value is None or name in HONOURED or name in IGNORED:
+                continue
+            if name not in NEUTRAL:
+                raise bad_request(f"options.{name} is not an option this server takes", f"options.{name}")
+            if not any(value is v or (isinstance(value, bool) == isinstance(v, bool) and value == v)
+                       for v in NEUTRAL[name]):  # a boolean is no number
+                raise bad_request(f"options.{name} is not supported by this server (leave it out)", f"options.{name}")
+        return {name: value for name, value in options.items() if name in HONOURED}
+
+    @model_validator(mode="after")
+    def _ollama_checks(self) -> OllamaOptions:
+        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        if self.repeat_last_n not in (None, -1) and penalty != 1.0:  # the penalty here reads the whole context (-1)
+            raise bad_request("options.repeat_last_n other than -1 is not supported with repeat_penalty: the "
+                              "penalty covers the whole context", "options.repeat_last_n")
+        if self.num_predict in (-1, -2):
+            self.num_predict = None
+        elif self.num_predict is not None and self.num_predict < 1:
+            raise bad_request("options.num_predict must be >= 1, or -1 (no limit)", "options.num_predict")
+        return self
+
+
+class _OllamaRequest(RequestModel):
+    """What /api/chat and /api/generate share. Ollama's clients send only its fields: another is a 400 (a field
+    sent for a reason is never dropped unseen)."""
+
+    ROUTE: ClassVar[str] = ""
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"model", "format", "options", "stream", "keep_alive", "think",
+                                                   "logprobs", "top_logprobs"})
+
+    model: str | None = None
+    format: Any = None  # "json", a JSON schema, or "" / absent for free text
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    stream: bool | None = None  # true unless false, as in Ollama
+    keep_alive: Any = None
+    think: Any = None  # true, false or a level ("low", ...): false turns a reasoning model's thinking off
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, body: Any) -> Any:
+        unknown = sorted(set(body) - cls.FIELDS) if isinstance(body, dict) else []
+        if unknown:
+            raise bad_request(f"unknown field {unknown[0]!r}: /api/{cls.ROUTE} takes {', '.join(sorted(cls.FIELDS))}",
+                              unknown[0])
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    @model_validator(mode="after")
+    def _shared_checks(self) -> Any:
+        if self.model is None:
+            raise bad_request("model is required", "model")
+        field({"think": self.think}, "think", (bool, str))
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """`options` (and the top-level fields that shape sampling) -> SamplingParams keyword arguments."""
+        for name in ("logprobs", "top_logprobs"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported on this route (use /v1/chat/completions)", name)
+        return self.options.to_sampling_kwargs()
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """`format` as OpenAI's `response_format`: "json" -> any JSON object, a schema -> that schema, "" or absent
+        -> free text."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return {"type": "json_object"}
+        if isinstance(self.format, dict):
+            return {"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}}
+        raise bad_request('format must be "json" or a JSON schema object', "format")
+
+
+class OllamaChatRequest(_OllamaRequest):
+    """POST /api/chat: Ollama's `messages` (with `images`, `tool_calls`, `tool_name`) and `tools`."""
+
+    ROUTE: ClassVar[str] = "chat"
+    FIELDS: ClassVar[frozenset[str]] = _OllamaRequest.FIELDS | {"messages", "tools"}
+
+    messages: list[Any] = Field(default_factory=list)
+    tools: Any = None
+
+
+class OllamaGenerateRequest(_OllamaRequest):
+    """POST /api/generate: a `prompt` (with `system`, `images`), through the chat template unless `raw`."""
+
+    ROUTE: ClassVar[str] = "generate"
+    FIELDS: ClassVar[frozenset[str]] = _OllamaRequest.FIELDS | {"prompt", "suffix", "system", "template", "context",
+                                                                "raw", "images"}
+
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[Any] | None = None
+    raw: bool = False
+    images: list[Any] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _generate_checks(self) -> OllamaGenerateRequest:
+        for name in ("suffix", "template"):  # a fill-in-the-middle, a Go template: neither is done here
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by this server", name)
+        if self.context:
+            raise bad_request("context (the tokens of an earlier reply) is not supported: send the conversation to "
+                              "/api/chat", "context")
+        return self

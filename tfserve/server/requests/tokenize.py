@@ -1,0 +1,56 @@
+"""vLLM's POST /tokenize and POST /detokenize bodies, typed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from tfserve.server.errors import bad_request
+from tfserve.server.requests.base import RequestModel
+from tfserve.server.requests.chat import Messages, parse_messages
+from tfserve.server.tool_choice import ToolChoice
+
+
+class TokenizeRequest(RequestModel):
+    """`prompt` or chat `messages` (rendered as /v1/chat/completions renders them, with its template fields)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None  # Messages, once parsed
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's own)
+    return_token_strs: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if ("prompt" in self.model_fields_set) == ("messages" in self.model_fields_set):
+            raise bad_request("send either prompt or messages", "prompt")
+        if "prompt" in self.model_fields_set and self.prompt is None:
+            raise bad_request("prompt is required", "prompt")
+        if "messages" in self.model_fields_set:
+            self.messages = parse_messages(self.messages)
+            self.tool_choice = ToolChoice.parse(self.tool_choice)
+        return self
+
+    @property
+    def chat(self) -> Messages | None:
+        """The parsed messages, or None for a prompt."""
+        return self.messages if isinstance(self.messages, Messages) else None
+
+
+class DetokenizeRequest(RequestModel):
+    """`tokens` -> their text (each id checked against the vocabulary by the handler)."""
+
+    model: str | None = None
+    tokens: list[Any] = Field(None, validate_default=True)
+
+    @model_validator(mode="after")
+    def _required(self) -> DetokenizeRequest:
+        if self.tokens is None:
+            raise bad_request("tokens is required", "tokens")
+        return self
