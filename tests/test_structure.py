@@ -30,6 +30,7 @@ LAYERS = {"tfserve.cli": 4, "tfserve.server": 3, "tfserve.chat": 3, "tfserve.ben
           "tfserve.engine": 1, "tfserve.protocol": 0, "tfserve.models": 0}
 NO_TORCH = ("tfserve.engine.request", "tfserve.engine.kv_cache", "tfserve.engine.scheduler")  # and what they import
 NOT_IN_ENGINE = ("aiohttp", "rich", "typer")  # the engine is a library: no web server, no terminal
+MAX_SERVER_TOP_MODULES = 12  # server/ stays grouped: api/, tools/, runtime/, requests/ hold the rest
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -194,6 +195,15 @@ def test_no_module_is_over_the_size_limit(modules):
     assert not over, f"modules over {MAX_LINES} lines (split by responsibility):\n" + "\n".join(over)
     fixed = sorted(name for name in KNOWN_OVERSIZED if sizes.get(name, 0) <= MAX_LINES)
     assert not fixed, f"within the limit now (or gone): remove from KNOWN_OVERSIZED: {fixed}"
+
+
+def test_the_server_stays_grouped_by_concern():
+    top = sorted(path.name for path in (ROOT / "server").glob("*.py"))
+    groups = {path.name for path in (ROOT / "server").iterdir() if (path / "__init__.py").is_file()}
+    assert {"api", "tools", "runtime", "requests"} <= groups
+    assert len(top) <= MAX_SERVER_TOP_MODULES, (
+        f"{len(top)} modules directly in server/ (at most {MAX_SERVER_TOP_MODULES}): put a handler in api/, tool "
+        f"calls and output constraints in tools/, what the running server holds in runtime/: {top}")
 
 
 def test_the_engine_imports_no_web_server_or_terminal_library(modules):

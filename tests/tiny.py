@@ -137,7 +137,7 @@ def build_engine(tokenizer, **kwargs):
 
 
 def make_state(async_engine, **kwargs):
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     state = ServerState(**kwargs)
     state.set_engine(async_engine, MODEL_NAME, path=f"/models/{MODEL_NAME}")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
+import copy
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -55,8 +56,9 @@ class Range:
             raise ParamError(name, f"{{{name}}} must be {self.what(api)} (got {shorten(value)})")
 
 
-# Every sampling field's range, the one table: the engine checks it (SamplingParams) and so does the HTTP edge
-# (tfserve.server.requests, with `api`), so a value is told the same words wherever it is wrong.
+# Every sampling field's range, the one table. SamplingParams checks it, the one place that does (the HTTP edge
+# builds SamplingParams' fields and renders its errors under the client's names); the edge itself reads only
+# what SamplingParams does not see: the API's narrower tops (`api_high`) and fields of other names.
 RANGES: dict[str, Range] = {
     "max_tokens": Range(1, integer=True),
     "temperature": Range(0, MAX_TEMPERATURE, api_high=2),  # past float32's range logits divide to 0, then NaN
@@ -75,6 +77,7 @@ RANGES: dict[str, Range] = {
     "min_tokens": Range(0, integer=True),
     "logit_bias": Range(-100, 100),  # each token's bias
     "token_id": Range(0, MAX_INT64 - 1, integer=True, words="a token id (an integer >= 0)"),
+    "transcription_temperature": Range(0, 1),  # Whisper's first decode (OpenAI's audio form: 0 to 1)
 }
 
 
@@ -170,8 +173,9 @@ class SamplingParams:
         for name in _FLOAT_FIELDS:  # floats from here on: an int past int64 would overflow the sampler's tensors
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a finite number")
+            RANGES[name].check(name, value)  # before the float: the error shows the value as it was sent
             setattr(self, name, float(value))
-        for name in _RANGED_FIELDS:
+        for name in ("max_tokens", "top_k", "n"):
             RANGES[name].check(name, getattr(self, name))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), name, "must be True or False")
@@ -235,9 +239,18 @@ class SamplingParams:
         values.update(changes)
         return SamplingParams(**values)
 
+    def sequence(self, index: int) -> SamplingParams:
+        """Sequence `index` of the `n` these params ask for: n=1 and seed + index, copied without checking again
+        (the checks made on these params cover it: the seed's range holds seed + n - 1)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sequence {index} of n={self.n}")
+        child = copy.copy(self)
+        child.n = 1
+        child.seed = None if self.seed is None else self.seed + index
+        return child
+
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_RANGED_FIELDS = ("max_tokens", *_FLOAT_FIELDS, "top_k", "n")
 
 
 def _is_number(value: Any) -> bool:

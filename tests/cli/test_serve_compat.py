@@ -9,10 +9,10 @@ import logging
 import pytest
 from typer.testing import CliRunner
 
-from tfserve.config import EngineConfig
 from tfserve.cli import app
 from tfserve.cli import serve as serve_cli
 from tfserve.cli.serve_compat import normalize_args
+from tfserve.config import EngineConfig
 
 runner = CliRunner()
 
@@ -22,7 +22,7 @@ def served(monkeypatch, tmp_path):
     """Run `tfserve serve ARGS` up to listening; returns what it would have served (or the failed result)."""
     from tfserve.server import app as server_app
     from tfserve.server import run
-    from tfserve.server.state import STATE
+    from tfserve.server.runtime.state import STATE
 
     seen: dict = {}
     real_create_app = server_app.create_app

@@ -46,7 +46,7 @@ def test_the_pulled_folder_and_its_vectors(minilm_dir, reference):
 
 
 def test_served_vectors_through_the_sdk(minilm_dir, reference):
-    from tfserve.server.state import READY, ServerState
+    from tfserve.server.runtime.state import READY, ServerState
 
     state = ServerState()
     state.embeddings.load(str(minilm_dir))

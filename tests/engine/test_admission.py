@@ -10,6 +10,7 @@ from contextlib import aclosing
 import pytest
 
 from tfserve import SamplingParams
+from tfserve.engine import admission
 from tfserve.engine.async_engine import AsyncEngine
 from tfserve.protocol.chat_template import ChatTemplateError, render_chat
 from tfserve.engine.manager import BatchingManager
@@ -43,6 +44,19 @@ def test_n_children_get_seed_plus_i(make_engine):
     requests = engine.make_requests(PROMPT, SamplingParams(n=3, seed=5, max_tokens=2), request_id="r")
     assert [r.request_id for r in requests] == ["r-0", "r-1", "r-2"]
     assert [(r.params.n, r.params.seed) for r in requests] == [(1, 5), (1, 6), (1, 7)]
+
+
+def test_n_children_are_the_parents_checked_params_not_checked_again(monkeypatch):
+    """The parent's SamplingParams were checked once; its children (n=1, seed+i) are copies of them."""
+    parent = SamplingParams(n=3, seed=2**63 - 3, max_tokens=2, stop=["x"], logit_bias={5: 1.0})
+    checked = []
+    monkeypatch.setattr(SamplingParams, "__post_init__", lambda self: checked.append(self))
+    children = admission.fan_out("r", parent)
+    assert not checked
+    assert [(child_id, p.n, p.seed) for child_id, p in children] == [
+        ("r-0", 1, 2**63 - 3), ("r-1", 1, 2**63 - 2), ("r-2", 1, 2**63 - 1)]
+    assert all((p.max_tokens, p.stop, p.logit_bias) == (2, ["x"], {5: 1.0}) for _, p in children)
+    assert parent.n == 3 and parent.seed == 2**63 - 3
 
 
 def test_the_manager_runs_built_requests_without_validating_them_again(make_engine, monkeypatch):

@@ -111,7 +111,7 @@ def test_every_architecture_replays_the_eager_tokens(cpu_graphs, arch, backend):
 def test_metrics_count_the_graphs_captured_and_replayed(cpu_graphs, make_engine):
     from types import SimpleNamespace
 
-    from tfserve.server.metrics import ServerMetrics
+    from tfserve.server.runtime.metrics import ServerMetrics
 
     engine = make_engine(cpu_kernels=False)
     _generate(engine)

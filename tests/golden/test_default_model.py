@@ -151,7 +151,7 @@ def test_the_default_model_fills_a_json_schema_and_a_forced_tool_call(gguf_engin
     from tfserve.sampling_params import Grammar
     from tfserve.protocol.tool_formats import detect_format
     from tfserve.protocol.tool_calls import parse_tool_calls
-    from tfserve.server.tool_choice import tool_call_grammar
+    from tfserve.server.tools.tool_choice import tool_call_grammar
 
     tokenizer = gguf_engine.tokenizer
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},

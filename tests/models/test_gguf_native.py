@@ -201,7 +201,7 @@ def test_the_cached_tokenizer_is_the_fresh_one(tiny, home):
 
     from transformers import AutoTokenizer
 
-    from tfserve.server.logprobs import _is_byte_level
+    from tfserve.server.api.logprobs import _is_byte_level
 
     fresh = AutoTokenizer.from_pretrained(str(tiny.parent), gguf_file=tiny.name)
     gguf_native.load_config_and_tokenizer(tiny)  # the first start: read from the metadata, cached

@@ -144,7 +144,7 @@ def test_the_server_applies_the_policy_while_it_serves(replicated):
     from tfserve.serving.autoscale import AutoscalePolicy
     from tfserve.server.app import create_app
     from tfserve.server.run import serve
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     async def main():
         stop = asyncio.Event()

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def speech_server(start_server, whisper_dir):  # noqa: F811  (the fixture, by name)
-    from tfserve.server.speech import SpeechOptions
+    from tfserve.server.runtime.speech import SpeechOptions
 
     return start_server(state_kwargs={"speech": SpeechOptions(default_model=str(whisper_dir), max_audio_s=20)},
                         max_body_size=1_000_000)

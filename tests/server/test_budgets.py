@@ -16,7 +16,7 @@ from bystander import Bystander, PeakRss
 from tiny import MODEL_NAME, slow_masks
 
 from tfserve.server.media import MediaOptions
-from tfserve.server.request_limits import RequestLimits
+from tfserve.server.runtime.request_limits import RequestLimits
 
 CHAT = "/v1/chat/completions"
 MIB = 2**20
@@ -113,7 +113,7 @@ def test_a_grammar_slow_to_compile_is_a_400_not_a_stall(server, monkeypatch):
     validation); past the budget it is a 400 while the compile finishes on its own thread."""
     import random
 
-    from tfserve.server import response_format
+    from tfserve.server.tools import response_format
 
     monkeypatch.setattr(response_format, "MAX_COMPILE_S", 0.05)
     rng = random.Random(0)

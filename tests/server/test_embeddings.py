@@ -11,8 +11,8 @@ import pytest
 from tiny import MODEL_NAME, LiveServer, make_state
 from tiny_encoder import SENTENCES, build_encoder_dir
 
-from tfserve.server.embedding_models import EmbeddingOptions
-from tfserve.server.state import READY, ServerState
+from tfserve.server.runtime.embedding_models import EmbeddingOptions
+from tfserve.server.runtime.state import READY, ServerState
 
 
 @pytest.fixture(scope="module")

@@ -290,7 +290,7 @@ def test_queued_sequences_are_never_counted_twice():
     model (or the engine's next step) counts too."""
     from types import SimpleNamespace
 
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     state = ServerState()
     state.num_waiting = 3  # nothing loaded yet: all three wait

@@ -245,7 +245,7 @@ def test_body_over_the_limit_is_413(start_server):
 def test_what_cannot_fit_is_told_before_the_prompts_are_tokenized(start_server, monkeypatch):
     """Megabytes of text past any context, or more prompts than the queue takes: a 400 before tokenizing them
     (seconds of a core each, beside the others' requests)."""
-    from tfserve.server import completions
+    from tfserve.server.api import completions
 
     live = start_server(state_kwargs={"max_queued": 2})
     monkeypatch.setattr(completions, "parse_prompts", lambda *args: pytest.fail("tokenized"))
@@ -325,7 +325,7 @@ def test_a_client_that_leaves_after_the_last_token_leaves_no_traceback(server, c
 
 
 def test_loading_and_draining_are_503(start_server, async_engine):
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     loading = start_server(state=ServerState())
     for path, body in [(CHAT, chat()), ("/health", None)]:

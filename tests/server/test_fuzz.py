@@ -74,7 +74,7 @@ def assert_400(server, path: str, body, param: str | None, headers: dict | None 
 
 
 def test_a_300_character_model_name_is_a_404(server, start_server, async_engine):
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     status, error = post(server, CHAT, {**BASE[CHAT], "model": "m" * 300})
     assert status == 404 and error["code"] == "model_not_found" and error["param"] == "model"

@@ -16,8 +16,8 @@ import pytest
 from bystander import Bystander
 from tiny import MODEL_NAME
 
-from tfserve.server.connection_limits import ConnectionLimits
-from tfserve.server.connections import quiet_accept_errors
+from tfserve.server.runtime.connection_limits import ConnectionLimits
+from tfserve.server.runtime.connections import quiet_accept_errors
 
 CHAT = "/v1/chat/completions"
 

@@ -18,8 +18,8 @@ from PIL import Image
 
 from tiny import MODEL_NAME
 
-from tfserve.protocol.chat_template import render_chat
 from tfserve.images import ImageError, data_url_bytes, decode_image
+from tfserve.protocol.chat_template import render_chat
 from tfserve.server.media import MediaOptions
 from tfserve.server.media_fetch import is_public
 
@@ -227,7 +227,7 @@ def test_images_reach_the_engine_in_order_with_hf_parts(server, vision):
 
 
 def test_text_requests_are_what_they_were(server, vision):
-    from tfserve.server.chat import parse_messages
+    from tfserve.server.api.chat import parse_messages
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                          {"role": "developer", "content": "c"}]}

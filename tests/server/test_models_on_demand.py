@@ -62,7 +62,7 @@ def fake_store(tmp_path, monkeypatch, tokenizer):
 
 @pytest.fixture
 def live(fake_store):
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     state = ServerState(load=fake_store.load)
     state.set_engine(fake_store.load("model-a"))
@@ -203,7 +203,7 @@ def test_a_failed_load_is_500_and_the_previous_model_comes_back(live, fake_store
 
 
 def test_force_model_ignores_hints_and_loads_nothing(fake_store):
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     state = ServerState(load=fake_store.load, force_model=True)
     state.set_engine(fake_store.load("model-a"))
@@ -252,7 +252,7 @@ def test_model_swaps_are_rate_limited(live, fake_store):
 
 def test_a_pinned_model_is_never_swapped(fake_store):
     """--pin-model: the server gets no loader; another store model's name is a 404 and loads nothing."""
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     state = ServerState(load=None)
     state.set_engine(fake_store.load("model-a"))

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 
 from tfserve.protocol.tool_formats import HERMES
-from tfserve.server.response_output import ResponseOutput
+from tfserve.server.api.response_output import ResponseOutput
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 

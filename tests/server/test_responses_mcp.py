@@ -37,7 +37,7 @@ def toy_server(async_engine):
 
 def _state(async_engine, **options):
     from tfserve.mcp.config import parse_mcp_config
-    from tfserve.server.mcp_tools import McpOptions
+    from tfserve.server.tools.mcp_tools import McpOptions
 
     configs = parse_mcp_config({"mcpServers": {"toy": toy_stdio_config()}})
     return make_state(async_engine, mcp=McpOptions(configs=configs, **options))
@@ -234,7 +234,7 @@ def test_request_urls_are_refused_unless_allowed(start_server, async_engine):
         status, _, error = refused.request("POST", "/v1/responses", body)
         assert status == 400 and error["error"]["param"] == "tools[0].server_url"
         assert error["error"]["code"] == "mcp_server_url_not_allowed"
-        from tfserve.server.mcp_tools import McpOptions
+        from tfserve.server.tools.mcp_tools import McpOptions
 
         allowed = start_server(make_state(async_engine, mcp=McpOptions(allow_url_patterns=("http://127.0.0.1:*/*",))))
         forced = {**body, "tools": [{**body["tools"][0], "allowed_tools": ["pick"]}], "max_output_tokens": 30,

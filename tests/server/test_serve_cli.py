@@ -70,7 +70,7 @@ def test_bad_flags_fail_in_one_line(args, message, tmp_path):
 
 
 def test_otel_without_the_extra_is_one_line(monkeypatch):
-    from tfserve.server import telemetry
+    from tfserve.server.runtime import telemetry
 
     monkeypatch.setattr(telemetry, "is_installed", lambda: False)
     result = invoke("serve", "--otel")
@@ -162,7 +162,8 @@ def test_banner_states_the_quantization(async_engine, monkeypatch):
 def test_chat_template_kwargs_reach_the_template(start_server, tokenizer, monkeypatch):
     """Server defaults (--chat-template-kwargs / --reasoning) under the request's own chat_template_kwargs,
     for chat completions and responses; a non-object is a 400 naming the field."""
-    from tfserve.server import chat, tool_loop
+    from tfserve.server.api import chat
+    from tfserve.server.tools import tool_loop
 
     seen = []
     real_render = chat.render_chat
@@ -225,7 +226,7 @@ def test_default_seed_makes_unseeded_sampling_repeatable(tokenizer):
 
 def test_model_timeout_unloads_the_idle_model_and_the_next_request_loads_it(tokenizer, tmp_path, tfserve_home):
     from tfserve.engine.async_engine import AsyncEngine
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
     from tiny import LiveServer, build_engine
 
     loads = []
@@ -325,7 +326,7 @@ def test_default_model_knows_the_capital_of_france(default_model_dir):
     loaded = load_model(str(default_model_dir))
     engine = Engine(loaded.model, loaded.tokenizer, num_blocks=256)
     async_engine = AsyncEngine(engine).start()
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     state = ServerState()
     state.set_engine(async_engine, "smollm2-135m-instruct", default_model_dir)
@@ -342,7 +343,7 @@ def test_default_model_knows_the_capital_of_france(default_model_dir):
 
 def test_media_flags_reach_the_server(monkeypatch, tmp_path):
     from tfserve.server import run
-    from tfserve.server.state import STATE
+    from tfserve.server.runtime.state import STATE
 
     seen = {}
 
@@ -408,7 +409,7 @@ def test_a_server_stopped_while_its_model_loads_says_it_never_served(monkeypatch
     from tfserve.engine.threads import abandoned_torch_work
     from tfserve.server import run
     from tfserve.server.app import create_app
-    from tfserve.server.state import ServerState
+    from tfserve.server.runtime.state import ServerState
 
     released = threading.Event()
 

@@ -20,7 +20,7 @@ def traced(async_engine, start_server):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from tfserve.server.telemetry import Telemetry
+    from tfserve.server.runtime.telemetry import Telemetry
 
     spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
     tracer_provider = TracerProvider()
@@ -79,7 +79,7 @@ def test_engine_gauges_are_otel_metrics(traced):
 
 def test_otel_without_the_extra_names_the_install(monkeypatch, async_engine):
     from tfserve.errors import TfserveError
-    from tfserve.server import telemetry
+    from tfserve.server.runtime import telemetry
 
     monkeypatch.setattr(telemetry, "is_installed", lambda: False)
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME"):
@@ -93,7 +93,7 @@ def test_otel_without_the_extra_names_the_install(monkeypatch, async_engine):
 
 
 def test_otel_variables_turn_on_otlp_export(monkeypatch, async_engine):
-    from tfserve.server import telemetry
+    from tfserve.server.runtime import telemetry
 
     monkeypatch.setenv("OTEL_SERVICE_NAME", "my-tfserve")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: never flushed

@@ -10,13 +10,13 @@ import jsonschema
 import pytest
 
 from tfserve import Engine, SamplingParams
-from tfserve.server.errors import ApiError
-from tfserve.protocol.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, detect_format
-from tfserve.protocol.tool_calls import parse_tool_calls
 from tfserve.engine.structured import GrammarError, StructuredOutputs
+from tfserve.protocol.tool_calls import parse_tool_calls
+from tfserve.protocol.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, detect_format
 from tfserve.sampling_params import Grammar
-from tfserve.server.tool_choice import (after_first_turn, apply_constraint, callable_tools, forced_tools,
-                                        needs_special_tokens, text_or_calls, tool_call_grammar)
+from tfserve.server.errors import ApiError
+from tfserve.server.tools.tool_choice import (after_first_turn, apply_constraint, callable_tools, forced_tools,
+                                              needs_special_tokens, text_or_calls, tool_call_grammar)
 from tiny import build_llama, build_tokenizer
 
 FUNCTIONS = [

@@ -21,12 +21,12 @@ from tfserve.cli.serve_banner import print_banner
 from tfserve.cli.serve_embeddings import EmbeddingModelOpt
 from tfserve.cli.serve_limits import (MaxMessagesOpt, MaxRequestPixelsOpt, MaxSeqsPerRequestOpt, MaxStoredItemMibOpt,
                                       MaxStoreMibOpt, ModelSwapIntervalOpt, PinModelOpt)
-from tfserve.cli.serve_logging import configure_logging
 from tfserve.cli.serve_compat import Reasoning
+from tfserve.cli.serve_logging import configure_logging
 from tfserve.engine.parallel.workers import torchrun_rank
 from tfserve.errors import ModelNotFoundError, TfserveError, UsageError
-from tfserve.server.connection_limits import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS,
-                                             DEFAULT_MAX_CONNECTIONS_PER_CLIENT, ConnectionLimits)
+from tfserve.server.runtime.connection_limits import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS,
+                                                      DEFAULT_MAX_CONNECTIONS_PER_CLIENT, ConnectionLimits)
 
 
 def serve(
@@ -147,9 +147,9 @@ def serve(
     from tfserve.models.loading import resolve_model
     from tfserve.server.app import create_app
     from tfserve.server.run import serve as run_server
-    from tfserve.server.speech import SpeechOptions
-    from tfserve.server.state import ServerState
-    from tfserve.server.telemetry import from_options
+    from tfserve.server.runtime.speech import SpeechOptions
+    from tfserve.server.runtime.state import ServerState
+    from tfserve.server.runtime.telemetry import from_options
 
     force_model = flags.pinned_model(ctx, model_arg, force_model, model)
     output_format = compat.output_format(format_, json_output, quiet)

@@ -63,7 +63,7 @@ def kv_cache_too_large(exc, kv_cache_memory: str | None, num_blocks: int | None)
 def mcp_options(config: str | None, allow_url: list[str] | None, timeout_s: float):
     """--mcp-config (read now: a bad file is one line before anything loads), --mcp-allow-url, --mcp-timeout."""
     from tfserve.mcp.config import load_mcp_config
-    from tfserve.server.mcp_tools import McpOptions
+    from tfserve.server.tools.mcp_tools import McpOptions
 
     try:
         configs = load_mcp_config(config) if config is not None else {}

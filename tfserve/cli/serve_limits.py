@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 
 from tfserve.images import DEFAULT_MAX_REQUEST_PIXELS  # noqa: F401  (serve's default, named here with its flag)
-from tfserve.server.request_limits import (DEFAULT_MAX_MESSAGES, DEFAULT_MAX_SEQS_PER_REQUEST,  # noqa: F401
-                                           DEFAULT_MODEL_SWAP_INTERVAL_S, DEFAULT_STORE_BYTES,
-                                           DEFAULT_STORED_ITEM_BYTES, RequestLimits)
+from tfserve.server.runtime.request_limits import (DEFAULT_MAX_MESSAGES, DEFAULT_MAX_SEQS_PER_REQUEST,  # noqa: F401
+                                                   DEFAULT_MODEL_SWAP_INTERVAL_S, DEFAULT_STORE_BYTES,
+                                                   DEFAULT_STORED_ITEM_BYTES, RequestLimits)
 
 LIMITS = "Limits"
 MIB = 2**20

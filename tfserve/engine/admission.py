@@ -1,9 +1,9 @@
 """Requests in: a prompt and its sampling fields checked and turned into `Request`s, before anything is queued.
 
-The one place the engine checks what a caller asks for (the server checks the body's types and OpenAI's
-ranges at the edge; `SamplingParams` checks its own fields): the prompt's tokens against the vocabulary, prompt
-and `max_tokens` against the context and the KV cache, the model's generation_config defaults for fields left
-out, and the `n` fan-out into one request per sequence. Plain functions over the values they read, so the
+The one place the engine checks what a caller asks for against the model (the server checks the body's types
+at the edge; `SamplingParams` checks its own fields and ranges wherever it is built, the edge included): the
+prompt's tokens against the vocabulary, prompt and `max_tokens` against the context and the KV cache, the
+model's generation_config defaults for fields left out, and the `n` fan-out into one request per sequence. Plain functions over the values they read, so the
 engine (`Engine.make_requests`, `Engine.sampling_params`) calls them with what it holds at the time.
 """
 
@@ -126,11 +126,11 @@ def validate(prompt_ids: list[int], params: SamplingParams, vocab_size: int, cap
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
     """The (id, params) of each sequence `params.n` asks for: the id itself for one; `id-i` with n=1 and
-    seed+i (a seeded request stays repeatable, its sequences differ) for several."""
+    seed+i (a seeded request stays repeatable, its sequences differ) for several. The children are copies of
+    `params`, already checked, not checked again (`SamplingParams.sequence`)."""
     if params.n == 1:
         return [(request_id, params)]
-    return [(f"{request_id}-{i}", params.replace(n=1, seed=None if params.seed is None else params.seed + i))
-            for i in range(params.n)]
+    return [(f"{request_id}-{i}", params.sequence(i)) for i in range(params.n)]
 
 
 def is_token_id(value: Any) -> bool:

@@ -18,15 +18,15 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from tfserve.server import admin, audio, chat, completions, conversations, health, models, responses
-from tfserve.server import embeddings, ollama, tgi, tokenize
-from tfserve.server.connection_limits import ConnectionLimits
-from tfserve.server.connections import ConnectionTracker, LimitedHandler
+from tfserve.server.api import admin, audio, chat, completions, conversations, health, models, responses
+from tfserve.server.api import embeddings, ollama, tgi, tokenize
 from tfserve.server.errors import TGI_PATHS, ApiError, error_for
 from tfserve.server.generation import USAGE
-from tfserve.server.residency import LEASE
+from tfserve.server.runtime.connection_limits import ConnectionLimits
+from tfserve.server.runtime.connections import ConnectionTracker, LimitedHandler
+from tfserve.server.runtime.residency import LEASE
+from tfserve.server.runtime.state import STATE, ServerState
 from tfserve.server.sse import EVENT_STREAM
-from tfserve.server.state import STATE, ServerState
 
 logger = logging.getLogger("tfserve.server")
 CLIENT_LEFT = web.RequestKey("tfserve_client_left", bool)  # request[CLIENT_LEFT]: its event stream lost the client

@@ -13,12 +13,13 @@ from tfserve.protocol.chat_template import RENDER_ARGUMENTS, ChatTemplateError, 
 from tfserve.server.errors import bad_request
 from tfserve.server.media import no_images, takes_images
 from tfserve.server.protocol import check_name, check_schema, field
-from tfserve.server.threads import in_daemon_thread
-from tfserve.server.tool_choice import tool_choice_of
+from tfserve.server.runtime.threads import in_daemon_thread
+from tfserve.server.tools.tool_choice import tool_choice_of
 
 
-def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """`tools` for the chat template, or None when absent or `tool_choice` is "none"."""
+def parse_tools(body: dict[str, Any], legacy: bool = False) -> list[dict[str, Any]] | None:
+    """`tools` for the chat template, or None when absent or `tool_choice` is "none". `legacy`: the tools are the
+    legacy `functions` (chat_functions.as_tools), named as such in a 400 (`functions[0].name`)."""
     tools = field(body, "tools", list)
     tool_choice = tool_choice_of(body)
     if not tools:
@@ -30,7 +31,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             continue
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
-        names.append(check_function(tool["function"], f"tools[{i}].function"))
+        names.append(check_function(tool["function"], f"functions[{i}]" if legacy else f"tools[{i}].function"))
     check_function_names(names)
     return None if tool_choice.mode == "none" else tools
 

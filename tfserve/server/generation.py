@@ -22,7 +22,7 @@ from tfserve import __version__
 from tfserve.errors import GrammarFailed
 from tfserve.server.errors import ApiError, from_value_error
 from tfserve.server.protocol import too_many
-from tfserve.server.state import ServerState
+from tfserve.server.runtime.state import ServerState
 
 
 @dataclass(slots=True)

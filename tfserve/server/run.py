@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from tfserve.server.app import json_errors
-from tfserve.server.connections import quiet_accept_errors
-from tfserve.server.threads import in_daemon_thread
-from tfserve.server.state import READY, STATE, ServerState
+from tfserve.server.runtime.connections import quiet_accept_errors
+from tfserve.server.runtime.state import READY, STATE, ServerState
+from tfserve.server.runtime.threads import in_daemon_thread
 
 if TYPE_CHECKING:
     from tfserve.engine.async_engine import AsyncEngine

@@ -9,13 +9,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from tfserve.server import chat_functions
 from tfserve.server.chat_prompt import parse_tools, render_options, template_arguments
-from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.errors import bad_request
 from tfserve.server.media import ImageRef, content_of
 from tfserve.server.protocol import field, json_type, one_of
 from tfserve.server.requests.sampling import EFFORTS, CommonFields, SamplingRequest
-from tfserve.server.tool_choice import ToolChoice
+from tfserve.server.tools import chat_functions
+from tfserve.server.tools.tool_choice import ToolChoice
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: a legacy call's result
 
@@ -53,21 +53,18 @@ class ChatCompletionRequest(SamplingRequest, CommonFields):
     verbosity: str | None = None
     reasoning_effort: str | None = None
     max_tool_calls: int | None = None  # tfserve's, with mcp tools: the calls the server runs, at most
+    functions: list[dict[str, Any]] | None = None  # legacy: read as `tools` too (checked by chat_functions)
+    function_call: Any = None  # legacy: read as `tool_choice`
 
-    _legacy: bool = PrivateAttr(False)
     _tools: list[dict[str, Any]] | None = PrivateAttr(None)
     _render_options: dict[str, bool] = PrivateAttr(default_factory=dict)
 
+    @model_validator(mode="before")
     @classmethod
-    def parse(cls, body: dict[str, Any]) -> ChatCompletionRequest:
-        """The typed request; the legacy `functions` read as `tools` (errors about them named as sent)."""
-        body, legacy = chat_functions.as_tools(body)
-        try:
-            request = super().parse(body)
-        except ApiError as error:
-            raise chat_functions.in_legacy_terms(error) if legacy else error from None
-        request._legacy = legacy
-        return request
+    def _legacy_functions(cls, body: Any) -> Any:
+        """The legacy `functions` / `function_call` read as `tools` / `tool_choice` as well (kept, so the errors
+        about them name what the client sent)."""
+        return chat_functions.as_tools(body)[0] if isinstance(body, dict) else body
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -118,7 +115,7 @@ class ChatCompletionRequest(SamplingRequest, CommonFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if not self.has_mcp_tools:  # those are the tool loop's to check (chat_mcp)
-            self._tools = parse_tools({"tools": self.tools, "tool_choice": self.tool_choice})
+            self._tools = parse_tools({"tools": self.tools, "tool_choice": self.tool_choice}, self.legacy)
         self._render_options = render_options({"continue_final_message": self.continue_final_message,
                                                "add_generation_prompt": self.add_generation_prompt})
         return self
@@ -126,7 +123,12 @@ class ChatCompletionRequest(SamplingRequest, CommonFields):
     @property
     def legacy(self) -> bool:
         """True when the body gave the legacy `functions` / `function_call` (calls go back in that shape)."""
-        return self._legacy
+        return self.functions is not None
+
+    @property
+    def parameters_fields(self) -> dict[str, str] | None:
+        """Function name -> the field of its parameters where the body gave legacy functions (None: its tools)."""
+        return chat_functions.parameters_fields(self.functions) if self.legacy else None
 
     @property
     def has_mcp_tools(self) -> bool:

@@ -7,13 +7,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from tfserve.sampling_params import RANGES, Range
 from tfserve.server.errors import bad_request
 from tfserve.server.requests.sampling import SamplingRequest
-
-# max_tokens 0 (OpenAI's minimum here) only reads the prompt: with echo and logprobs, it scores the prompt
-# (lm-eval-harness's loglikelihood)
-_SCORE_MAX_TOKENS = Range(0, integer=True)
 
 
 class CompletionRequest(SamplingRequest):
@@ -26,10 +21,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None
-
-    @classmethod
-    def _range(cls, name: str, table: str) -> Range:
-        return _SCORE_MAX_TOKENS if name == "max_tokens" else RANGES[table]
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
@@ -46,6 +37,8 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().to_sampling_kwargs()
+        # max_tokens 0 (OpenAI's minimum here) only reads the prompt: with echo and logprobs, it scores the prompt
+        # (lm-eval-harness's loglikelihood); SamplingParams checks any other value
         if self.score_only:
             kwargs["max_tokens"] = 1
         if self.logprobs is not None:

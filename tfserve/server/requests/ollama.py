@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
@@ -53,11 +53,17 @@ class OllamaOptions(SamplingFields):
         if self.repeat_last_n not in (None, -1) and penalty != 1.0:  # the penalty here reads the whole context (-1)
             raise bad_request("options.repeat_last_n other than -1 is not supported with repeat_penalty: the "
                               "penalty covers the whole context", "options.repeat_last_n")
-        if self.num_predict in (-1, -2):
-            self.num_predict = None
-        elif self.num_predict is not None and self.num_predict < 1:
-            raise bad_request("options.num_predict must be >= 1, or -1 (no limit)", "options.num_predict")
         return self
+
+    @field_validator("num_predict")
+    @classmethod
+    def _no_limit(cls, num_predict: int | None) -> int | None:
+        """-1 and -2 (until the context is full) are no limit; SamplingParams checks any other value."""
+        return None if num_predict in (-1, -2) else num_predict
+
+    @property
+    def names(self) -> dict[str, str]:
+        return {**super().names, "repetition_penalty": "repeat_penalty"}
 
 
 class _OllamaRequest(RequestModel):
@@ -147,3 +153,48 @@ class OllamaGenerateRequest(_OllamaRequest):
             raise bad_request("context (the tokens of an earlier reply) is not supported: send the conversation to "
                               "/api/chat", "context")
         return self
+
+
+class OllamaShowRequest(RequestModel):
+    """POST /api/show: the model, by `model` (or by `name`, its older field)."""
+
+    model: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> OllamaShowRequest:
+        if not self.model and self.name is None:
+            raise bad_request("model is required", "model")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The model asked for, without Ollama's default tag."""
+        return (self.model or self.name or "").removesuffix(":latest")
+
+
+class OllamaEmbedRequest(RequestModel):
+    """POST /api/embed: `input` (a string or a list of them; read against the server's limits by the handler),
+    `truncate` (default true, as Ollama), `dimensions`. `options` are not taken here."""
+
+    model: str | None = Field(None, validate_default=True)
+    input: Any = None
+    truncate: bool | None = None
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+    @model_validator(mode="after")
+    def _embed_checks(self) -> OllamaEmbedRequest:
+        if self.model is None:
+            raise bad_request("model is required", "model")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise bad_request(f"dimensions must be at least 1 (got {self.dimensions})", "dimensions")
+        if self.options:
+            raise bad_request("options are not taken by /api/embed here", "options")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The model asked for, without Ollama's default tag."""
+        return (self.model or "").removesuffix(":latest")

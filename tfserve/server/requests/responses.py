@@ -9,13 +9,13 @@ from typing import Any, ClassVar
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tfserve.sampling_params import Grammar
-from tfserve.server.conversations import conversation_id
+from tfserve.server.api.conversations import conversation_id
+from tfserve.server.api.response_items import as_response_format, text_format
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import INCLUDABLE, one_of
 from tfserve.server.requests.sampling import EFFORTS, CommonFields, SamplingFields
-from tfserve.server.response_format import requested_grammar
-from tfserve.server.response_items import as_response_format, text_format
-from tfserve.server.tool_choice import ToolChoice
+from tfserve.server.tools.response_format import requested_grammar
+from tfserve.server.tools.tool_choice import ToolChoice
 
 _REASONING_CHOICES = {"effort": EFFORTS, "summary": ("auto", "concise", "detailed"),
                       "generate_summary": ("auto", "concise", "detailed")}
@@ -48,6 +48,7 @@ class ResponseRequest(SamplingFields, CommonFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as on chat
 
     _constraint: tuple[Grammar, str] | None = PrivateAttr(None)
+    _text_format: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -103,7 +104,8 @@ class ResponseRequest(SamplingFields, CommonFields):
         if self.conversation is not None and self.previous_response_id is not None:
             raise bad_request("conversation and previous_response_id cannot be used together: a conversation "
                               "holds its own history", "conversation")
-        constraint = requested_grammar({"response_format": as_response_format(text_format({"text": self.text}))})
+        self._text_format = text_format({"text": self.text})
+        constraint = requested_grammar({"response_format": as_response_format(self._text_format)})
         self._constraint = constraint and (constraint[0], "text.format")
         return self
 
@@ -111,6 +113,11 @@ class ResponseRequest(SamplingFields, CommonFields):
     def constraint(self) -> tuple[Grammar, str] | None:
         """`text.format` as a Grammar, named "text.format" (None: free text)."""
         return self._constraint
+
+    @property
+    def text_format(self) -> dict[str, Any]:
+        """`text.format` as checked ({"type": "text"} when absent), as the Response echoes it."""
+        return self._text_format
 
     @property
     def num_top_logprobs(self) -> int | None:

@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 from pydantic import PrivateAttr, field_validator, model_validator
 
 from tfserve.errors import ParamError
-from tfserve.sampling_params import MAX_INT64, RANGES, Grammar
+from tfserve.sampling_params import MAX_INT64, RANGES, Grammar, SamplingParams
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import check_metadata, json_type, one_of, shorten
-from tfserve.server.requests.base import RequestModel
-from tfserve.server.response_format import requested_grammar
+from tfserve.server.requests.base import RequestModel, SentAs
+from tfserve.server.tools.response_format import requested_grammar
 
 # the values OpenAI takes for some fields that change nothing here (another is a 400 there, so here too)
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -37,6 +37,9 @@ class SamplingFields(RequestModel):
     engine's words to the fields this request sent (`max_tokens` -> `max_completion_tokens`) for its errors."""
 
     MAX_TOKENS_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens",)  # the first one present wins
+    ENGINE_CHECKED: ClassVar[frozenset[str]] = frozenset({
+        "max_tokens", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "top_k", "seed", "n", "min_tokens", "logprobs", "prompt_logprobs"})
     PROMPT_FIELD: ClassVar[str] = "prompt"
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # None: what is left of the context
 
@@ -106,7 +109,20 @@ class SamplingFields(RequestModel):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
         self._logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
+        self._check_sampling()
         return self
+
+    def _check_sampling(self) -> None:
+        """The fields SamplingParams takes, checked by SamplingParams itself (the one place that checks
+        max_tokens), its errors named as this request sent them. An absent max_tokens is what is left of the
+        context: the engine checks that one with the prompt (`Engine.sampling_params`)."""
+        kwargs = self.to_sampling_kwargs()
+        if kwargs["max_tokens"] is None:
+            kwargs["max_tokens"] = max(1, kwargs.get("min_tokens", 1))
+        try:
+            SamplingParams(**kwargs)
+        except ParamError as exc:
+            raise SentAs(exc, self.names) from None
 
     @property
     def max_tokens_field(self) -> str:

@@ -13,7 +13,7 @@ from tfserve.server.errors import bad_request
 from tfserve.server.protocol import json_type
 from tfserve.server.requests.base import RequestModel
 from tfserve.server.requests.sampling import SamplingFields
-from tfserve.server.response_format import requested_grammar
+from tfserve.server.tools.response_format import requested_grammar
 
 DEFAULT_MAX_NEW_TOKENS = 100  # huggingface_hub's documented default, where a request sends none
 # parameters that would change the output, accepted at these values only (what TGI does when they are absent)

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from tfserve.server.errors import bad_request
 from tfserve.server.requests.base import RequestModel
 from tfserve.server.requests.chat import Messages, parse_messages
-from tfserve.server.tool_choice import ToolChoice
+from tfserve.server.tools.tool_choice import ToolChoice
 
 
 class TokenizeRequest(RequestModel):
