@@ -244,3 +244,10 @@ def test_imports_are_resolved_as_python_resolves_them(tmp_path):
     assert graph["pkg.a"] == {"pkg.b", "pkg.sub"}  # helper is no module: the package it is read from
     assert graph["pkg.sub.c"] == {"pkg.sub.d", "pkg.a"}  # inside a function, relative
     assert graph["pkg.sub"] == {"pkg.sub.c"}
+
+
+def test_test_modules_have_names_of_their_own():
+    """The test folders are not packages (pytest imports each test module by its file name), so two test files of
+    one name in different folders stop the whole run at collection: `tests/engine/test_client.py` once did."""
+    names = [path.name for path in Path(__file__).parent.rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
