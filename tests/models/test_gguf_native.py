@@ -258,9 +258,27 @@ def test_the_cached_tokenizer_is_the_fresh_one(tiny, home):
                 {"role": "user", "content": "and now?"}]
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # rebuilt from its parts (`_bpe_parts`: the vocabulary and merges as Python objects), the very same tokenizer
+    assert gguf_native._bpe_parts(fresh.backend_tokenizer) is not None
+    assert cached.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
     # the server's byte-level test reads the decoder alone; the whole tokenizer's JSON says the same
     decoder = json.loads(fresh.backend_tokenizer.to_str())["decoder"]
     assert _is_byte_level(cached) is _is_byte_level(fresh) is ("ByteLevel" in json.dumps(decoder))
+
+
+def test_a_tokenizer_bpe_parts_cannot_rebuild_is_pickled_as_its_json():
+    """Only a BPE model goes by parts; any other (WordLevel here) pickles and unpickles as tokenizers does it."""
+    import io
+    import pickle
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    word_level = Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert gguf_native._bpe_parts(word_level) is None
+    file = io.BytesIO()
+    gguf_native._TokenizerPickler(file).dump(word_level)
+    assert pickle.loads(file.getvalue()).to_str() == word_level.to_str()
 
 
 def test_a_file_read_again_is_parsed_once_until_it_changes(tiny, tmp_path):

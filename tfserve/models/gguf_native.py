@@ -287,7 +287,8 @@ def _save(folder: Path, config: Any, tokenizer: Any) -> None:
         (work / FULL_CONFIG).write_text(json.dumps({"class": type(config).__name__, "fields": config.to_dict(),
                                                     "class_fields": _class_fields(config)}))
         tokenizer.save_pretrained(work)  # the files anyone can read; the pickle is what a start reads
-        (work / PICKLED_TOKENIZER).write_bytes(pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL))
+        with (work / PICKLED_TOKENIZER).open("wb") as file:
+            _TokenizerPickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(tokenizer)
         described = _tokenizer_class_fields(type(tokenizer))
         if described is not None:
             (work / TOKENIZER_CLASS).write_text(json.dumps(described))
@@ -366,6 +367,64 @@ class _TokenizerUnpickler(pickle.Unpickler):
         if stand_in is not None and (module, name) == (stand_in["module"], stand_in["name"]):
             return _tokenizer_class(name, stand_in["model"], json.dumps(stand_in["fields"], sort_keys=True))
         return super().find_class(module, name)
+
+
+class _TokenizerPickler(pickle.Pickler):
+    """Pickles a BPE `tokenizers.Tokenizer` as its parts (`_bpe_parts`) where they rebuild it exactly."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        from tokenizers import Tokenizer
+
+        if isinstance(obj, Tokenizer):
+            parts = _bpe_parts(obj)
+            if parts is not None:
+                return _bpe_tokenizer, parts
+        return NotImplemented
+
+
+_BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", "byte_fallback",
+                "ignore_merges")
+
+
+def _bpe_parts(tokenizer) -> tuple | None:
+    """A BPE tokenizer as (its JSON without the model's vocabulary and merges nor the added tokens, the vocabulary,
+    the merges, the model's options, the added tokens' fields), or None where `_bpe_tokenizer` would not rebuild
+    it to the same JSON. A tokenizer unpickles from its JSON, which tokenizers parses through a buffered copy of
+    every value: Gemma 3's 262k tokens and 515k merges took 1.3 s; the same as Python objects handed to `BPE`,
+    1.0 s (the vocabulary and merges are half of a cached Gemma start's tokenizer)."""
+    json_text = tokenizer.to_str()
+    state = json.loads(json_text)
+    model = state.get("model") or {}
+    merges = model.get("merges")
+    if model.get("type") != "BPE" or not all(isinstance(pair, list) and len(pair) == 2 for pair in merges or ()):
+        return None
+    added = [(t["content"], t["single_word"], t["lstrip"], t["rstrip"], t["normalized"], t["special"])
+             for t in state.get("added_tokens") or ()]
+    pipeline = json.dumps({**state, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []},
+                          ensure_ascii=False)
+    options = {key: model[key] for key in _BPE_OPTIONS if model.get(key) is not None}
+    parts = (pipeline, model["vocab"], [tuple(pair) for pair in merges], options, added)
+    try:
+        same = _bpe_tokenizer(*parts).to_str() == json_text
+    except Exception as exc:  # a model option this tokenizers' BPE takes otherwise: the JSON is pickled
+        logger.debug("tokenizer kept as its JSON (%s)", first_line(exc))
+        return None
+    return parts if same else None
+
+
+def _bpe_tokenizer(pipeline: str, vocab: dict[str, int], merges: list[tuple[str, str]], options: dict[str, Any],
+                   added: list[tuple]) -> Any:
+    """The tokenizer `_bpe_parts` took apart: the pipeline around an empty BPE, then its model, then the added
+    tokens (which take the model's ids for the tokens it has, as deserializing a tokenizer adds them)."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer.from_str(pipeline)
+    tokenizer.model = BPE(vocab=vocab, merges=merges, **options)
+    tokenizer.add_tokens([AddedToken(content, single_word=single_word, lstrip=lstrip, rstrip=rstrip,
+                                     normalized=normalized, special=special)
+                          for content, single_word, lstrip, rstrip, normalized, special in added])
+    return tokenizer
 
 
 # what a tokenizer class that only constructs (GemmaTokenizer, Qwen2Tokenizer, LlamaTokenizer) adds to
