@@ -406,7 +406,7 @@ def _bpe_parts(tokenizer) -> tuple | None:
     parts = (pipeline, model["vocab"], [tuple(pair) for pair in merges], options, added)
     try:
         same = _bpe_tokenizer(*parts).to_str() == json_text
-    except Exception as exc:  # a model option this tokenizers' BPE takes otherwise: the JSON is pickled
+    except Exception as exc:  # noqa: BLE001  (tokenizers raises a bare Exception for a BPE it cannot build)
         logger.debug("tokenizer kept as its JSON (%s)", first_line(exc))
         return None
     return parts if same else None
