@@ -169,6 +169,23 @@ def test_repack_is_the_layout_byte_for_byte(ops, name):
         assert packed.shape == expected.shape and np.array_equal(packed, expected), (n, k)
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_parts_repack_as_their_concatenation_byte_for_byte(ops, name):
+    """Several layers' blocks repacked from where each lies (`fused`: no concatenated copy) are the bytes of their
+    concatenation repacked, with groups of 8 rows straddling parts; a strided part is read as its rows."""
+    rng = np.random.default_rng(11)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[T[name]]
+    row_bytes = 512 // block_size * type_size
+    parts = [rng.integers(0, 256, (n, row_bytes), dtype=np.uint8) for n in (13, 8, 27)]
+    expected = ops.repack_blocks(torch.from_numpy(np.concatenate(parts)), int(T[name]))
+    assert torch.equal(ops.repack_block_parts([torch.from_numpy(p) for p in parts], int(T[name])), expected)
+    wide = rng.integers(0, 256, (13, 2 * row_bytes), dtype=np.uint8)[:, :row_bytes]  # rows 2 row sizes apart
+    assert torch.equal(ops.repack_block_parts([torch.from_numpy(wide), torch.from_numpy(parts[1])], int(T[name])),
+                       ops.repack_blocks(torch.from_numpy(np.concatenate([wide, parts[1]])), int(T[name])))
+    with pytest.raises(RuntimeError, match="one row size"):
+        ops.repack_block_parts([torch.from_numpy(parts[0]), torch.from_numpy(parts[0][:, :type_size])], int(T[name]))
+
+
 def test_an_id_outside_the_weight_is_refused(ops, layer):
     name, _, _, packed = layer
     with pytest.raises(RuntimeError, match="is not a row"):

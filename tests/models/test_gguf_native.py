@@ -71,6 +71,10 @@ def test_config_and_tokenizer_come_from_the_cache_on_a_second_load(tiny, home, m
             assert getattr(again, name) == value, name
     assert again_tokenizer(text)["input_ids"] == expected(text)["input_ids"]
     assert again_tokenizer.chat_template == expected.chat_template
+    # the tokenizer without its transformers class (importing it imports transformers.models: 0.6 s of a start)
+    if type(tokenizer).__module__.startswith("transformers.models."):
+        assert type(again_tokenizer).__name__ == type(tokenizer).__name__
+        assert type(again_tokenizer).__module__ == gguf_native.__name__
 
     # a pickle another user could have written is not loaded: the tokenizer files are read instead
     pickled = next(gguf_native.cache_root().iterdir()) / gguf_native.PICKLED_TOKENIZER
@@ -108,6 +112,41 @@ def test_the_model_holds_the_files_norms_and_no_linear_weight(tiny):
     for name, buffer in model.named_buffers():  # the rotary tables are computed, not left empty
         assert buffer.device.type == "cpu"
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name])
+
+
+def test_a_second_start_reads_the_norms_from_the_cache(tiny, home, monkeypatch):
+    """The norms and biases as the first start processed them from the file's tensors, kept with its config."""
+    config, _ = gguf_native.load_config_and_tokenizer(tiny)
+    first = dict(gguf_native.build_model(read(tiny), config).named_parameters())
+
+    def no_tensor_reads(*args, **kwargs):
+        raise AssertionError("the file's norms were processed again")
+
+    monkeypatch.setattr(gguf_native, "_small_tensors", no_tensor_reads)
+    config, _ = gguf_native.load_config_and_tokenizer(tiny)
+    again = dict(gguf_native.build_model(read(tiny), config).named_parameters())
+    assert again.keys() == first.keys()
+    for name, param in again.items():
+        assert torch.equal(param, first[name]) and param.shape == first[name].shape, name
+
+
+def test_a_cached_start_imports_no_model_package_of_transformers(tiny, home):
+    """Importing `transformers.models` scans every model folder of transformers (0.6 s of a 2-core start): a
+    start that finds the file cached reads its config, tokenizer and norms without it."""
+    import subprocess
+    import sys
+
+    config, _ = gguf_native.load_config_and_tokenizer(tiny)
+    gguf_native.build_model(read(tiny), config)  # the first start: everything cached
+    code = ("import sys; from pathlib import Path; from tfserve.models import gguf_native; "
+            "from tfserve.models.gguf_reader import read; path = Path(sys.argv[1]); "
+            "config, tokenizer = gguf_native.load_config_and_tokenizer(path); "
+            "gguf_native.build_model(read(path), config); tokenizer('hello world'); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models')))")
+    result = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_a_file_with_a_tensor_the_skeleton_has_no_place_for_is_built_from_its_class(tiny, tmp_path):
@@ -221,9 +260,27 @@ def test_the_cached_tokenizer_is_the_fresh_one(tiny, home):
                 {"role": "user", "content": "and now?"}]
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # rebuilt from its parts (`_bpe_parts`: the vocabulary and merges as Python objects), the very same tokenizer
+    assert gguf_native._bpe_parts(fresh.backend_tokenizer) is not None
+    assert cached.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
     # the server's byte-level test reads the decoder alone; the whole tokenizer's JSON says the same
     decoder = json.loads(fresh.backend_tokenizer.to_str())["decoder"]
     assert _is_byte_level(cached) is _is_byte_level(fresh) is ("ByteLevel" in json.dumps(decoder))
+
+
+def test_a_tokenizer_bpe_parts_cannot_rebuild_is_pickled_as_its_json():
+    """Only a BPE model goes by parts; any other (WordLevel here) pickles and unpickles as tokenizers does it."""
+    import io
+    import pickle
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    word_level = Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert gguf_native._bpe_parts(word_level) is None
+    file = io.BytesIO()
+    gguf_native._TokenizerPickler(file).dump(word_level)
+    assert pickle.loads(file.getvalue()).to_str() == word_level.to_str()
 
 
 def test_a_file_read_again_is_parsed_once_until_it_changes(tiny, tmp_path):

@@ -56,8 +56,10 @@ class EngineLinear:
             self.packed = ops.pack_linear_weight(weight, _PANEL_DTYPES[held], dot=dot)
         elif self.format == "int8":
             self.packed, self.qtype = ops.repack_blocks(ops.quantize_q8_0(weight), _Q8_0), _Q8_0
-        elif self.format == "gguf":
-            self.packed, self.qtype = ops.repack_blocks(torch.from_numpy(blocks.blocks), blocks.qtype), blocks.qtype
+        elif self.format == "gguf":  # (`blocks.blocks`: one array, or a list of several layers' stacked by `fused`)
+            parts = blocks.blocks if isinstance(blocks.blocks, list) else [blocks.blocks]
+            self.packed = ops.repack_block_parts([torch.from_numpy(part) for part in parts], blocks.qtype)
+            self.qtype = blocks.qtype
         elif self.format != "torch":
             raise ValueError(f"weights must be float32, float16, bfloat16, int8 or gguf (got {weights!r})")
 
@@ -120,10 +122,8 @@ def fused(layers: list[torch.nn.Linear], ops, weights: str, blocks: list | None 
     bias = None if all(b is None for b in biases) else torch.cat([
         b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers)])
     stacked = LinearWeights(weight, bias, sum(layer.out_features for layer in layers))
-    if blocks:
-        import numpy as np
-
-        joined = QuantizedWeight(np.concatenate([b.blocks for b in blocks]), blocks[0].qtype, blocks[0].type_name)
+    if blocks:  # repacked from where each layer's blocks lie: no concatenated copy of them (1 s of a 1.5B's start)
+        joined = QuantizedWeight([b.blocks for b in blocks], blocks[0].qtype, blocks[0].type_name)
         return EngineLinear(stacked, ops, "gguf", joined)
     return EngineLinear(stacked, ops, weights)
 

@@ -23,6 +23,7 @@ STORE_FILE = "model.gguf"  # where the store keeps a pulled model's original fil
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
     blocks: Any  # numpy uint8 [out_features, bytes per row]; an expert stack's [num_experts, out_features, bytes]
+    # (or a list of [out_features_i, bytes per row] arrays: several layers stacked by output features, uncopied)
     qtype: int  # GGUF's type id (BLOCK_TYPES)
     type_name: str
 

@@ -668,6 +668,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("t_len"), py::arg("heads"), py::arg("scale"));
   m.def("repack_blocks", &repack_blocks, "GGUF blocks (Q4_0 .. Q8_0, Q2_K .. Q6_K) in the layout of quant_linear (CPU)",
         nogil, py::arg("blocks"), py::arg("qtype"));
+  m.def("repack_block_parts", &repack_block_parts, "Several layers' GGUF blocks, stacked by output features, in the "
+        "layout of quant_linear (CPU)", nogil, py::arg("parts"), py::arg("qtype"));
   m.def("quant_linear", &quant_linear, "x @ W.T + bias with W from repack_blocks (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("float_from") = -1);

@@ -303,19 +303,36 @@ inline int64_t group_block_bytes(int64_t qtype) {
 }  // namespace tfs
 
 #if !TFS_NO_TORCH
-// GGUF blocks uint8 [out_features, bytes per row] of `qtype` (GGUF's type id) -> the kernels' layout, uint8
-// [ceil(out_features / 8), in_features / inputs per block (32, or 256 for K-quants), group block bytes].
-torch::Tensor repack_blocks(torch::Tensor blocks, int64_t qtype) {
+// GGUF blocks of several layers, uint8 [out_features_i, bytes per row] each (one row size, one `qtype`: GGUF's type
+// id), stacked by output features -> the kernels' layout, uint8 [ceil(sum out_features_i / 8), in_features /
+// inputs per block (32, or 256 for K-quants), group block bytes]: the layout of their concatenation, read from
+// where each part lies (copying the query, key and value or gate and up weights of a 1.5B model into one array
+// first cost 1 s of a 2-core machine's start, more than the repacking).
+torch::Tensor repack_block_parts(const std::vector<torch::Tensor>& parts, int64_t qtype) {
   const int64_t bb = tfs::file_block_bytes(qtype);
   TORCH_CHECK(bb, tfs::kQTypesHelp);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) % bb == 0,
-              "blocks: uint8 [out_features, bytes per row]");
-  auto bc = blocks.contiguous();
-  const int64_t n = bc.size(0), nb = bc.size(1) / bb;
-  auto out = torch::empty({(n + tfs::kGroup - 1) / tfs::kGroup, nb, tfs::group_block_bytes(qtype)}, bc.options());
-  tfs::dispatch(qtype, [&](auto t) { tfs::repack<decltype(t)::value>(bc.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), n, nb); });
+  TORCH_CHECK(!parts.empty(), "parts: one tensor of blocks or more");
+  std::vector<torch::Tensor> held;  // contiguous parts, alive while their rows are read
+  int64_t n = 0;
+  for (const auto& part : parts) {
+    TORCH_CHECK(part.dim() == 2 && part.scalar_type() == torch::kUInt8 && part.size(1) % bb == 0 &&
+                part.size(1) == parts[0].size(1), "blocks: uint8 [out_features, bytes per row], one row size");
+    held.push_back(part.contiguous());
+    n += part.size(0);
+  }
+  const int64_t row_bytes = parts[0].size(1), nb = row_bytes / bb;
+  std::vector<const uint8_t*> rows;
+  rows.reserve(n);
+  for (const auto& part : held)
+    for (int64_t r = 0; r < part.size(0); ++r) rows.push_back(part.data_ptr<uint8_t>() + r * row_bytes);
+  auto out = torch::empty({(n + tfs::kGroup - 1) / tfs::kGroup, nb, tfs::group_block_bytes(qtype)}, held[0].options());
+  tfs::dispatch(qtype, [&](auto t) { tfs::repack<decltype(t)::value>(rows.data(), out.data_ptr<uint8_t>(), n, nb); });
   return out;
 }
+
+// GGUF blocks uint8 [out_features, bytes per row] of `qtype` (GGUF's type id) -> the kernels' layout, uint8
+// [ceil(out_features / 8), in_features / inputs per block (32, or 256 for K-quants), group block bytes].
+torch::Tensor repack_blocks(torch::Tensor blocks, int64_t qtype) { return repack_block_parts({blocks}, qtype); }
 
 static void check_packed(const torch::Tensor& packed, int64_t qtype, int64_t out_features, int64_t k) {
   TORCH_CHECK(tfs::file_block_bytes(qtype), tfs::kQTypesHelp);

@@ -13,6 +13,8 @@
 //   Q5_K  the same, u of 5 bits                                     } rounded to float32 as numpy does
 //   Q6_K  (d * s) * (u - 32)         s: int8 per 16                }
 #pragma once
+#include <vector>
+
 #include "quant_lanes.h"
 
 namespace tfs {
@@ -309,25 +311,34 @@ inline lanes::Q quad(const uint8_t* blk) {
 // File blocks [n][nb] (of kInputs inputs each) -> group blocks [ceil(n / 8)][nb] (columns past n: zero). Every
 // byte of the output is written (no memset first); the work is split over group blocks, in pieces of 32 KiB
 // or more, so that a small tensor (128 x 896) stays on one thread.
+// `rows[r]`: where row r's file blocks start (the rows of several layers' weights, stacked, need not be one
+// stretch of memory: no copy of them is made first).
 template <QType T>
-inline void repack(const uint8_t* src, uint8_t* dst, int64_t n, int64_t nb) {
+inline void repack(const uint8_t* const* rows, uint8_t* dst, int64_t n, int64_t nb) {
   using S = Spec<T>;
   constexpr int64_t gbb = kGroupBytes<T>;
   static constexpr uint8_t kZero[S::kFileBytes] = {};  // the file block of a column past n
-  const int64_t row_bytes = nb * S::kFileBytes, groups = (n + kGroup - 1) / kGroup;
+  const int64_t groups = (n + kGroup - 1) / kGroup;
   at::parallel_for(0, groups * nb, std::max<int64_t>(1, 32768 / gbb), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / nb, b = i % nb;
       const int num_cols = static_cast<int>(std::min<int64_t>(kGroup, n - g * kGroup));
       uint8_t* gb = dst + i * gbb;
-      const uint8_t* block = src + g * kGroup * row_bytes + b * S::kFileBytes;
-      for (int c = 0; c < num_cols; ++c) S::pack(block + c * row_bytes, c, gb);
+      for (int c = 0; c < num_cols; ++c) S::pack(rows[g * kGroup + c] + b * S::kFileBytes, c, gb);
       for (int c = num_cols; c < kGroup; ++c) {
         S::pack(kZero, c, gb);
         for (int s = 0; s < S::kScaleRows; ++s) gb[16 * S::kHeads + 8 * s + c] = 0;  // Q3_K's would read -32
       }
     }
   });
+}
+
+// The same over one weight's file blocks [n][nb], one stretch of memory at `src`.
+template <QType T>
+inline void repack(const uint8_t* src, uint8_t* dst, int64_t n, int64_t nb) {
+  std::vector<const uint8_t*> rows(n);
+  for (int64_t r = 0; r < n; ++r) rows[r] = src + r * nb * Spec<T>::kFileBytes;
+  repack<T>(rows.data(), dst, n, nb);
 }
 
 // f(std::integral_constant<QType, t>) for the type id t; false where no kernel has it.
