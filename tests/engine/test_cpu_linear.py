@@ -115,6 +115,12 @@ def test_bfloat16_dot_products_where_the_cpu_has_them(ops):
     assert packed.shape == (3, 17, 2 * 2 * ops.vec_width)
     expected = x.bfloat16().float() @ w.bfloat16().float().T
     torch.testing.assert_close(ops.linear(x, packed, 70), expected, rtol=1e-5, atol=1e-5)
+    # a prompt's rows: tiles of 10-12 rows (the last one shorter), each tile's inputs interleaved; 32+ inputs
+    for rows, k in ((37, 33), (200, 96), (13, 70)):
+        w, x = torch.randn(70, k), torch.randn(rows, k)
+        expected = x.bfloat16().float() @ w.bfloat16().float().T
+        got = ops.linear(x, ops.pack_linear_weight(w, torch.bfloat16, dot=True), 70)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])

@@ -41,6 +41,8 @@ def test_each_format_stays_within_its_stated_logit_error(llama, ops, weights):
     engine = Engine(llama, block_size=4, num_blocks=64, weights=weights)
     expected = {weights: 2 * 7 + 1} if weights != "int8" else {"int8": 2 * 7, "float16": 1}  # the head: float16
     assert engine.runner.forward.weight_formats == expected
+    # bfloat16 weights: prompt attention on the bfloat16 dot products too, where the build has them
+    assert engine.runner.forward.prompt_dot is (weights == "bfloat16" and ops.bf16_dot)
     for got, ref in zip(_prompt_logits(engine, prompts), reference):
         spread = (ref.max() - ref.min()).item()
         assert (got - ref).abs().max().item() <= TOLERANCE[weights] * spread, weights

@@ -128,6 +128,9 @@ class AttentionMetadata:
     flash: bool = False  # attend with flash-attn (see FlashLayout) instead of SDPA per group
     flash_layout: FlashLayout | None = None  # made by the first layer of the step, shared by the others
     num_decode_tokens: int = 0  # the step's first tokens that are decodes (proposals checked included)
+    # prompt rows through the CPU's bfloat16 dot products (the kernels' `dot`: bfloat16 q, k, v and probabilities,
+    # float32 sums): the backend's choice for bfloat16 weights, whose layers already take bfloat16 inputs
+    prompt_dot: bool = False
 
 
 @dataclass(slots=True)
@@ -240,7 +243,7 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
             if group.pad_index is not None and not sliding_window and not softcap:  # prompt rows: the tiles
                 outs.append(meta.cpu_ops.paged_prompt_attention(q.transpose(0, 1).contiguous(), k_cache, v_cache,
                                                                 group.block_tables, group.key_lens,
-                                                                group.query_lens(), scale))
+                                                                group.query_lens(), scale, dot=meta.prompt_dot))
             else:
                 outs.append(_row_attention(meta.cpu_ops, q.transpose(0, 1).contiguous(), k_cache, v_cache, group,
                                            scale, sliding_window or -1, softcap or 0.0))

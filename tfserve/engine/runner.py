@@ -233,6 +233,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             groups=groups, kv_caches=self.kv_caches, block_size=self.block_size, cpu_ops=self.cpu_ops,
             flash=self.flash_attention, num_decode_tokens=num_decode_tokens,
+            prompt_dot=getattr(self.forward, "prompt_dot", False),
         ))
         ids = torch.tensor(input_ids, device=device)
         try:

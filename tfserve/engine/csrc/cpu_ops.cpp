@@ -659,7 +659,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prompt_attention", &paged_prompt_attention,
         "Prompt rows of several sequences through tiles, each row the decode kernel's bits (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("key_lens"), py::arg("q_lens"),
-        py::arg("scale"));
+        py::arg("scale"), py::arg("dot") = false);
   m.def("pack_linear_weight", &pack_linear_weight, "Repack a weight into panels of `dtype` for `linear` (CPU)", nogil,
         py::arg("weight"), py::arg("dtype") = py::none(), py::arg("dot") = false);
   m.def("linear", &linear, "x @ W.T + bias with a weight from pack_linear_weight (CPU)", nogil, py::arg("x"),

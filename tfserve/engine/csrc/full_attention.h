@@ -337,6 +337,145 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   });
 }
 
+#if TFS_BF16_DOT
+// Prompt rows as prompt_attention takes them, through the bfloat16 dot products (linear.h's Bf16DotTiles: twice
+// the float32 FMA rate), for an engine that already rounds every linear layer's inputs to bfloat16: q, the keys,
+// the values and the probabilities are rounded to bfloat16 (to nearest even), every sum is float32. Per
+// (sequence, KV head) the keys are packed as the "weight" of the scores ([panels of 32 keys][d/2][32][2]: each
+// key's dimensions i, i + 1 side by side) and the values as the weight of the output ([panels of 32 dims][tp/2]
+// [32][2]: each dimension's keys t, t + 1 side by side); each tile of kTileRows rows of a head gets its scores a
+// panel of keys at a time, an exact float32 softmax over the row's own keys (a row of 2048 scores is 8 KiB: no
+// partitions, no online rescaling), its probabilities in bfloat16 pairs (0 past its own keys), and the weighted
+// values. A row depends on its query and keys alone (not its tile, chunk or thread), but is not the decode
+// kernel's float32 bits: that holds for the float32 prompt_attention only. d: even.
+inline void prompt_attention_bf16(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                                  int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens, int64_t num_seqs,
+                                  int64_t block_size, int64_t num_kv_heads, float* out, int64_t heads, int64_t d,
+                                  float scale) {
+  using T = Bf16DotTiles;
+  constexpr int64_t P = kPanelCols;
+  const int64_t d2 = d / 2, group = heads / num_kv_heads, token_stride = num_kv_heads * d;
+  const int64_t value_panels = (d + P - 1) / P, key_panel_size = T::panel_size(d);  // bfloat16s per key panel
+  std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
+  std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
+  // per (sequence, KV head): keys [tp / P][d2][P][2], then values [value_panels][tp / 2][P][2]: 2 (tp d + tp P v)
+  auto head_size = [&](int64_t s) { return tp[s] / P * key_panel_size + value_panels * tp[s] * P; };
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    row0[s + 1] = row0[s] + q_lens[s];
+    tp[s] = (key_lens[s] + P - 1) / P * P;
+    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * head_size(s) : 0);
+    tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
+    pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
+  }
+  std::vector<int64_t> slots_at(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
+  std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t* table = tables + s * max_blocks;
+    for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
+      slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+  }
+  std::unique_ptr<c10::BFloat16[]> packed(new c10::BFloat16[std::max<int64_t>(packed_at[num_seqs], 1)]);
+  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + packed_at[s] + kvh * head_size(s); };
+  auto lanes = [](int64_t n) {  // the first n of 16 lanes (all for n >= 16, none for n <= 0)
+    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  };
+  const __m512i key_index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int>(P)));
+  parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {  // one panel of 32 keys and their 32 values each
+    const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
+    const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
+    auto* kp = reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + p * key_panel_size);  // [d2][P] pairs
+    auto* vp = reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + panels * key_panel_size);  // [vpanels][tp/2][P]
+    const int64_t real = std::min(P, key_lens[s] - p * P);  // keys of the panel in the cache; 0 past them
+    if (real < P) {
+      std::fill(kp, kp + key_panel_size / 2, 0u);
+      for (int64_t j = 0; j < value_panels; ++j) {
+        uint32_t* rows = vp + (j * tp[s] + p * P) / 2 * P;
+        std::fill(rows, rows + P / 2 * P, 0u);
+      }
+    }
+    auto key = [&](int64_t c) { return slot_offsets[slots_at[s] + p * P + c] + kvh * d; };
+    for (int64_t c = 0; c < real; ++c) {  // key c's dimension pairs to kp[i][c]: 16 pairs (32 floats) at a time
+      const float* kr = k_cache + key(c);
+      for (int64_t i = 0; i < d2; i += 16) {
+        const __m512 lo = _mm512_maskz_loadu_ps(lanes(d - 2 * i), kr + 2 * i);
+        const __m512 hi = _mm512_maskz_loadu_ps(lanes(d - 2 * i - 16), kr + 2 * i + 16);
+        _mm512_mask_i32scatter_epi32(kp + i * P + c, lanes(d2 - i), key_index, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), 4);
+      }
+    }
+    for (int64_t c = 0; c < real; c += 2) {  // keys c, c + 1's values side by side, 16 dimensions at a time
+      const float* v0 = v_cache + key(c);
+      const float* v1 = c + 1 < real ? v_cache + key(c + 1) : nullptr;
+      for (int64_t e = 0; e < value_panels * P; e += 16) {
+        const __mmask16 m = lanes(d - e);
+        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v0 + e)));
+        const __m512i b = v1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v1 + e)))
+                             : _mm512_setzero_si512();
+        uint32_t* dst = vp + ((e / P) * tp[s] + p * P + c) / 2 * P + e % P;  // panel e / P, pair row (p P + c) / 2
+        _mm512_storeu_si512(dst, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+    }
+  });
+  constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
+  parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
+    // bfloat16 pairs: the tile's queries [d2][rows], its probabilities [rows][width / 2]
+    std::vector<uint32_t> qbuf(kTileRows * d2), probs;
+    std::vector<float> scores, obuf(kTileRows * value_panels * P);
+    for (int64_t item = claim(); item >= 0; item = claim()) {
+      const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
+      const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
+      const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
+      const c10::BFloat16* kp = packed_keys(s, h / group);
+      const c10::BFloat16* vp = kp + tp[s] / P * key_panel_size;
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
+      const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
+      scores.resize(kTileRows * width);
+      probs.resize(kTileRows * width / 2);
+      for (int r = 0; r < rows; ++r) {  // pairs, the rows interleaved: [d2][rows] (Bf16DotTiles)
+        const float* qr = q + ((row0[s] + r0 + r) * heads + h) * d;
+        for (int64_t i = 0; i < d2; ++i)
+          qbuf[i * rows + r] = c10::BFloat16(qr[2 * i]).x | static_cast<uint32_t>(c10::BFloat16(qr[2 * i + 1]).x) << 16;
+      }
+      for (int64_t p = 0; p < width / P; ++p)  // scores [rows][width], unscaled
+        tiles_of<T, 1>(rows, seq, qbuf.data(), d, kp + p * key_panel_size, nullptr, scores.data() + p * P, width, P);
+      float inv[kTileRows];
+      for (int r = 0; r < rows; ++r) {  // e = exp(scale (s - max)) over the row's own keys, in bfloat16 pairs
+        const float* sr = scores.data() + r * width;
+        const int64_t own = p0 + r0 + r + 1;
+        Vec mv = Vec::set1(-std::numeric_limits<float>::infinity());
+        int64_t i = 0;
+        for (; i + Vec::N <= own; i += Vec::N) mv = max(mv, Vec::load(sr + i));
+        const __mmask16 tail = lanes(own - i);  // own - i < 16 lanes
+        mv = {_mm512_mask_max_ps(mv.v, tail, mv.v, _mm512_maskz_loadu_ps(tail, sr + i))};
+        const Vec sc = Vec::set1(scale), shift = Vec::set1(-scale * mv.max());
+        Vec lv = Vec::zero();
+        auto* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
+        for (int64_t a = 0; a < width; a += 2 * Vec::N) {  // 32 keys: two vectors of e's, one of bfloat16s
+          __m512 e[2];
+          for (int half = 0; half < 2; ++half) {
+            const int64_t b = a + half * Vec::N;
+            const __m512 x = exp(fma(Vec::load(sr + b), sc, shift)).v;
+            e[half] = _mm512_maskz_mov_ps(lanes(own - b), x);  // 0 past its keys
+            lv = lv + Vec{e[half]};
+          }
+          _mm512_storeu_si512(pr + a, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        }
+        inv[r] = 1.f / lv.sum();
+      }
+      for (int64_t j = 0; j < value_panels; ++j)  // sum_t e_t v_t: [rows][d], keys as the inner dimension
+        tiles_of<Bf16DotRowTiles, 1>(rows, seq, probs.data(), width, vp + j * tp[s] * P, nullptr,
+                                     obuf.data() + j * P, value_panels * P, std::min(P, d - j * P));
+      for (int r = 0; r < rows; ++r) {
+        float* o = out + ((row0[s] + r0 + r) * heads + h) * d;
+        const float* src = obuf.data() + r * value_panels * P;
+        for (int64_t i = 0; i < d; ++i) o[i] = src[i] * inv[r];
+      }
+    }
+  });
+}
+#endif  // TFS_BF16_DOT
+
 }  // namespace tfs
 
 #if !TFS_NO_TORCH
@@ -344,17 +483,19 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
 // order, at positions key_lens[i] - q_lens[i] ... over the caches [num_blocks, block_size, kv_heads, head_dim]
 // through block_tables[i] (their keys and values already written) -> [rows, heads, head_dim]. Each row is the
 // same bits as the decode kernel's at its position (the shared arithmetic above). head_dim: Vec::N times 1, 2, 4,
-// 8 or 16 (as the decode kernel's vector path).
+// 8 or 16 (as the decode kernel's vector path). `dot`: through the bfloat16 dot products instead
+// (prompt_attention_bf16: bfloat16 inputs, float32 sums), where the build has them (`bf16_dot`).
 torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor key_lens, torch::Tensor q_lens,
-                                     double scale) {
+                                     double scale, bool dot) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: float32 [rows, heads, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
               v_cache.scalar_type() == torch::kFloat32, "caches: float32, contiguous");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "heads and head_dim of q and caches");
   const int64_t vectors = q.size(2) / tfs::Vec::N;
-  TORCH_CHECK(q.size(2) % tfs::Vec::N == 0 && (vectors & (vectors - 1)) == 0 && vectors <= 16,
-              "head_dim: the vector width times 1, 2, 4, 8 or 16");
+  const bool vector_head = q.size(2) % tfs::Vec::N == 0 && (vectors & (vectors - 1)) == 0 && vectors <= 16;
+  TORCH_CHECK(dot ? q.size(2) % 2 == 0 : vector_head,
+              dot ? "head_dim: even (pairs of bfloat16)" : "head_dim: the vector width times 1, 2, 4, 8 or 16");
   auto bt = block_tables.to(torch::kInt64).contiguous();
   auto kl = key_lens.to(torch::kInt64).contiguous();
   auto ql = q_lens.to(torch::kInt64).contiguous();
@@ -374,6 +515,17 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(rows == q.size(0), "q's rows: the sum of q_lens");
   auto out = torch::empty_like(q);
   if (rows == 0) return out;
+  if (dot) {
+#if TFS_BF16_DOT
+    tfs::prompt_attention_bf16(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                               bt.data_ptr<int64_t>(), bt.size(1), kl.data_ptr<int64_t>(), ql.data_ptr<int64_t>(),
+                               num_seqs, block_size, k_cache.size(2), out.data_ptr<float>(), q.size(1), q.size(2),
+                               static_cast<float>(scale));
+    return out;
+#else
+    TORCH_CHECK(false, "this build has no bfloat16 dot products (bf16_dot is False)");
+#endif
+  }
   auto run = [&](auto v) {
     tfs::prompt_attention<decltype(v)::value>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                               bt.data_ptr<int64_t>(), bt.size(1), kl.data_ptr<int64_t>(),

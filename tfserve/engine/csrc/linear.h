@@ -115,11 +115,16 @@ static void tiles_of(int rows, std::integer_sequence<int, Rs...>, const typename
   ((rows == Rs + 1 ? (T::template tile<Rs + 1, NP>(x, k, panel, bias, y, ldy, cols), true) : false) || ...);
 }
 
+// Rows a tile of linear_panels takes for m rows: as few tiles as kTileRows allows, balanced (32 rows -> 11, 11, 10).
+inline int64_t tile_rows_for(int64_t m) {
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
+  return num_tiles ? (m + num_tiles - 1) / num_tiles : 0;
+}
+
 template <typename T>
 static void linear_panels(const typename T::X* xp, const typename T::Wt* wp, const float* bp, float* yp, int64_t m,
                           int64_t k, int64_t n, int64_t panels) {
-  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
-  const int64_t tile_rows = num_tiles ? (m + num_tiles - 1) / num_tiles : 0;  // balanced: 32 rows -> 11, 11, 10
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows, tile_rows = tile_rows_for(m);
   // panels per call: enough accumulators for the FMA pipes with one or two rows, and pieces enough to share
   // out (parallel_chunks): a 576-column layer is 18 panels on AVX-512, 5 pieces of 4 split 3 to 2
   int64_t group = tile_rows == 1 ? 4 : tile_rows == 2 ? 2 : 1;
@@ -161,6 +166,47 @@ static void linear_panels(const typename T::X* xp, const typename T::Wt* wp, con
 // as oneDNN does) and broadcast a pair at a time; the sums stay float32. A prompt's rows and decode batches are
 // compute-bound, where this doubles the rate; one row reads the same bytes as the float32-arithmetic panels.
 // Every row is still computed the same way whatever the number of rows.
+// kInterleaved: the tile's R rows of pairs side by side, [k/2][R] (bf16_pairs), so that the 12 broadcasts of a
+// step read one stream: rows one after the other ([R][k/2]) took 12 streams (and 12 address registers) from L2 once
+// a prompt's rows outgrew L1, 180 GFLOP/s a core at 512 rows against 205 at 32; else [R][k/2]. Never inlined: in
+// the attention kernel's loop the compiler kept its other values in registers and spilled the 24 accumulators.
+template <int R, int NP, bool kInterleaved>
+__attribute__((noinline)) static void bf16_dot_tile(const uint32_t* x, int64_t k, const c10::BFloat16* panel,
+                                                    const float* bias, float* y, int64_t ldy, int64_t cols) {
+  const int64_t k2 = (k + 1) / 2, panel_stride = k2 * 2 * kPanelCols;
+  constexpr int V = kPanelVecs;
+  __m512 acc[R][NP * V];
+  for (int j = 0; j < NP * V; ++j) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r][j] = b;
+  }
+  for (int64_t i = 0; i < k2; ++i) {
+    __m512bh w[NP * V];
+    for (int p = 0; p < NP; ++p) {
+      const c10::BFloat16* row = panel + p * panel_stride + i * 2 * kPanelCols;
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + 2048);
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + 2048 + 64);
+      for (int j = 0; j < V; ++j) w[p * V + j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+    }
+    const uint32_t* xi = kInterleaved ? x + i * R : x + i;
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(kInterleaved ? xi[r] : xi[r * k2]));
+      for (int j = 0; j < NP * V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+    }
+  }
+  const int64_t width = (NP - 1) * kPanelCols + cols;
+  for (int r = 0; r < R; ++r) {
+    if (width == NP * kPanelCols) {
+      for (int j = 0; j < NP * V; ++j) _mm512_storeu_ps(y + r * ldy + j * 16, acc[r][j]);
+    } else {  // the last panel's tail
+      float tmp[NP * kPanelCols];
+      for (int j = 0; j < NP * V; ++j) _mm512_storeu_ps(tmp + j * 16, acc[r][j]);
+      std::memcpy(y + r * ldy, tmp, width * sizeof(float));
+    }
+  }
+}
+
+// The tiles linear_panels runs over bf16_pairs' rows: each tile's rows interleaved.
 struct Bf16DotTiles {
   using X = uint32_t;  // two bfloat16 inputs
   using Wt = c10::BFloat16;
@@ -168,36 +214,15 @@ struct Bf16DotTiles {
   static int64_t panel_size(int64_t k) { return x_stride(k) * 2 * kPanelCols; }
   template <int R, int NP>
   static void tile(const X* x, int64_t k, const Wt* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
-    const int64_t k2 = x_stride(k), panel_stride = panel_size(k);
-    constexpr int V = kPanelVecs;
-    __m512 acc[R][NP * V];
-    for (int j = 0; j < NP * V; ++j) {
-      const __m512 b = bias ? _mm512_loadu_ps(bias + j * 16) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) acc[r][j] = b;
-    }
-    for (int64_t i = 0; i < k2; ++i) {
-      __m512bh w[NP * V];
-      for (int p = 0; p < NP; ++p) {
-        const Wt* row = panel + p * panel_stride + i * 2 * kPanelCols;
-        __builtin_prefetch(reinterpret_cast<const char*>(row) + 2048);
-        __builtin_prefetch(reinterpret_cast<const char*>(row) + 2048 + 64);
-        for (int j = 0; j < V; ++j) w[p * V + j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k2 + i]));
-        for (int j = 0; j < NP * V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
-      }
-    }
-    const int64_t width = (NP - 1) * kPanelCols + cols;
-    for (int r = 0; r < R; ++r) {
-      if (width == NP * kPanelCols) {
-        for (int j = 0; j < NP * V; ++j) _mm512_storeu_ps(y + r * ldy + j * 16, acc[r][j]);
-      } else {  // the last panel's tail
-        float tmp[NP * kPanelCols];
-        for (int j = 0; j < NP * V; ++j) _mm512_storeu_ps(tmp + j * 16, acc[r][j]);
-        std::memcpy(y + r * ldy, tmp, width * sizeof(float));
-      }
-    }
+    bf16_dot_tile<R, NP, true>(x, k, panel, bias, y, ldy, cols);
+  }
+};
+
+// The same tiles over rows of pairs one after the other, [R][k/2] (attention's probabilities).
+struct Bf16DotRowTiles : Bf16DotTiles {
+  template <int R, int NP>
+  static void tile(const X* x, int64_t k, const Wt* panel, const float* bias, float* y, int64_t ldy, int64_t cols) {
+    bf16_dot_tile<R, NP, false>(x, k, panel, bias, y, ldy, cols);
   }
 };
 
@@ -211,17 +236,27 @@ static void pack_pair_panels(const c10::BFloat16* src, c10::BFloat16* dst, int64
   });
 }
 
-// x [m, k] float32 -> [m][k/2] pairs of bfloat16 (round to nearest even; an odd k's last pair padded with 0)
-static void bf16_pairs(const float* x, uint32_t* out, int64_t m, int64_t k) {
+// x [m, k] float32 -> pairs of bfloat16 (round to nearest even; an odd k's last pair padded with 0), each tile
+// of `tile_rows` rows (the last one: the rest) at its first row's place r0 * k/2, its rows interleaved [k/2][rows]
+// (Bf16DotTiles).
+static void bf16_pairs(const float* x, uint32_t* out, int64_t m, int64_t k, int64_t tile_rows) {
   const int64_t k2 = (k + 1) / 2;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      auto* o = reinterpret_cast<uint16_t*>(out + r * k2);
+      const int64_t r0 = r / tile_rows * tile_rows, rows = std::min(tile_rows, m - r0);
+      uint32_t* o = out + r0 * k2 + (r - r0);  // pair i at o[i * rows]
+      const float* xr = x + r * k;
+      const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int>(rows)));
       int64_t i = 0;
-      for (; i + 16 <= k; i += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * k + i)));
-      for (; i < k; ++i) o[i] = c10::BFloat16(x[r * k + i]).x;
-      if (k % 2) o[k] = 0;
+      for (; 2 * i + 32 <= k; i += 16) {  // 32 inputs: 16 pairs
+        const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 2 * i + 16), _mm512_loadu_ps(xr + 2 * i));
+        _mm512_i32scatter_epi32(o + i * rows, index, (__m512i)pairs, 4);
+      }
+      for (; i < k2; ++i) {
+        const uint32_t lo = c10::BFloat16(xr[2 * i]).x, hi = 2 * i + 1 < k ? c10::BFloat16(xr[2 * i + 1]).x : 0;
+        o[i * rows] = lo | hi << 16;
+      }
     }
   });
 }
@@ -280,7 +315,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "dot-product panels hold bfloat16");
     auto pairs = torch::empty({m, (k + 1) / 2}, torch::kInt32);
     auto* xpairs = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
-    tfs::bf16_pairs(xp, xpairs, m, k);
+    tfs::bf16_pairs(xp, xpairs, m, k, tfs::tile_rows_for(m));
     tfs::linear_panels<tfs::Bf16DotTiles>(xpairs, packed.data_ptr<c10::BFloat16>(), bp, yp, m, k, n, panels);
     return y;
 #else
