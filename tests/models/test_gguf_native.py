@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tfserve.models import gguf_native
+from tfserve.models import gguf_native, gguf_tokenizer_cache
 from tfserve.models.gguf_reader import GGUFFormatError, Reader, read
 from tfserve.models.gguf_weights import is_native, is_placeholder
 from tiny_gguf import HIDDEN, LAYERS, write_tiny_gguf
@@ -74,13 +74,13 @@ def test_config_and_tokenizer_come_from_the_cache_on_a_second_load(tiny, home, m
     # the tokenizer without its transformers class (importing it imports transformers.models: 0.6 s of a start)
     if type(tokenizer).__module__.startswith("transformers.models."):
         assert type(again_tokenizer).__name__ == type(tokenizer).__name__
-        assert type(again_tokenizer).__module__ == gguf_native.__name__
+        assert type(again_tokenizer).__module__ == gguf_tokenizer_cache.__name__
 
     # a pickle another user could have written is not loaded: the tokenizer files are read instead
-    pickled = next(gguf_native.cache_root().iterdir()) / gguf_native.PICKLED_TOKENIZER
-    assert gguf_native._pickled(pickled) is not None
+    pickled = next(gguf_native.cache_root().iterdir()) / gguf_tokenizer_cache.PICKLED_TOKENIZER
+    assert gguf_tokenizer_cache._pickled(pickled) is not None
     pickled.chmod(0o666)
-    assert gguf_native._pickled(pickled) is None
+    assert gguf_tokenizer_cache._pickled(pickled) is None
     assert gguf_native.load_config_and_tokenizer(tiny)[1](text)["input_ids"] == expected(text)["input_ids"]
 
 
@@ -261,7 +261,7 @@ def test_the_cached_tokenizer_is_the_fresh_one(tiny, home):
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # rebuilt from its parts (`_bpe_parts`: the vocabulary and merges as Python objects), the very same tokenizer
-    assert gguf_native._bpe_parts(fresh.backend_tokenizer) is not None
+    assert gguf_tokenizer_cache._bpe_parts(fresh.backend_tokenizer) is not None
     assert cached.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
     # the server's byte-level test reads the decoder alone; the whole tokenizer's JSON says the same
     decoder = json.loads(fresh.backend_tokenizer.to_str())["decoder"]
@@ -277,9 +277,9 @@ def test_a_tokenizer_bpe_parts_cannot_rebuild_is_pickled_as_its_json():
     from tokenizers.models import WordLevel
 
     word_level = Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    assert gguf_native._bpe_parts(word_level) is None
+    assert gguf_tokenizer_cache._bpe_parts(word_level) is None
     file = io.BytesIO()
-    gguf_native._TokenizerPickler(file).dump(word_level)
+    gguf_tokenizer_cache._TokenizerPickler(file).dump(word_level)
     assert pickle.loads(file.getvalue()).to_str() == word_level.to_str()
 
 
