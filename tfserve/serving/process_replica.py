@@ -74,8 +74,8 @@ class ProcessReplica(Replica):
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):  # the process ended: what it was running fails
-                self.process.join(5)  # (reaped: its exit code, not None)
-                if not self._stopping:
+                if not self._stopping:  # (stop() reaps it: two threads waiting on one child lose its exit code)
+                    self.process.join(5)  # (reaped: its exit code, not None)
                     self._died(f"replica {self.index} exited ({exit_reason(self.process.exitcode)})")
                 self._fail_all(f"replica {self.index} stopped")
                 self._ready.set()

@@ -65,11 +65,13 @@ def end_process(process, timeout: float) -> None:
     """Wait `timeout` s for `process` to exit, then SIGTERM it, then SIGKILL it: it is gone on return (a busy
     machine can take seconds to end one that holds a model)."""
     process.join(timeout)
-    for signal_it in (process.terminate, process.kill):
+    for signal_it, wait_s in ((process.terminate, 5), (process.kill, 60)):
         if not process.is_alive():
             return
         signal_it()
-        process.join(5)
+        # SIGKILL cannot be refused, but the kernel's teardown of a process that held a model (its mappings, its
+        # threads) took longer than 5 s once on a loaded CI machine: wait for it rather than leave it behind
+        process.join(wait_s)
 
 
 def exit_reason(code: int | None) -> str:
