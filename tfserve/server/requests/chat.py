@@ -13,7 +13,7 @@ from tfserve.server.chat_prompt import parse_tools, render_options, template_arg
 from tfserve.server.errors import bad_request
 from tfserve.server.media import ImageRef, content_of
 from tfserve.server.protocol import field, json_type, one_of
-from tfserve.server.requests.sampling import EFFORTS, CommonFields, SamplingRequest
+from tfserve.server.requests.sampling import EFFORTS, CommonFields, MaxToolCalls, SamplingRequest
 from tfserve.server.tools import chat_functions
 from tfserve.server.tools.tool_choice import ToolChoice
 
@@ -52,7 +52,7 @@ class ChatCompletionRequest(SamplingRequest, CommonFields):
     web_search_options: dict[str, Any] | None = None
     verbosity: str | None = None
     reasoning_effort: str | None = None
-    max_tool_calls: int | None = None  # tfserve's, with mcp tools: the calls the server runs, at most
+    max_tool_calls: MaxToolCalls = None
     functions: list[dict[str, Any]] | None = None  # legacy: read as `tools` too (checked by chat_functions)
     function_call: Any = None  # legacy: read as `tool_choice`
 
@@ -92,13 +92,6 @@ class ChatCompletionRequest(SamplingRequest, CommonFields):
         if audio is not None:
             raise bad_request("audio output is not supported: this server answers in text (leave out modalities "
                               "audio and the audio parameter)", "audio")
-
-    @field_validator("max_tool_calls")
-    @classmethod
-    def _check_max_tool_calls(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:
-            raise bad_request("max_tool_calls must be >= 0", "max_tool_calls")
-        return value
 
     @field_validator("verbosity")
     @classmethod

@@ -13,7 +13,7 @@ from tfserve.server.api.conversations import conversation_id
 from tfserve.server.api.response_items import as_response_format, text_format
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import INCLUDABLE, one_of
-from tfserve.server.requests.sampling import EFFORTS, CommonFields, SamplingFields
+from tfserve.server.requests.sampling import EFFORTS, CommonFields, MaxToolCalls, SamplingFields
 from tfserve.server.tools.response_format import requested_grammar
 from tfserve.server.tools.tool_choice import ToolChoice
 
@@ -37,7 +37,7 @@ class ResponseRequest(SamplingFields, CommonFields):
     text: dict[str, Any] | None = None
     max_output_tokens: int | None = None
     max_tokens: Any = None  # chat's, not this API's: ignored
-    max_tool_calls: int | None = None
+    max_tool_calls: MaxToolCalls = None
     truncation: str | None = None
     include: list[Any] | None = None
     top_logprobs: int | None = None
@@ -66,13 +66,6 @@ class ResponseRequest(SamplingFields, CommonFields):
         if truncation not in (None, "auto", "disabled"):
             raise bad_request("truncation must be auto or disabled", "truncation")
         return truncation
-
-    @field_validator("max_tool_calls")
-    @classmethod
-    def _check_max_tool_calls(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:
-            raise bad_request("max_tool_calls must be >= 0", "max_tool_calls")
-        return value
 
     @field_validator("include")
     @classmethod

@@ -3,9 +3,9 @@ the OpenAI fields that change nothing here but are checked all the same."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, PrivateAttr, field_validator, model_validator
 
 from tfserve.errors import ParamError
 from tfserve.sampling_params import MAX_INT64, RANGES, Grammar, SamplingParams
@@ -208,6 +208,16 @@ class SamplingRequest(SamplingFields):
         if self.prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = self.prompt_logprobs
         return kwargs
+
+
+def _check_max_tool_calls(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise bad_request("max_tool_calls must be >= 0", "max_tool_calls")
+    return value
+
+
+# tfserve's, with mcp tools (chat and Responses): the calls the server runs for one request, at most
+MaxToolCalls = Annotated[int | None, AfterValidator(_check_max_tool_calls)]
 
 
 class CommonFields(RequestModel):
