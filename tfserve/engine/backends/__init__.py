@@ -80,6 +80,11 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
 
         blocks = quantized_linear_weights(config.gguf_file, model)
     lean = LeanForward(model, cpu_ops, pack=pack, weights=weights, blocks=blocks, tp=tp)
+    if blocks is not None:
+        from tfserve.models.gguf_reader import release
+
+        del blocks
+        release(config.gguf_file)  # the kernels hold their own copies now
     if tp is not None and tp.rank == 0:
         from tfserve.engine.parallel.tensor_parallel import BroadcastForward
 
