@@ -31,6 +31,12 @@ LAYERS = {"tfserve.cli": 4, "tfserve.server": 3, "tfserve.chat": 3, "tfserve.ben
 NO_TORCH = ("tfserve.engine.request", "tfserve.engine.kv_cache", "tfserve.engine.scheduler")  # and what they import
 NOT_IN_ENGINE = ("aiohttp", "rich", "typer")  # the engine is a library: no web server, no terminal
 MAX_SERVER_TOP_MODULES = 12  # server/ stays grouped: api/, tools/, runtime/, requests/ hold the rest
+# what the running server holds sits below its handlers: runtime/ (state.py aside, which assembles them) imports none
+HANDLER_PACKAGES = ("tfserve.server.api", "tfserve.server.tools", "tfserve.server.requests", "tfserve.server.app",
+                    "tfserve.server.run", "tfserve.server.generation", "tfserve.server.chat_prompt")
+READ_STATE_BY_PROTOCOL = ("tfserve.server.runtime.metrics", "tfserve.server.runtime.residency",
+                          "tfserve.server.runtime.telemetry")
+BODY_READS = ("json", "text", "read", "post")  # aiohttp's ways to read a request's body: body.py's alone
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -204,6 +210,27 @@ def test_the_server_stays_grouped_by_concern():
     assert len(top) <= MAX_SERVER_TOP_MODULES, (
         f"{len(top)} modules directly in server/ (at most {MAX_SERVER_TOP_MODULES}): put a handler in api/, tool "
         f"calls and output constraints in tools/, what the running server holds in runtime/: {top}")
+
+
+def test_runtime_imports_no_handler_and_reads_the_state_by_protocol(graph):
+    runtime = [name for name in graph if name.startswith("tfserve.server.runtime.")]
+    upward = sorted(f"{name} -> {m}" for name in runtime if name != "tfserve.server.runtime.state"
+                    for m in graph[name] if any(m == p or m.startswith(f"{p}.") for p in HANDLER_PACKAGES))
+    assert not upward, "runtime/ imports a handler's module (read it through a Protocol):\n" + "\n".join(upward)
+    found = sorted(name for name in READ_STATE_BY_PROTOCOL if "tfserve.server.runtime.state" in graph[name])
+    assert not found, f"{found} import state.py: read the state through a Protocol of what they use"
+
+
+def test_only_body_py_reads_a_request_body(modules):
+    """A handler's body is read once, by server/body.py (`read_json`: encodings, strict JSON, 4xx for anything
+    odd), then parsed into a typed request: no `await request.json()` of its own."""
+    server = {name: path for name, path in modules.items() if name.startswith("tfserve.server.")}
+    found = sorted(f"{name}:{node.lineno}: request.{node.func.attr}()" for name, path in server.items()
+                   if name != "tfserve.server.body" for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr in BODY_READS and isinstance(node.func.value, ast.Name)
+                   and node.func.value.id == "request")
+    assert not found, "read the body with server/body.py's read_json, then a typed request:\n" + "\n".join(found)
 
 
 def test_the_engine_imports_no_web_server_or_terminal_library(modules):

@@ -63,7 +63,8 @@ def test_replicas_are_listed_added_and_retired(start_server, replicated):
 
 
 @pytest.mark.parametrize("body", [{"num_replicas": 0}, {"num_replicas": "2"}, {"num_replicas": True}, {},
-                                  {"num_replicas": 100000}, {"num_replicas": 2, "min": 1}])
+                                  {"num_replicas": 100000}, {"num_replicas": 2, "min": 1}, {"num_replicas": None},
+                                  {"num_replicas": 2.0}, {"num_replicas": [2]}])
 def test_a_bad_count_is_a_400_naming_the_field(start_server, replicated, body):
     live = start_server(state=make_state(replicated), admin_key="admin")
     status, _, answer = live.request("POST", "/admin/replicas", body, headers=ADMIN)
@@ -158,3 +159,20 @@ def test_the_server_applies_the_policy_while_it_serves(replicated):
             await serving
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({}, "num_replicas", "num_replicas is required"),
+    ({"num_replicas": "2"}, "num_replicas", "num_replicas must be an integer, not a string"),
+    ({"num_replicas": 0}, "num_replicas", "num_replicas must be an integer from 1 to"),
+    ({"num_replicas": 2, "replicas": 3}, "replicas", "unknown field 'replicas'"),
+])
+def test_the_body_is_a_typed_request(body, param, words):
+    """POST /admin/replicas' body parsed once (ReplicasRequest): each mistake an OpenAI 400 naming its field."""
+    from tfserve.server.errors import ApiError
+    from tfserve.server.requests.admin import ReplicasRequest
+
+    with pytest.raises(ApiError) as caught:
+        ReplicasRequest.parse(body)
+    assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
+    assert ReplicasRequest.parse({"num_replicas": 2}).num_replicas == 2

@@ -227,11 +227,13 @@ def test_images_reach_the_engine_in_order_with_hf_parts(server, vision):
 
 
 def test_text_requests_are_what_they_were(server, vision):
-    from tfserve.server.api.chat import parse_messages
+    from tfserve.server.requests.chat import parse_messages
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                          {"role": "developer", "content": "c"}]}
-    assert parse_messages(body) == ([{"role": "user", "content": "ab"}, {"role": "system", "content": "c"}], [])
+    messages = parse_messages(body["messages"])
+    assert (messages.rendered, messages.image_refs) == ([{"role": "user", "content": "ab"},
+                                                         {"role": "system", "content": "c"}], [])
     status, _, _ = server.request("POST", CHAT, {**body, "model": MODEL_NAME, "max_tokens": 2})
     assert status == 200 and vision.calls == [] and vision.mm_seen == [None]
 

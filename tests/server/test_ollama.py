@@ -195,3 +195,38 @@ def test_odd_values_are_served_or_a_4xx_in_ollamas_shape(server):
     for message in ({"role": "user", "content": "hi", "images": ["@@"]}, {"role": "user", "content": 5},
                     {"role": "assistant", "content": "", "tool_calls": [{"function": 1}]}, "hi"):
         check("/api/chat", {**base, "messages": [message]})
+
+
+def test_chat_is_parsed_once_at_the_edge(server, monkeypatch):
+    """Messages, tools and the tool choice (Ollama has none: "auto") are typed by OllamaChatRequest; below it the
+    tool choice is never parsed from the client's JSON again, and a bad tool is a 400 before the model is
+    looked up."""
+    from tfserve.server.requests.ollama import OllamaChatRequest
+    from tfserve.server.tools import tool_choice
+
+    typed = OllamaChatRequest.parse({"model": MODEL_NAME, "messages": MESSAGES, "tools": [TOOL]})
+    assert typed.messages.rendered == MESSAGES and typed.function_tools == [TOOL]
+    assert typed.tool_choice == tool_choice.ToolChoice()
+    raw_parses = []
+    real = tool_choice.ToolChoice.parse.__func__
+
+    def spy(cls, value, where="tool_choice"):
+        if not isinstance(value, tool_choice.ToolChoice):
+            raw_parses.append(value)
+        return real(cls, value, where)
+
+    monkeypatch.setattr(tool_choice.ToolChoice, "parse", classmethod(spy))
+    status, _, reply = server.request("POST", "/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "tools": [TOOL],
+                                                            "stream": False, "options": {"num_predict": 2}})
+    assert status == 200 and reply["done"] and raw_parses == []
+    status, _, reply = server.request("POST", "/api/chat", {"model": "no-such-model", "messages": MESSAGES,
+                                                            "tools": [{"type": "retrieval"}]})
+    assert status == 400 and "tools[0]" in reply["error"]
+    status, _, reply = server.request("POST", "/api/chat", {"model": MODEL_NAME, "messages": MESSAGES, "tools": [TOOL],
+                                                            "tool_choice": "required"})
+    assert status == 400 and "'tool_choice'" in reply["error"]  # not Ollama's: refused, never dropped unseen
+
+
+def test_generate_names_its_own_fields(server):
+    status, _, reply = server.request("POST", "/api/generate", {"model": MODEL_NAME, "prompt": "hi", "images": [5]})
+    assert status == 400 and reply["error"].startswith("images[0]")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tfserve.server.body import read_json
-from tfserve.server.errors import ApiError, bad_request
+from tfserve.server.protocol import read_json
+from tfserve.server.errors import ApiError
+from tfserve.server.requests.admin import ReplicasRequest
 from tfserve.server.runtime.state import STATE
-from tfserve.serving.autoscale import MAX_REPLICAS
 from tfserve.serving.replicas import ReplicatedEngine
 
 
@@ -29,13 +29,7 @@ async def get_replicas(request: web.Request) -> web.Response:
 
 async def set_replicas(request: web.Request) -> web.Response:
     """POST /admin/replicas {"num_replicas": N}: start or retire replicas until N run."""
-    body = await read_json(request)
-    count = body.get("num_replicas")
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_REPLICAS:
-        raise bad_request(f"num_replicas must be an integer from 1 to {MAX_REPLICAS}", param="num_replicas")
-    unknown = sorted(set(body) - {"num_replicas"})
-    if unknown:
-        raise bad_request(f"unknown field {unknown[0]!r}: only num_replicas", param=unknown[0])
+    count = ReplicasRequest.parse(await read_json(request)).num_replicas
     engine = _replicated(request)
     try:
         return web.json_response(await engine.scale(count))

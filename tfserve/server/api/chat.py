@@ -4,8 +4,6 @@ streamed as OpenAI sends them, are built by `chat_reply.ChatReply`."""
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Any
-
 from aiohttp import web
 
 from tfserve.protocol.reasoning import reasoning_for
@@ -13,15 +11,13 @@ from tfserve.protocol.tool_formats import detect_format
 from tfserve.server.api.chat_reply import ChatReply
 from tfserve.server.chat_prompt import render_chat, render_multimodal, template_kwargs, text_chars
 from tfserve.server.generation import admit, check_text_fits, run_choices
-from tfserve.server.media import ImageRef, gather_images
+from tfserve.server.media import gather_images
 from tfserve.server.protocol import make_params, read_json, use_model
-from tfserve.server.requests import chat as requests_chat
 from tfserve.server.requests.chat import ChatCompletionRequest
 from tfserve.server.runtime.request_limits import check_messages, check_num_sequences
 from tfserve.server.runtime.state import STATE
 from tfserve.server.tools.chat_mcp import chat_with_mcp
 from tfserve.server.tools.output_spec import apply_spec, output_spec
-from tfserve.server.tools.response_format import requested_grammar
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -61,20 +57,3 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if chat.stream:
             return await reply.stream(request, outputs, usage, chat.include_usage, params.n)
         return await reply.complete(outputs, usage, params.n)
-
-
-def parse_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """A body's `messages` -> (the messages for the chat template, the image parts' refs), for an endpoint that
-    translates its own messages into OpenAI's (Ollama's)."""
-    messages = requests_chat.parse_messages(body.get("messages"))
-    return messages.rendered, messages.image_refs
-
-
-async def constrain(state: Any, body: dict[str, Any], tools: list | None, tool_format: Any,
-                    kwargs: dict[str, Any]) -> None:
-    """The grammar a reply to an OpenAI-shaped `body` (Ollama's, translated) must follow, compiled, into
-    `kwargs`: its response format, calls of the forced tools, or either (`output_spec`)."""
-    tokenizer = state.engine.tokenizer
-    spec = output_spec(requested_grammar(body), tools, body.get("tool_choice"), body.get("parallel_tool_calls")
-                       is not False, tool_format, tokenizer)
-    await apply_spec(state.engine, kwargs, spec, tokenizer)

@@ -79,7 +79,7 @@ async def add_items(request: web.Request) -> web.Response:
     items = ConversationItemsRequest.parse(await read_json(request)).stored_items
     taken = {item["id"] for item in stored.items}
     for i, item in enumerate(items):
-        check_item_id(item, f"items[{i}]", taken)
+        check_item_id(item["id"], f"items[{i}]", taken)
     _store(request).add_items(stored, items)
     return web.json_response(listing(items))
 

@@ -20,9 +20,8 @@ from tfserve.protocol.reasoning import reasoning_for
 from tfserve.protocol.reply import ReplyParser
 from tfserve.protocol.tool_formats import detect_format
 from tfserve.server.api import ollama_models
-from tfserve.server.api.chat import constrain, parse_messages
-from tfserve.server.api.ollama_options import ollama_call, openai_message
-from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS, parse_tools, render_chat, render_multimodal, text_chars
+from tfserve.server.api.ollama_options import ollama_call
+from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS, render_chat, render_multimodal, text_chars
 from tfserve.server.errors import ApiError, bad_request, error_for
 from tfserve.server.generation import admit, check_text_fits, run_choices
 from tfserve.server.media import gather_images
@@ -32,6 +31,7 @@ from tfserve.server.runtime.request_limits import check_messages
 from tfserve.server.runtime.state import STATE
 from tfserve.server.runtime.threads import in_daemon_thread
 from tfserve.server.sse import EventStream
+from tfserve.server.tools.output_spec import apply_spec, output_spec
 
 
 def add_routes(app: web.Application) -> None:
@@ -45,34 +45,26 @@ async def chat(request: web.Request) -> web.StreamResponse:
     """POST /api/chat: `messages` (with `images`, `tool_calls`, `tool_name`), `tools`, `format`, `options`,
     `think` -> `message` (with `thinking`, `tool_calls`)."""
     state, body = request.app[STATE], await read_json(request)
-    check_messages(state.limits, body.get("messages"))  # before any is read: the count alone refuses 400,000
+    # on the raw body, before parsing, on purpose: the count alone refuses 400,000 messages cheaply
+    check_messages(state.limits, body.get("messages"))
     typed = OllamaChatRequest.parse(body)
     model = await ollama_models.use_model(request, typed.model, state)
-    if not typed.messages:  # Ollama's way to load a model: nothing to answer
+    if not typed.messages.rendered:  # Ollama's way to load a model: nothing to answer
         return web.json_response(_loaded(model, "message"))
-    openai_body = {"messages": [openai_message(m, i) for i, m in enumerate(typed.messages)], "tools": typed.tools,
-                   "response_format": typed.response_format}
-    messages, image_refs = parse_messages(openai_body)
-    return await _run(request, state, typed, model, messages, image_refs, openai_body, "message")
+    return await _run(request, state, typed, model, "message")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /api/generate: a `prompt` (with `system`, `images`) through the chat template, or as it is with `raw`
     (or for a model without a template) -> `response`."""
-    state, body = request.app[STATE], await read_json(request)
-    typed = OllamaGenerateRequest.parse(body)
+    state = request.app[STATE]
+    typed = OllamaGenerateRequest.parse(await read_json(request))
     model = await ollama_models.use_model(request, typed.model, state)
     prompt, images = typed.prompt, typed.images
     if not prompt and not images:
         return web.json_response(_loaded(model, "response"))
-    openai_body = {"messages": [], "response_format": typed.response_format}
-    raw = typed.raw or not has_chat_template(state.engine.tokenizer)
-    if not raw:
-        system = typed.system
-        openai_body["messages"] = [openai_message({"role": "system", "content": system}, 0)] if system else []
-        openai_body["messages"].append(openai_message({"role": "user", "content": prompt, "images": images}, 1))
-        messages, image_refs = parse_messages(openai_body)
-        return await _run(request, state, typed, model, messages, image_refs, openai_body, "response")
+    if not typed.raw and has_chat_template(state.engine.tokenizer):
+        return await _run(request, state, typed, model, "response")
     if images:
         raise bad_request("images need the chat template: leave out raw", "images")
     check_text_fits(state, len(prompt), "prompt")
@@ -80,31 +72,34 @@ async def generate(request: web.Request) -> web.StreamResponse:
         ids = state.engine.tokenizer.encode(prompt)
     else:  # megabytes of text to tokenize: on a thread, the event loop serving the others meanwhile
         ids = await in_daemon_thread(state.engine.tokenizer.encode, prompt)
-    return await _run(request, state, typed, model, None, [], openai_body, "response", prompt_ids=ids)
+    return await _run(request, state, typed, model, "response", prompt_ids=ids)
 
 
-async def _run(request: web.Request, state: Any, typed: Any, model: str, messages: list | None, image_refs: list,
-               openai_body: dict, shape: str, prompt_ids: list[int] | None = None) -> web.StreamResponse:
-    """Generate one reply and answer it in `shape`: "message" (/api/chat) or "response" (/api/generate)."""
+async def _run(request: web.Request, state: Any, typed: OllamaChatRequest | OllamaGenerateRequest, model: str,
+               shape: str, prompt_ids: list[int] | None = None) -> web.StreamResponse:
+    """Generate one reply and answer it in `shape`: "message" (/api/chat) or "response" (/api/generate); through
+    the chat template unless `prompt_ids` are given (a raw prompt)."""
     kwargs = typed.sampling_kwargs()
     think, stream = typed.think, typed.stream is not False  # every field is checked before the engine requests
-    tools = parse_tools(openai_body)
-    tool_format = detect_format(state.engine.tokenizer)
-    await constrain(state, openai_body, tools, tool_format, kwargs)
+    tokenizer, tools = state.engine.tokenizer, typed.function_tools
+    tool_format = detect_format(tokenizer)
+    spec = output_spec(typed.constraint, tools, typed.tool_choice, True, tool_format, tokenizer)
+    await apply_spec(state.engine, kwargs, spec, tokenizer)
     variables = {**state.chat_template_kwargs, **({"enable_thinking": False} if think is False else {})}
     if prompt_ids is None:
+        messages = typed.messages.rendered
         check_text_fits(state, text_chars(messages), "messages")
-        images = await gather_images(state, image_refs)
+        images = await gather_images(state, typed.messages.image_refs)
         if images:
             prompt_ids, mm = await render_multimodal(state, messages, images, tools, variables)
         else:
-            prompt_ids, mm = await render_chat(state.engine.tokenizer, messages, tools, variables), None
+            prompt_ids, mm = await render_chat(tokenizer, messages, tools, variables), None
     else:
         mm = None
     names = {"max_tokens": "options.num_predict", "prompt": "messages" if shape == "message" else "prompt"}
     params = make_params(kwargs, len(prompt_ids), state.engine, names)
     usage, engine_requests = admit(state, request, [prompt_ids], params, names, mm=mm)
-    parser = ReplyParser(tool_format if tools else None, reasoning_for(state.engine.tokenizer, prompt_ids))
+    parser = ReplyParser(tool_format if spec.parses_calls else None, reasoning_for(tokenizer, prompt_ids))
     reply = _Reply(model, shape, parser, think is not False)
     async with aclosing(run_choices(state, usage, engine_requests)) as outputs:
         if not stream:

@@ -1,6 +1,6 @@
-"""The Responses API's own shapes: `input` items (messages, their `input_image` parts, `function_call`,
-`function_call_output`) -> chat messages for the template, its flat function `tools`, `text.format`, and
-item references resolved against the stores (stores.py)."""
+"""The Responses API's own shapes: `input` items (typed in requests/input_items.py: messages, their `input_image`
+parts, `function_call`, `function_call_output`) -> chat messages for the template, its flat function `tools`,
+`text.format`, and item references resolved against the stores (stores.py)."""
 
 from __future__ import annotations
 
@@ -13,71 +13,54 @@ from tfserve.server.media import ImageRef, content_of
 from tfserve.server.chat_prompt import (check_function, check_function_names, refuse_tool_choice_without_tools,
                                          template_arguments)
 from tfserve.server.protocol import check_name, check_schema, field, one_of, shorten, text_of
+from tfserve.server.requests.input_items import (FunctionCallItem, FunctionCallOutputItem, InputItem, ItemReference,
+                                                 McpCallItem, MessageItem, parse_item)
 from tfserve.server.runtime.stores import ConversationStore, ResponseStore
 
-ROLES = ("system", "developer", "user", "assistant")
-
-
-def parse_input(body: dict[str, Any], earlier: list[dict[str, Any]] = (), name: str = "input"
+def parse_input(items: str | list[InputItem], earlier: list[dict[str, Any]] = (), name: str = "input"
                 ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """`input` (a string or a list of items; the field `name`, where a body names its items otherwise) -> chat
-    messages, and the refs of their `input_image` parts in order. A `function_call` item becomes an assistant
-    message's tool call (consecutive calls share one message); a `function_call_output`, a tool message, which
-    must answer a call made before it here or in the `earlier` messages (those of previous_response_id)."""
-    items = field(body, name, (str, list), required=True)
+    """Typed `input` items (or a string; the field `name`, where a body names its items otherwise), their
+    references resolved -> chat messages, and the refs of their `input_image` parts in order. A `function_call`
+    item becomes an assistant message's tool call (consecutive calls share one message); a
+    `function_call_output`, a tool message, which must answer a call made before it here or in the `earlier`
+    messages (those of previous_response_id)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], []
-    if not items:
-        raise bad_request(f"{name} must not be empty", name)
     messages: list[dict[str, Any]] = []
     images: list[ImageRef] = []
     calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
     ids: set[str] = set()
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", where)
-        check_item_id(item, where, ids)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = field(item, "role", str, required=True, param=f"{where}.role")
-            one_of(role, ROLES, f"{where}.role")
-            content = field(item, "content", (str, list), required=True, param=f"{where}.content")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": content_of(content, f"{where}.content", images)})
-        elif kind == "function_call":
-            call = _template_call(item, where)
+        check_item_id(item.id, where, ids)
+        if isinstance(item, MessageItem):
+            messages.append({"role": "system" if item.role == "developer" else item.role,
+                             "content": content_of(item.content, f"{where}.content", images)})
+        elif isinstance(item, FunctionCallItem):
+            call = _template_call(item.call_id, item.name, item.arguments, where)
             calls.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
-            output = field(item, "output", (str, list), required=True, param=f"{where}.output")
-            if call_id not in calls:  # OpenAI's words
-                raise bad_request(f"No tool call found for function call output with call_id {call_id}.",
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:  # OpenAI's words
+                raise bad_request(f"No tool call found for function call output with call_id {item.call_id}.",
                                   f"{where}.call_id")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, f"{where}.output")})
-        elif kind == "mcp_call":  # an earlier response's output sent back: the call and what it returned
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": text_of(item.output, f"{where}.output")})
+        elif isinstance(item, McpCallItem):  # an earlier response's output sent back: the call and what it returned
             messages += mcp_call_messages(item, where)
-        elif kind == "reasoning":
-            # an earlier reply's thinking sent back (`input += response.output`): chat templates leave earlier
-            # turns' thinking out of the prompt, so it is read past
-            continue
-        elif kind not in MCP_CONTROL_ITEMS:
-            # item references are read before (resolve_references), where the body may hold them: in `input`
-            kinds = ["message", "function_call", "function_call_output", "reasoning", "mcp"]
-            kinds += ["item_reference"] if name == "input" else []
-            raise bad_request(f"{where}.type {kind!r} is not supported; send {', '.join(kinds[:-1])} or {kinds[-1]} "
-                              "items", f"{where}.type")
+        elif isinstance(item, ItemReference):  # resolve_references replaces each before
+            raise TypeError(f"{where}: an item_reference read before it was resolved")
+        # reasoning (chat templates leave earlier turns' thinking out of the prompt) and the MCP approval flow's
+        # items (read by mcp_tools) are read past
     return messages, images
 
 
-def check_item_id(item: dict[str, Any], where: str, ids: set[str]) -> None:
-    """400 for an item `id` that is no string or that `ids` (those taken so far) already holds; adds it."""
-    item_id = field(item, "id", str, param=f"{where}.id")
+def check_item_id(item_id: str | None, where: str, ids: set[str]) -> None:
+    """400 for an item id that `ids` (those taken so far) already holds; adds it."""
     if item_id is None:
         return
     if item_id in ids:
@@ -85,27 +68,19 @@ def check_item_id(item: dict[str, Any], where: str, ids: set[str]) -> None:
     ids.add(item_id)
 
 
-# read by the MCP approval flow (mcp_tools), not rendered: a listing, an approval request and its answer
-MCP_CONTROL_ITEMS = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response")
-
-
-def mcp_call_messages(item: dict[str, Any], where: str) -> list[dict[str, Any]]:
+def mcp_call_messages(item: McpCallItem, where: str) -> list[dict[str, Any]]:
     """An `mcp_call` item -> the assistant's call and the tool message with its output (or error)."""
-    call = _template_call({**item, "call_id": field(item, "id", str, required=True, param=f"{where}.id")}, where)
-    output = field(item, "output", str, param=f"{where}.output")
-    error = item.get("error")
+    call = _template_call(item.id, item.name, item.arguments, where)
+    output, error = item.output, item.error
     if output is None and error is not None:
         output = f"Error: {error.get('message') or json.dumps(error)}" if isinstance(error, dict) else f"Error: {error}"
     return [{"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": output or ""}]
 
 
-def _template_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    name = field(item, "name", str, required=True, param=f"{where}.name")
-    call_id = field(item, "call_id", str, required=True, param=f"{where}.call_id")
-    raw = field(item, "arguments", str, "{}", param=f"{where}.arguments")
-    arguments = template_arguments(raw, f"{where}.arguments")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+def _template_call(call_id: str, name: str, arguments: str, where: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": template_arguments(arguments, f"{where}.arguments")}}
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -173,24 +148,22 @@ def as_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
-def resolve_references(body: dict[str, Any], *stores: ResponseStore | ConversationStore) -> dict[str, Any]:
-    """`body` with each `item_reference` of its `input` replaced by the stored item it names (an input or output
-    item of a stored response, or an item of a conversation, as OpenAI resolves them); an id none of the `stores`
-    has is a 400."""
-    items = body.get("input")
-    if not isinstance(items, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference"
-                                              for i in items):
-        return body
+def resolve_references(items: str | list[InputItem], *stores: ResponseStore | ConversationStore
+                       ) -> str | list[InputItem]:
+    """`items` (a request's `input`) with each `item_reference` replaced by the stored item it names (an input or
+    output item of a stored response, or an item of a conversation, as OpenAI resolves them), read as the item
+    it is in its place; an id none of the `stores` has is a 400."""
+    if isinstance(items, str) or not any(isinstance(item, ItemReference) for item in items):
+        return items
     resolved = []
     for i, item in enumerate(items):
-        if isinstance(item, dict) and item.get("type") == "item_reference":
-            item_id = field(item, "id", str, required=True, param=f"input[{i}].id")
-            found = next((item for store in stores if (item := store.item(item_id)) is not None), None)
+        if isinstance(item, ItemReference):
+            found = next((found for store in stores if (found := store.item(item.id)) is not None), None)
             if found is None:  # OpenAI's words
-                raise bad_request(f"Item with id '{item_id}' not found.", f"input[{i}].id")
-            item = found
+                raise bad_request(f"Item with id '{item.id}' not found.", f"input[{i}].id")
+            item = parse_item(found, f"input[{i}]")
         resolved.append(item)
-    return {**body, "input": resolved}
+    return resolved
 
 
 def page(items: list[dict[str, Any]], query) -> dict[str, Any]:
@@ -221,14 +194,14 @@ def listing(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, An
             "last_id": items[-1]["id"] if items else None, "has_more": has_more}
 
 
-def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's `input` as the Responses API lists it back: items with ids, message text as parts."""
-    items = body["input"]
+def input_items(items: str | list[InputItem]) -> list[dict[str, Any]]:
+    """A request's `input` (typed, its references resolved) as the Responses API lists it back: each item as
+    sent, with an id, message text as parts."""
     if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": items}]
+        items = [parse_item({"type": "message", "role": "user", "content": items}, "input")]
     listed = []
-    for item in items:
-        item = {"type": "message", **item}
+    for typed in items:
+        item = {"type": "message", **typed.sent}
         if item["type"] == "message":
             content = item["content"]
             item["content"] = [{"type": "input_text", "text": content}] if isinstance(content, str) else content

@@ -18,6 +18,7 @@ from tfserve.protocol.reply import ReplyParser
 from tfserve.server.api.logprobs import chat_logprobs, shown
 from tfserve.server.api.response_items import echo_tools
 from tfserve.server.chat_prompt import template_arguments
+from tfserve.server.requests.input_items import McpApprovalRequestItem
 from tfserve.server.sse import EventStream
 from tfserve.server.tools.mcp_tools import McpOffer, error_text
 
@@ -133,18 +134,18 @@ class ResponseOutput:
             await self._event("response.output_item.done", output_index=index, item=listing)
         self.turn_start = len(self.items)
 
-    def add_approved_call(self, request: dict) -> dict:
+    def add_approved_call(self, request: McpApprovalRequestItem) -> dict:
         """An `mcp_call` item for a call the client approved (`mcp_approval_response`), to run before the turn."""
-        item = self._mcp_call_item(request["server_label"], request["name"], request["arguments"])
-        item["approval_request_id"] = request["id"]
+        item = self._mcp_call_item(request.server_label, request.name, request.arguments)
+        item["approval_request_id"] = request.id
         self.items.append(item)
         self.messages.append({"role": "assistant", "content": "", "tool_calls": [self._chat_call(item)]})
         return item
 
-    def add_declined_call(self, request: dict, reason: str | None) -> None:
+    def add_declined_call(self, request: McpApprovalRequestItem, reason: str | None) -> None:
         """A call the client declined: the model reads that it did not run (no output item, as OpenAI)."""
         call_id = f"call_{uuid.uuid4().hex[:24]}"
-        call = _chat_call(call_id, request["name"], request["arguments"])
+        call = _chat_call(call_id, request.name, request.arguments)
         self.messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                           {"role": "tool", "tool_call_id": call_id,
                            "content": "The user declined this tool call." + (f" Reason: {reason}" if reason else "")}]

@@ -14,14 +14,15 @@ from dataclasses import dataclass, replace
 from aiohttp import web
 
 from tfserve.server.api import conversations
-
-from tfserve.server.api.response_items import input_items, page, parse_input, parse_tools, resolve_references
+from tfserve.server.api.response_items import input_items, page, parse_input, resolve_references
 from tfserve.server.api.response_output import ResponseOutput
 from tfserve.server.chat_prompt import text_chars
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import check_text_fits
 from tfserve.server.media import gather_images
-from tfserve.server.protocol import field, read_json, use_model
+from tfserve.server.protocol import read_json, use_model
+from tfserve.server.requests.input_items import (InputItem, McpApprovalRequestItem, McpApprovalResponseItem,
+                                                 parse_item, parse_items, sent_items)
 from tfserve.server.requests.responses import ResponseRequest
 from tfserve.server.runtime.request_limits import check_messages
 from tfserve.server.runtime.state import STATE
@@ -33,12 +34,12 @@ from tfserve.server.tools.tool_loop import Turns, call, run_loop
 
 @dataclass
 class Conversation:
-    """What a Responses body asks the model: the messages of its first turn (instructions, the stored history,
+    """What a Responses request asks the model: the messages of its first turn (instructions, the stored history,
     the new input), the images they bring, the tools (the client's functions and the MCP servers' offer) and what
     every turn shares (`turns`). Every field is checked on the way (a 400 naming it)."""
 
-    body: dict  # as sent, with its item references resolved
     typed: ResponseRequest  # its fields, parsed
+    items: str | list[InputItem]  # its input, typed, with its item references resolved
     model: str
     previous: StoredResponse | None
     history: list[dict]  # the conversation to store: the previous response's messages, then this input's
@@ -50,54 +51,57 @@ class Conversation:
     thread: conversations.StoredConversation | None  # the conversation it goes on (`conversation`), or None
 
 
-async def conversation(request: web.Request, body: dict, typed: ResponseRequest | None = None) -> Conversation:
-    """What `body` asks the model (`typed`: its fields, parsed; parsed here when not given)."""
+async def conversation(request: web.Request, typed: ResponseRequest) -> Conversation:
+    """What the request `typed` asks the model."""
     state = request.app[STATE]
-    typed = typed or ResponseRequest.parse(body)
-    body = resolve_references(body, state.responses, state.conversations)
+    items = resolve_references(typed.input, state.responses, state.conversations)
     model = await use_model(request, typed.model, state)
     instructions = typed.instructions
     thread = conversations.requested(typed.conversation, state.conversations)
     previous_id = typed.previous_response_id
     previous = state.responses.get(previous_id) if previous_id else None
-    if thread is not None:  # its items come first, as if sent again before the input
-        body = {**body, "conversation": {"id": thread.id}}
-        earlier, earlier_images = parse_input({"input": thread.items}) if thread.items else ([], [])
+    if thread is not None:  # its items come first, as if sent again before the input (read back: parsed again)
+        earlier, earlier_images = parse_input(parse_items(thread.items)) if thread.items else ([], [])
     else:
         earlier, earlier_images = (previous.messages, previous.images) if previous else ([], [])
-    check_messages(state.limits, body.get("input"), "input")
-    new_messages, new_images = parse_input(body, earlier)
+    new_messages, new_images = parse_input(items, earlier)
     history = earlier + new_messages
     check_messages(state.limits, history, "input")
     if thread is not None:  # its input goes on it: refused now if it would not fit, not after the reply
-        state.conversations.check_fits(state.conversations.size_of(thread.id) + json_size(body.get("input")),
+        state.conversations.check_fits(state.conversations.size_of(thread.id) + json_size(sent_items(items)),
                                        "the conversation", "conversation")
     # instructions are not carried over to the next response (as OpenAI): they lead this turn only, unstored
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     check_text_fits(state, text_chars(messages), "input")
     image_refs = earlier_images + new_images
-    functions, specs = mcp_tools.split_tools(parse_tools({"tools": typed.tools, "tool_choice": typed.tool_choice}))
+    functions, specs = mcp_tools.split_tools(typed.tools or [])  # the function tools checked by the parse
     max_tool_calls = DEFAULT_MAX_TOOL_CALLS if typed.max_tool_calls is None else typed.max_tool_calls
     offer = await mcp_tools.resolve(state, specs, {tool["name"] for tool in functions})
     turns = Turns(state, typed, functions, offer)
     turns.kwargs.pop("n", None)
-    return Conversation(body, typed, model, previous, history, messages, image_refs, offer, turns, max_tool_calls,
+    return Conversation(typed, items, model, previous, history, messages, image_refs, offer, turns, max_tool_calls,
                         thread)
+
+
+async def read_request(request: web.Request) -> ResponseRequest:
+    """The body, typed; its `input` counted first, on the raw body, on purpose: the count alone refuses 400,000
+    items cheaply."""
+    body = await read_json(request)
+    check_messages(request.app[STATE].limits, body.get("input"), "input")
+    return ResponseRequest.parse(body)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
-    typed = ResponseRequest.parse(body)
+    typed = await read_request(request)
     if typed.background:
         raise bad_request("background responses are not supported here: send the request without background "
                           "(or stream it)", "background")
-    talk = await conversation(request, body, typed)
+    talk = await conversation(request, typed)
     stream, store = bool(typed.stream), typed.stored
     if store:  # a response too large to keep is refused before it runs (store false answers it unkept)
         state.responses.check_fits(json_size(talk.history), "the stored response (the conversation so far)",
                                    "previous_response_id" if talk.previous else "input")
-    body = talk.body
     model, previous, history, messages, image_refs, offer, turns, max_tool_calls = (
         talk.model, talk.previous, talk.history, talk.messages, talk.image_refs, talk.offer, talk.turns,
         talk.max_tool_calls)
@@ -107,7 +111,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     await turns.check()
     output = ResponseOutput(model, typed, None, offer)
     output.num_top, output.token_texts = num_top, state.token_texts
-    approved = _answer_approvals(body, previous, offer, output)
+    approved = _answer_approvals(talk.items, previous, offer, output)
     turns.images = await gather_images(state, image_refs)  # every field checked first: a bad one fetches nothing
     for item in approved:  # before the first turn, which reads their results
         await output.run_call(item, lambda item: call(state, offer, item))
@@ -117,7 +121,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if output.failed:  # the error event went out
         return await output.sse.close()
     response = output.response(usage)  # the finished Response object: returned (or the last event) and stored
-    new_items = input_items(body)  # with ids, the same wherever this input is listed
+    new_items = input_items(talk.items)  # with ids, the same wherever this input is listed
     if talk.thread is not None:  # the conversation goes on with this turn's input and output
         present = {item.get("id") for item in talk.thread.items}  # an item_reference to one of its own: once
         state.conversations.add_items(talk.thread, [item for item in new_items + response["output"]
@@ -137,8 +141,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def count_input_tokens(request: web.Request) -> web.Response:
     """POST /v1/responses/input_tokens: the tokens the first turn's prompt of this body would take (its
     instructions, input, previous response and tools, through the model's chat template), without running it."""
-    body = await read_json(request)
-    talk = await conversation(request, body)
+    talk = await conversation(request, await read_request(request))
     talk.turns.images = await gather_images(request.app[STATE], talk.image_refs)
     tools = talk.turns.tools(first=True, tools_left=len(talk.offer.tools))
     prompt_ids, _ = await talk.turns.render(talk.messages, tools)
@@ -168,30 +171,26 @@ async def list_input_items(request: web.Request) -> web.Response:
     return web.json_response(page(items, request.query))
 
 
-def _answer_approvals(body: dict, previous: StoredResponse | None, offer: mcp_tools.McpOffer,
+def _answer_approvals(items: str | list[InputItem], previous: StoredResponse | None, offer: mcp_tools.McpOffer,
                       output: ResponseOutput) -> list[dict]:
     """The input's `mcp_approval_response` items against the approval requests of `previous_response_id` (or of
     the input itself): approved calls become `mcp_call` items to run first; declined ones, a note to the model."""
-    items = body.get("input") if isinstance(body.get("input"), list) else []
-    pending = dict(previous.pending_approvals) if previous else {}
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and item.get("type") == "mcp_approval_request":  # an earlier output sent back
-            for key in ("id", "server_label", "name", "arguments"):
-                field(item, key, str, required=True, param=f"input[{i}].{key}")
-            pending[item["id"]] = item
+    items = items if isinstance(items, list) else []
+    pending = {request_id: parse_item(stored, "previous_response_id")  # read back from the store: parsed again
+               for request_id, stored in (previous.pending_approvals if previous else {}).items()}
+    pending.update({item.id: item for item in items if isinstance(item, McpApprovalRequestItem)})
     approved = []
     for i, item in enumerate(items):
-        if not isinstance(item, dict) or item.get("type") != "mcp_approval_response":
+        if not isinstance(item, McpApprovalResponseItem):
             continue
         where = f"input[{i}]"
-        request_id = field(item, "approval_request_id", str, required=True, param=f"{where}.approval_request_id")
-        approve = field(item, "approve", bool, required=True, param=f"{where}.approve")
-        request = pending.pop(request_id, None)
+        request = pending.pop(item.approval_request_id, None)
         if request is None:
-            raise bad_request(f"{where}.approval_request_id {request_id!r} answers no pending mcp_approval_request "
-                              "(send previous_response_id of the response that asked)", f"{where}.approval_request_id")
-        if approve:
+            raise bad_request(f"{where}.approval_request_id {item.approval_request_id!r} answers no pending "
+                              "mcp_approval_request (send previous_response_id of the response that asked)",
+                              f"{where}.approval_request_id")
+        if item.approve:
             approved.append(output.add_approved_call(request))
         else:
-            output.add_declined_call(request, field(item, "reason", str, param=f"{where}.reason"))
+            output.add_declined_call(request, item.reason)
     return approved

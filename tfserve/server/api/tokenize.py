@@ -9,8 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tfserve.server.chat_prompt import (INLINE_PROMPT_CHARS, parse_tools, render_chat, render_options, template_kwargs,
-                                        text_chars)
+from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS, render_chat, template_kwargs, text_chars
 from tfserve.sampling_params import MAX_INT64
 from tfserve.server.errors import bad_request
 from tfserve.server.generation import check_text_fits
@@ -54,11 +53,9 @@ async def _chat_ids(state: Any, typed: TokenizeRequest) -> list[int]:
         raise bad_request("tokenize takes text messages only; an image's tokens depend on its pixels",
                           messages.image_refs[0].where)
     check_text_fits(state, text_chars(messages.rendered), "messages")
-    tools = parse_tools({"tools": typed.tools, "tool_choice": typed.tool_choice})
-    options = render_options({"add_generation_prompt": typed.add_generation_prompt,
-                              "continue_final_message": typed.continue_final_message})
-    ids = await render_chat(state.engine.tokenizer, messages.rendered, tools,
-                            template_kwargs(state, {"chat_template_kwargs": typed.chat_template_kwargs}), **options)
+    ids = await render_chat(state.engine.tokenizer, messages.rendered, typed.function_tools,
+                            template_kwargs(state, {"chat_template_kwargs": typed.chat_template_kwargs}),
+                            **typed.render_options)
     bos = state.engine.tokenizer.bos_token_id
     if typed.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos, *ids]

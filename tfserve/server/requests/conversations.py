@@ -12,26 +12,29 @@ from tfserve.server.api.response_items import input_items, parse_input
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import check_metadata
 from tfserve.server.requests.base import RequestModel
+from tfserve.server.requests.input_items import InputItem, parse_items
 
 MAX_ITEMS = 20  # OpenAI's limit on the items one request adds
 
 
 class _ItemsRequest(RequestModel):
-    items: list[Any] | None = None
+    items: list[Any] | None = None  # InputItem, parsed
 
     @field_validator("items")
     @classmethod
-    def _check_items(cls, items: list[Any] | None) -> list[Any] | None:
+    def _check_items(cls, items: list[Any] | None) -> list[InputItem] | None:
         if items and len(items) > MAX_ITEMS:
             raise bad_request(f"items may hold at most {MAX_ITEMS} items at a time (got {len(items)})", "items")
-        if items:
-            parse_input({"items": items}, name="items")  # a 400 naming the item, as for a response's input
-        return items
+        if not items:
+            return items
+        typed = parse_items(items, "items", references=False)
+        parse_input(typed, name="items")  # a 400 naming the item, as for a response's input
+        return typed
 
     @property
     def stored_items(self) -> list[dict[str, Any]]:
         """The items as a conversation keeps them, with ids given to those that have none."""
-        return input_items({"input": self.items}) if self.items else []
+        return input_items(self.items) if self.items else []
 
 
 class ConversationCreateRequest(_ItemsRequest):

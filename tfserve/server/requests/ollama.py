@@ -6,12 +6,18 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from tfserve.sampling_params import Grammar
+from tfserve.server.api.ollama_options import openai_message
+from tfserve.server.chat_prompt import parse_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
 from tfserve.server.requests.base import RequestModel
+from tfserve.server.requests.chat import Messages, parse_messages
 from tfserve.server.requests.sampling import SamplingFields
+from tfserve.server.tools.response_format import requested_grammar
+from tfserve.server.tools.tool_choice import ToolChoice
 
 HONOURED = frozenset({"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "min_p",
                       "presence_penalty", "frequency_penalty", "repeat_last_n"})
@@ -68,7 +74,8 @@ class OllamaOptions(SamplingFields):
 
 class _OllamaRequest(RequestModel):
     """What /api/chat and /api/generate share. Ollama's clients send only its fields: another is a 400 (a field
-    sent for a reason is never dropped unseen)."""
+    sent for a reason is never dropped unseen). Ollama has no `tool_choice`: a reply may call any tool offered
+    (`tool_choice` is "auto", parsed once like chat's)."""
 
     ROUTE: ClassVar[str] = ""
     FIELDS: ClassVar[frozenset[str]] = frozenset({"model", "format", "options", "stream", "keep_alive", "think",
@@ -82,6 +89,8 @@ class _OllamaRequest(RequestModel):
     think: Any = None  # true, false or a level ("low", ...): false turns a reasoning model's thinking off
     logprobs: Any = None
     top_logprobs: Any = None
+
+    _constraint: tuple[Grammar, str] | None = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +106,24 @@ class _OllamaRequest(RequestModel):
         if self.model is None:
             raise bad_request("model is required", "model")
         field({"think": self.think}, "think", (bool, str))
+        constraint = requested_grammar({"response_format": self.response_format})
+        self._constraint = constraint and (constraint[0], "format")
         return self
+
+    @property
+    def constraint(self) -> tuple[Grammar, str] | None:
+        """`format` as one Grammar, named "format" (None: free text)."""
+        return self._constraint
+
+    @property
+    def tool_choice(self) -> ToolChoice:
+        """Ollama's API has no `tool_choice`: a reply may call any tool it is offered."""
+        return ToolChoice()
+
+    @property
+    def function_tools(self) -> list[dict[str, Any]] | None:
+        """The function tools the chat template shows (None: none)."""
+        return None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """`options` (and the top-level fields that shape sampling) -> SamplingParams keyword arguments."""
@@ -125,8 +151,29 @@ class OllamaChatRequest(_OllamaRequest):
     ROUTE: ClassVar[str] = "chat"
     FIELDS: ClassVar[frozenset[str]] = _OllamaRequest.FIELDS | {"messages", "tools"}
 
-    messages: list[Any] = Field(default_factory=list)
+    messages: Any = Field(default_factory=lambda: Messages([]))  # Messages, parsed (none: load the model)
     tools: Any = None
+
+    _tools: list[dict[str, Any]] | None = PrivateAttr(None)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _parse_messages(cls, messages: Any) -> Messages:
+        """Ollama's messages -> OpenAI's, read as chat reads them (a 400 naming the field)."""
+        if isinstance(messages, list) and not messages:
+            return Messages([])
+        if not isinstance(messages, list):
+            return parse_messages(messages)  # its 400
+        return parse_messages([openai_message(m, i) for i, m in enumerate(messages)])
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> OllamaChatRequest:
+        self._tools = parse_tools({"tools": self.tools, "tool_choice": self.tool_choice})
+        return self
+
+    @property
+    def function_tools(self) -> list[dict[str, Any]] | None:
+        return self._tools
 
 
 class OllamaGenerateRequest(_OllamaRequest):
@@ -144,6 +191,8 @@ class OllamaGenerateRequest(_OllamaRequest):
     raw: bool = False
     images: list[Any] = Field(default_factory=list)
 
+    _messages: Messages = PrivateAttr(default_factory=lambda: Messages([]))
+
     @model_validator(mode="after")
     def _generate_checks(self) -> OllamaGenerateRequest:
         for name in ("suffix", "template"):  # a fill-in-the-middle, a Go template: neither is done here
@@ -152,7 +201,19 @@ class OllamaGenerateRequest(_OllamaRequest):
         if self.context:
             raise bad_request("context (the tokens of an earlier reply) is not supported: send the conversation to "
                               "/api/chat", "context")
+        for j, image in enumerate(self.images):
+            if not isinstance(image, str):
+                raise bad_request(f"images[{j}] must be a base64 string", f"images[{j}]")
+        if self.prompt or self.images:  # the messages the chat template renders (unless raw)
+            system = [openai_message({"role": "system", "content": self.system}, 0)] if self.system else []
+            self._messages = parse_messages([*system, openai_message({"role": "user", "content": self.prompt,
+                                                                      "images": self.images}, 1)])
         return self
+
+    @property
+    def messages(self) -> Messages:
+        """`system` and `prompt` (with `images`) as the chat template takes them (none when both are empty)."""
+        return self._messages
 
 
 class OllamaShowRequest(RequestModel):

@@ -1,6 +1,7 @@
 """POST /v1/responses' body, typed: OpenAI's `ResponseCreateParams`. Its fields that take part in every turn
-(sampling, `max_output_tokens`, `tool_choice`, `text.format`, `truncation`) are read here once; its `input`
-items, tools and stored references are read by response_items.py and conversations.py."""
+(sampling, `max_output_tokens`, `tool_choice`, `text.format`, `truncation`) are read here once, and its `input`
+items typed (input_items.py); the items' stored references are resolved, and its tools read, by
+response_items.py and conversations.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tfserve.sampling_params import Grammar
 from tfserve.server.api.conversations import conversation_id
-from tfserve.server.api.response_items import as_response_format, text_format
+from tfserve.server.api.response_items import as_response_format, parse_tools, text_format
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import INCLUDABLE, one_of
+from tfserve.server.requests.input_items import InputItem, parse_items
 from tfserve.server.requests.sampling import EFFORTS, CommonFields, MaxToolCalls, SamplingFields
 from tfserve.server.tools.response_format import requested_grammar
 from tfserve.server.tools.tool_choice import ToolChoice
@@ -28,7 +30,7 @@ class ResponseRequest(SamplingFields, CommonFields):
     MAX_TOKENS_FIELDS: ClassVar[tuple[str, ...]] = ("max_output_tokens",)
     PROMPT_FIELD: ClassVar[str] = "input"
 
-    input: Any = None
+    input: Any = Field(None, validate_default=True)  # a string, or InputItems (references not yet resolved)
     instructions: str | None = None
     previous_response_id: str | None = None
     conversation: Any = None  # the id of the conversation it goes on (sent as an id, or {"id": ...})
@@ -49,6 +51,11 @@ class ResponseRequest(SamplingFields, CommonFields):
 
     _constraint: tuple[Grammar, str] | None = PrivateAttr(None)
     _text_format: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _parse_input(cls, items: Any) -> str | list[InputItem]:
+        return parse_items(items, "input")
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -97,6 +104,7 @@ class ResponseRequest(SamplingFields, CommonFields):
         if self.conversation is not None and self.previous_response_id is not None:
             raise bad_request("conversation and previous_response_id cannot be used together: a conversation "
                               "holds its own history", "conversation")
+        parse_tools({"tools": self.tools, "tool_choice": self.tool_choice})  # the mcp ones: mcp_tools.split_tools
         self._text_format = text_format({"text": self.text})
         constraint = requested_grammar({"response_format": as_response_format(self._text_format)})
         self._constraint = constraint and (constraint[0], "text.format")

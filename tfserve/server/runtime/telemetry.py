@@ -13,21 +13,39 @@ import importlib.util
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tfserve.errors import TfserveError
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from tfserve.server.generation import Usage
-    from tfserve.server.runtime.state import ServerState
+    from tfserve.engine.client import EngineClient
 
 logger = logging.getLogger("tfserve.server")
 
 INSTALL_HINT = "--otel needs OpenTelemetry, which is not installed: pip install 'tfserve[otel]'"
 _ENV_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME")
 _NS = 1_000_000_000
+
+
+class TelemetrySource(Protocol):
+    """What the gauges read (`ServerState`, passed in by the CLI: this module never imports it), when exported."""
+
+    engine: EngineClient | None  # the served engine, None while none is loaded
+
+    @property
+    def num_queued(self) -> int: ...
+
+
+class RequestUsage(Protocol):
+    """What a finished request's trace reads of its usage (`generation.Usage`, which the handlers above this
+    module make: it is read through this, never imported)."""
+
+    outputs: list[Any]  # each sequence's final RequestOutput
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int
 
 
 def is_installed() -> bool:
@@ -39,7 +57,7 @@ def is_installed() -> bool:
         return False
 
 
-def from_options(state: ServerState, otel: bool) -> Telemetry | None:
+def from_options(state: TelemetrySource, otel: bool) -> Telemetry | None:
     """Telemetry exported over OTLP when `--otel` is given or an `OTEL_*` endpoint/service variable is set.
     `--otel` without the extra raises a TfserveError naming the install command; the variables alone only
     log a warning (they may be meant for another program)."""
@@ -54,7 +72,7 @@ def from_options(state: ServerState, otel: bool) -> Telemetry | None:
     return otlp_telemetry(state)
 
 
-def otlp_telemetry(state: ServerState) -> Telemetry:
+def otlp_telemetry(state: TelemetrySource) -> Telemetry:
     """Spans through a BatchSpanProcessor and metrics through a PeriodicExportingMetricReader, both to the
     OTLP exporter `OTEL_EXPORTER_OTLP_PROTOCOL` names (http/protobuf by default, or grpc)."""
     from opentelemetry.sdk.metrics import MeterProvider
@@ -82,7 +100,7 @@ def otlp_telemetry(state: ServerState) -> Telemetry:
 class Telemetry:
     """Turns finished requests into spans and exposes the engine's gauges, over the given SDK providers."""
 
-    def __init__(self, state: ServerState, tracer_provider: Any, meter_provider: Any) -> None:
+    def __init__(self, state: TelemetrySource, tracer_provider: Any, meter_provider: Any) -> None:
         from opentelemetry import propagate, trace
         from opentelemetry.metrics import Observation
 
@@ -109,7 +127,7 @@ class Telemetry:
               lambda stats: stats.prefix_cache_hit_rate)
 
     def record_request(self, request: web.Request, endpoint: str, status: int, start_ns: int, start_perf: float,
-                       usage: Usage | None, model: str | None) -> None:
+                       usage: RequestUsage | None, model: str | None) -> None:
         """One trace for a finished HTTP request that began at wall time `start_ns` = perf time `start_perf`."""
         trace = self._trace
         end_ns = time.time_ns()
