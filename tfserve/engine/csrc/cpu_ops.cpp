@@ -651,6 +651,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   paths["int8"] = std::string(tfs::kIsa) + " int8 (compiler-vectorised)";
 #endif
   m.attr("matmul_paths") = paths;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  m.attr("vnni") = "AVX512-VNNI";  // the int8 dot products of the block kernels (quant_lanes.h); "" without
+#elif defined(__AVXVNNI__)
+  m.attr("vnni") = "AVX-VNNI";
+#else
+  m.attr("vnni") = "";
+#endif
   m.attr("vec_width") = tfs::Vec::N;  // floats per vector: decode attention's vector path takes head_dim = N * 2^i <= 16 N
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),

@@ -1,0 +1,62 @@
+"""Which instructions each path of the CPU kernels runs on this machine, for the startup log, the banner and /metrics
+(`tfserve_kernel_path_info{path, isa}`).
+
+The table is read from what the compiled module says it has (`isa`, `bf16_dot`, `vnni`: -march=native, the
+compiler's version and TFSERVE_KERNELS_MARCH all shape it), never guessed from the CPU's flags; the flags only add a
+note where the CPU has a better unit the kernels do not use, and why.
+"""
+
+from __future__ import annotations
+
+AVX512_BF16 = "AVX512-BF16 (VDPBF16PS)"
+
+
+def kernel_paths(ops) -> dict[str, str]:
+    """Kernel path -> the instructions it runs on, for the kernels `ops` (empty without them: torch's own paths)."""
+    if ops is None:
+        return {}
+    fma = f"{ops.isa} FMA" if ops.isa != "scalar" else "scalar C++"
+    bf16_dot = AVX512_BF16 if getattr(ops, "bf16_dot", False) else None
+    return {
+        "linear float32": fma,
+        "linear float16": f"{fma} (widened)",
+        "linear bfloat16": bf16_dot or f"{fma} (widened)",
+        "quantized blocks (decode rows)": _int8_unit(ops),  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8: int8 activations
+        "quantized blocks (prompt rows)": f"{fma} (dequantized)",
+        "attention float32": fma,
+        # --dtype bfloat16 rounds a prompt's q, k, v to bfloat16 for the dot products where the build has them
+        "prompt attention bfloat16": bf16_dot or f"{fma} (float32)",
+    }
+
+
+def _int8_unit(ops) -> str:
+    vnni = getattr(ops, "vnni", "")
+    if vnni:
+        return f"{vnni} (VPDPBUSD)"
+    if ops.isa in ("AVX2", "AVX-512"):
+        return "AVX2 (VPMADDUBSW)"
+    return "NEON (compiler-vectorised)" if ops.isa == "NEON" else "scalar C++"
+
+
+def unused_units(ops, features: frozenset[str]) -> list[str]:
+    """Why a unit the CPU has (`features`: kernels.cpu_features) is not one the kernels `ops` use, one note each."""
+    if ops is None:
+        return []
+    notes = []
+    if "avx512f" in features and ops.isa not in ("AVX-512",):
+        notes.append(f"AVX-512 present but the kernels are built for {ops.isa} (TFSERVE_KERNELS_MARCH?)")
+    if "avx512_bf16" in features and not getattr(ops, "bf16_dot", False):
+        notes.append("AVX512-BF16 present but not in this build of the kernels")
+    if {"avx512_vnni", "avx_vnni"} & features and not getattr(ops, "vnni", ""):
+        notes.append("VNNI present but not in this build of the kernels")
+    if {"amx_tile", "amx_bf16"} <= features:
+        notes.append("AMX present but the kernels have no AMX path")
+    return notes
+
+
+def describe(paths: dict[str, str], notes: list[str]) -> str:
+    """The one log line: "CPU kernel paths: linear float32: AVX-512 FMA, ...", then the notes."""
+    if not paths:
+        return "CPU kernel paths: none (the CPU kernels are off or unavailable; torch's paths run)"
+    line = "CPU kernel paths: " + ", ".join(f"{path}: {isa}" for path, isa in paths.items())
+    return line + "".join(f"; {note}" for note in notes)
