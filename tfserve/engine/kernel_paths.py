@@ -1,13 +1,16 @@
 """Which instructions each path of the CPU kernels runs on this machine, for the startup log, the banner and /metrics
 (`tfserve_kernel_path_info{path, isa}`).
 
-The table is read from what the compiled module says it has (`isa`, `bf16_dot`, `vnni`: -march=native, the
-compiler's version and TFSERVE_KERNELS_MARCH all shape it), never guessed from the CPU's flags; the flags only add a
-note where the CPU has a better unit the kernels do not use, and why.
+The table is read from what the compiled module says it has (`isa`, `bf16_dot`, `vnni`, `amx`, `amx_active()`:
+-march=native, the compiler's version and TFSERVE_KERNELS_MARCH all shape it), never guessed from the CPU's flags;
+the flags only add a note where the CPU has a better unit the kernels do not use, and why (amx.py's reason for AMX).
 """
 
 from __future__ import annotations
 
+from tfserve.engine import amx
+
+AMX_BF16 = "AMX-BF16 (TDPBF16PS)"
 AVX512_BF16 = "AVX512-BF16 (VDPBF16PS)"
 
 
@@ -17,10 +20,11 @@ def kernel_paths(ops) -> dict[str, str]:
         return {}
     fma = f"{ops.isa} FMA" if ops.isa != "scalar" else "scalar C++"
     bf16_dot = AVX512_BF16 if getattr(ops, "bf16_dot", False) else None
+    amx_on = bool(getattr(ops, "amx_active", lambda: False)())
     return {
         "linear float32": fma,
         "linear float16": f"{fma} (widened)",
-        "linear bfloat16": bf16_dot or f"{fma} (widened)",
+        "linear bfloat16": AMX_BF16 if amx_on else bf16_dot or f"{fma} (widened)",
         "quantized blocks (decode rows)": _int8_unit(ops),  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8: int8 activations
         "quantized blocks (prompt rows)": f"{fma} (dequantized)",
         "attention float32": fma,
@@ -49,8 +53,9 @@ def unused_units(ops, features: frozenset[str]) -> list[str]:
         notes.append("AVX512-BF16 present but not in this build of the kernels")
     if {"avx512_vnni", "avx_vnni"} & features and not getattr(ops, "vnni", ""):
         notes.append("VNNI present but not in this build of the kernels")
-    if {"amx_tile", "amx_bf16"} <= features:
-        notes.append("AMX present but the kernels have no AMX path")
+    if {"amx_tile", "amx_bf16"} <= features and not getattr(ops, "amx_active", lambda: False)():
+        decision = amx.decision_for(ops)
+        notes.append(decision.reason if decision is not None else "AMX present but not decided for these kernels")
     return notes
 
 
