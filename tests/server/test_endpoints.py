@@ -268,6 +268,13 @@ def test_health_and_metrics(server):
     text = server.request("GET", "/metrics")[2]
     assert f"tfserve_num_preemptions {float(preempted)}" in text
     assert f'tfserve_replica_num_preemptions{{replica="0"}} {float(preempted)}' in text
+    # which instructions each CPU kernel path runs on: the engine's table, as it is on this machine (none without
+    # the kernels)
+    paths = server.state.engine.kernel_paths
+    assert "# TYPE tfserve_kernel_path_info gauge" in text
+    assert text.count("tfserve_kernel_path_info{") == len(paths)
+    for path, isa in paths.items():
+        assert f'tfserve_kernel_path_info{{isa="{isa}",path="{path}"}} 1.0' in text, path
 
 
 def test_huggingface_hub_inference_client_works_unmodified(server, monkeypatch):

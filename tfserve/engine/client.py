@@ -64,6 +64,7 @@ class EngineClient(Protocol):
     device: str
     quantization: str
     matmul_units: dict[str, str]  # weight format -> the instructions that multiply it
+    kernel_paths: dict[str, str]  # CPU kernel path -> the instructions it runs on here (engine/kernel_paths.py)
 
     @property
     def input_modalities(self) -> list[str]: ...

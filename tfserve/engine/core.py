@@ -17,6 +17,7 @@ from tfserve.engine import admission
 from tfserve.engine.client import EngineStats
 from tfserve.engine.detokenizer import IncrementalDetokenizer
 from tfserve.engine.draft import DraftModel
+from tfserve.engine.kernel_paths import kernel_paths
 from tfserve.engine.kv_cache import BlockPool
 from tfserve.engine.loading import close_ranks, load_engine, with_overrides
 from tfserve.engine.multimodal import VisionLanguage
@@ -91,6 +92,7 @@ class Engine:
         self.num_steps = 0
         self.load_seconds: float | None = None  # from_pretrained: from the start of the load to a ready engine
         self.matmul_units: dict[str, str] = {}  # weight format -> the instructions that multiply it (CPU kernels)
+        self.kernel_paths = kernel_paths(self.runner.cpu_ops)  # CPU kernel path -> the instructions it runs on
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None, *, dtype: str = "auto",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from tfserve.engine.kernel_paths import AMX_BF16
 from tfserve.models.gguf_weights import BLOCK_TYPES, QuantizedWeight
 
 MAX_PACKED_BYTES = 4 << 30  # a float32 packed copy is as large as the weights
@@ -166,7 +167,9 @@ def matmul_units(formats, ops) -> dict[str, str]:
         return {}
     units = {}
     for fmt in formats:
-        if fmt in _PANEL_DTYPES:
+        if fmt == "bfloat16" and getattr(ops, "amx_active", lambda: False)():  # chosen at run time (amx.py): the tiles, not the dot products
+            units[fmt] = AMX_BF16
+        elif fmt in _PANEL_DTYPES:
             units[fmt] = paths[fmt]
         else:
             units[fmt] = f"{paths['int8']} (decode rows), {paths['float32']} (prompt rows)"

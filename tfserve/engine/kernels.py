@@ -138,12 +138,16 @@ def build_with_progress(report) -> None:
 @cache
 def cpu_ops():
     """The compiled module for this CPU (`paged_decode_attention`, `linear`, ...), or None where it cannot be
-    built."""
+    built. Whether its bfloat16 linear layers run on AMX tiles is decided here, once (amx.py)."""
     try:
-        return build()
+        module = build()
     except Exception as exc:  # no compiler, no ninja, odd platform: the torch path serves
         logger.warning("CPU kernels unavailable (%s); using the torch paths", first_line(exc))
         return None
+    from tfserve.engine import amx
+
+    amx.decide(module, cpu_features(), build_dir())  # AMX tiles or not, now, before any thread runs a kernel
+    return module
 
 
 def build(march: str | None = None):

@@ -13,6 +13,8 @@ from typing import Any
 
 from tfserve.config import EngineConfig
 from tfserve.engine.cpu_linear import matmul_units
+from tfserve.engine.kernel_paths import describe as describe_paths
+from tfserve.engine.kernel_paths import unused_units
 from tfserve.errors import DeviceError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ def load_engine(cls, model: str | None = None, config: EngineConfig | None = Non
     for unit in dict.fromkeys(engine.matmul_units.values()):
         formats = "/".join(sorted(f for f, u in engine.matmul_units.items() if u == unit))
         logger.info("%s weights multiply through %s", formats, unit)
+    ops = engine.runner.cpu_ops
+    if ops is not None:  # one line: each path's instructions, and why a better unit the CPU has is unused
+        logger.info("%s", describe_paths(engine.kernel_paths, unused_units(ops, kernels.cpu_features())))
     engine.load_seconds = time.perf_counter() - start
     logger.info("%s ready in %.1f s (%s)", loaded.name, engine.load_seconds,
                 "its GGUF blocks as stored" if is_native(loaded.model) else f"weights {engine.quantization}")

@@ -651,6 +651,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   paths["int8"] = std::string(tfs::kIsa) + " int8 (compiler-vectorised)";
 #endif
   m.attr("matmul_paths") = paths;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  m.attr("vnni") = "AVX512-VNNI";  // the int8 dot products of the block kernels (quant_lanes.h); "" without
+#elif defined(__AVXVNNI__)
+  m.attr("vnni") = "AVX-VNNI";
+#else
+  m.attr("vnni") = "";
+#endif
+#if TFS_AMX
+  m.attr("amx") = true;  // AMX tile code is in this build (amx.h); amx.py decides at run time whether it runs
+  m.def("amx_probe", &tfs::amx_probe, "AMX tiles against float64 sums of the same bfloat16 products: the largest "
+        "relative error (one thread; SIGILL without AMX or tile permission: run it in a child process)");
+  m.def("amx_tile_config", [](int64_t tail) {  // what ldtilecfg loads for in_features of `tail` odd pairs (tests)
+    const tfs::TileConfig cfg = tfs::amx_config(tail);
+    return py::bytes(reinterpret_cast<const char*>(&cfg), sizeof(cfg));
+  }, "The 64-byte AMX tile configuration the bfloat16 tiles load (no tile instruction runs)", py::arg("tail"));
+#else
+  m.attr("amx") = false;
+#endif
+  m.def("use_amx", [](bool on) {
+#if TFS_AMX
+    tfs::g_use_amx.store(on);
+#endif
+    return tfs::g_use_amx.load();
+  }, "bfloat16 linear layers through AMX tiles from now on (after amx.py's checks); whether they are", py::arg("on"));
+  m.def("amx_active", [] { return tfs::g_use_amx.load(); }, "Whether bfloat16 linear layers go through AMX tiles");
   m.attr("vec_width") = tfs::Vec::N;  // floats per vector: decode attention's vector path takes head_dim = N * 2^i <= 16 N
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),

@@ -264,6 +264,8 @@ static void bf16_pairs(const float* x, uint32_t* out, int64_t m, int64_t k, int6
 
 }  // namespace tfs
 
+#include "amx.h"
+
 #if !TFS_NO_TORCH
 // w: [out_features, in_features] -> panels [ceil(out / kPanelCols), in_features, kPanelCols] of `dtype`
 // (default: w's own; float32, float16 or bfloat16). `dot`: bfloat16 panels for the CPU's bfloat16 dot
@@ -313,6 +315,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
   if (dot) {
 #if TFS_BF16_DOT
     TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "dot-product panels hold bfloat16");
+#if TFS_AMX
+    if (tfs::g_use_amx.load(std::memory_order_relaxed)) {  // chosen at run time (amx.py, use_amx)
+      tfs::amx_linear(xp, packed.data_ptr<c10::BFloat16>(), bp, yp, m, k, n, panels);
+      return y;
+    }
+#endif
     auto pairs = torch::empty({m, (k + 1) / 2}, torch::kInt32);
     auto* xpairs = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
     tfs::bf16_pairs(xp, xpairs, m, k, tfs::tile_rows_for(m));

@@ -154,7 +154,8 @@ class _ReplicaCollector:
 
 
 class _MatmulCollector:
-    """`tfserve_matmul_unit_info{format, unit}`: which instructions multiply each weight format (1 each)."""
+    """`tfserve_matmul_unit_info{format, unit}`: which instructions multiply each weight format (1 each), and
+    `tfserve_kernel_path_info{path, isa}`: which each path of the CPU kernels runs on (engine/kernel_paths.py)."""
 
     def __init__(self, state: MetricsSource) -> None:
         self.state = state
@@ -170,3 +171,8 @@ class _MatmulCollector:
         for fmt, unit in getattr(self.state.engine, "matmul_units", {}).items():
             family.add_metric([fmt, unit], 1.0)
         yield family
+        paths = GaugeMetricFamily("tfserve_kernel_path_info", "The instructions each CPU kernel path runs on "
+                                  "(chosen at run time by the CPU's features)", labels=["path", "isa"])
+        for path, isa in getattr(self.state.engine, "kernel_paths", {}).items():
+            paths.add_metric([path, isa], 1.0)
+        yield paths
