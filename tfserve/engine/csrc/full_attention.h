@@ -212,6 +212,63 @@ inline void panel_scores(const float* const* q, const float* kp, int64_t d, floa
     for (int v = 0; v < KV; ++v) (fold(part[r][v]) * Vec::set1(scale)).store(out[r] + v * L);
 }
 
+// How both prompt kernels share out a call's work. Packing: per (sequence, KV head) its keys and values in panels
+// of kPanelCols keys, packed a panel of keys (and their values) a piece, in order (sequence, KV head, panel).
+// Tiles: items in order (sequence, head, tile of kTileRows rows). A sequence without rows packs nothing.
+struct PromptPlan {
+  struct Piece { int64_t s, kvh, p; };  // panel p of sequence s's KV head kvh
+  struct Tile { int64_t s, h, r0, p0; int rows; };  // rows r0 ... of sequence s's head h; p0: its first row's position
+  int64_t d, num_kv_heads, heads, value_panels;
+  const int64_t *key_lens, *q_lens;
+  // per sequence (and one past): its first row, its keys padded to panels, where its packed keys and values start,
+  // its first piece, its first tile item, its first key's place in slot_offsets
+  std::vector<int64_t> row0, tp, packed_at, pieces_at, tiles_at, slots_at;
+  std::vector<int64_t> slot_offsets;  // each key's offset in the caches, worked out once for all its KV heads
+
+  PromptPlan(const int64_t* tables, int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens,
+             int64_t num_seqs, int64_t block_size, int64_t num_kv_heads, int64_t heads, int64_t d)
+      : d(d), num_kv_heads(num_kv_heads), heads(heads), value_panels((d + kPanelCols - 1) / kPanelCols),
+        key_lens(key_lens), q_lens(q_lens), row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0),
+        pieces_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0), slots_at(num_seqs + 1, 0) {
+    constexpr int64_t P = kPanelCols;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const bool rows = q_lens[s] > 0;
+      row0[s + 1] = row0[s] + q_lens[s];
+      tp[s] = (key_lens[s] + P - 1) / P * P;
+      packed_at[s + 1] = packed_at[s] + (rows ? num_kv_heads * head_size(s) : 0);
+      pieces_at[s + 1] = pieces_at[s] + (rows ? num_kv_heads * (tp[s] / P) : 0);
+      tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
+      slots_at[s + 1] = slots_at[s] + (rows ? key_lens[s] : 0);
+    }
+    slot_offsets.resize(slots_at[num_seqs]);
+    const int64_t token_stride = num_kv_heads * d;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t* table = tables + s * max_blocks;
+      for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
+        slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+    }
+  }
+  int64_t num_pieces() const { return pieces_at.back(); }
+  int64_t num_tiles() const { return tiles_at.back(); }
+  int64_t packed_size() const { return std::max<int64_t>(packed_at.back(), 1); }
+  // elements (floats, bfloat16s) of one (sequence, KV head): keys [tp / P][d * P], then values [value_panels][tp][P]
+  int64_t head_size(int64_t s) const { return tp[s] * d + value_panels * tp[s] * kPanelCols; }
+  int64_t packed(int64_t s, int64_t kvh) const { return packed_at[s] + kvh * head_size(s); }  // its keys' place
+  int64_t key(int64_t s, int64_t t, int64_t kvh) const { return slot_offsets[slots_at[s] + t] + kvh * d; }
+  static int64_t seq_of(const std::vector<int64_t>& at, int64_t i) {
+    return std::upper_bound(at.begin(), at.end(), i) - at.begin() - 1;
+  }
+  Piece piece(int64_t i) const {
+    const int64_t s = seq_of(pieces_at, i), panels = tp[s] / kPanelCols;
+    return {s, (i - pieces_at[s]) / panels, (i - pieces_at[s]) % panels};
+  }
+  Tile tile(int64_t item) const {
+    const int64_t s = seq_of(tiles_at, item), n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows;
+    const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
+    return {s, h, r0, key_lens[s] - n, static_cast<int>(std::min<int64_t>(kTileRows, n - r0))};
+  }
+};
+
 // Prompt rows of several sequences, causal, through tiles: sequence i has q_lens[i] rows (packed in order) at
 // positions key_lens[i] - q_lens[i] ..., over its paged keys up to its last row. Per (sequence, KV head) the keys
 // and values are packed into panels once for the call; each tile of kTileRows rows of a head gets its scores a
@@ -231,60 +288,35 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   constexpr int kRowsAtOnce = std::max(2, std::min(4, 16 / V));
 #endif
   static_assert(T % P == 0 && P % L == 0, "partitions are whole panels, panels whole vectors");
-  const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * d, value_panels = (d + P - 1) / P;
-  // per sequence: its first row, its keys padded to panels, where its packed keys and values start, its first item
-  std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
-  std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
-  // per (sequence, KV head): keys [panels][d][P] (the scores' panels), then values [value_panels][tp][P]
-  auto head_floats = [&](int64_t s) { return tp[s] * d + value_panels * tp[s] * P; };
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    row0[s + 1] = row0[s] + q_lens[s];
-    tp[s] = (key_lens[s] + P - 1) / P * P;
-    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * head_floats(s) : 0);
-    tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
-    pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
-  }
-  // each sequence's keys' offsets in the caches, worked out once for all its KV heads
-  std::vector<int64_t> slots_at(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
-  std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t* table = tables + s * max_blocks;
-    for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
-      slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
-  }
-  auto slot = [&](int64_t s, int64_t t) { return slot_offsets[slots_at[s] + t]; };
-  std::unique_ptr<float[]> packed(new float[std::max<int64_t>(packed_at[num_seqs], 1)]);
-  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + packed_at[s] + kvh * head_floats(s); };
-  parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {
-    const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
-    const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
-    float* vp = packed_keys(s, kvh) + tp[s] * d;
-    float* kp = packed_keys(s, kvh) + p * d * P;
+  const int64_t group = heads / num_kv_heads, value_panels = (d + P - 1) / P;
+  const PromptPlan plan(tables, max_blocks, key_lens, q_lens, num_seqs, block_size, num_kv_heads, heads, d);
+  const auto& tp = plan.tp;
+  std::unique_ptr<float[]> packed(new float[plan.packed_size()]);
+  parallel_chunks(plan.num_pieces(), [&](int64_t piece) {
+    const auto [s, kvh, p] = plan.piece(piece);
+    float* vp = packed.get() + plan.packed(s, kvh) + tp[s] * d;
+    float* kp = packed.get() + plan.packed(s, kvh) + p * d * P;
     std::fill(kp, kp + d * P, 0.f);
     for (int64_t c = 0; c < P; ++c) {
       const int64_t t = p * P + c;
       for (int64_t j = 0; j < value_panels; ++j) {
         float* dst = vp + (j * tp[s] + t) * P;
         const int64_t cols = t < key_lens[s] ? std::min(P, d - j * P) : 0;
-        if (cols) std::memcpy(dst, v_cache + slot(s, t) + kvh * d + j * P, cols * sizeof(float));
+        if (cols) std::memcpy(dst, v_cache + plan.key(s, t, kvh) + j * P, cols * sizeof(float));
         std::fill(dst + cols, dst + P, 0.f);
       }
       if (t >= key_lens[s]) continue;
-      const float* kr = k_cache + slot(s, t) + kvh * d;
+      const float* kr = k_cache + plan.key(s, t, kvh);
       for (int64_t i = 0; i < d; ++i) kp[i * P + c] = kr[i];
     }
   });
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
+  parallel_claims(plan.num_tiles(), [&](auto& claim) {
     std::vector<float> scores, partials, ml;  // ml: (m_p, l_p) per partition and row
     for (int64_t item = claim(); item >= 0; item = claim()) {
-      const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
-      const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
-      const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
-      const float* kp = packed_keys(s, h / group);
+      const auto [s, h, r0, p0, rows] = plan.tile(item);
+      const float* kp = packed.get() + plan.packed(s, h / group);
       const float* vp = kp + tp[s] * d;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
       const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
       const int64_t parts = (keys + T - 1) / T, ldo = value_panels * P;
       scores.resize(kTileRows * width);
@@ -299,7 +331,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
           const int m = std::min(kRowsAtOnce, rows - r);
           for (int i = 0; i < kRowsAtOnce; ++i) {  // a short group repeats its last row (its scores written twice)
             const int ri = r + std::min(i, m - 1);
-            qr[i] = q + ((row0[s] + r0 + ri) * heads + h) * d;
+            qr[i] = q + ((plan.row0[s] + r0 + ri) * heads + h) * d;
             o[i] = scores.data() + ri * width + t0;
           }
           if (two) panel_scores<V, kRowsAtOnce, 2>(qr, kp + t0 * d, d, scale, o);
@@ -324,7 +356,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t own = p0 + r0 + r + 1, own_parts = (own + T - 1) / T;
-        float* o = out + ((row0[s] + r0 + r) * heads + h) * d;
+        float* o = out + ((plan.row0[s] + r0 + r) * heads + h) * d;
         if (own_parts == 1) {
           const Vec inv = Vec::set1(1.f / ml[r * 2 + 1]);
           for (int64_t i = 0; i < d; i += L) (Vec::load(partials.data() + r * ldo + i) * inv).store(o + i);
@@ -354,37 +386,21 @@ inline void prompt_attention_bf16(const float* q, const float* k_cache, const fl
                                   float scale) {
   using T = Bf16DotTiles;
   constexpr int64_t P = kPanelCols;
-  const int64_t d2 = d / 2, group = heads / num_kv_heads, token_stride = num_kv_heads * d;
-  const int64_t value_panels = (d + P - 1) / P, key_panel_size = T::panel_size(d);  // bfloat16s per key panel
-  std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
-  std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
-  // per (sequence, KV head): keys [tp / P][d2][P][2], then values [value_panels][tp / 2][P][2]: 2 (tp d + tp P v)
-  auto head_size = [&](int64_t s) { return tp[s] / P * key_panel_size + value_panels * tp[s] * P; };
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    row0[s + 1] = row0[s] + q_lens[s];
-    tp[s] = (key_lens[s] + P - 1) / P * P;
-    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * head_size(s) : 0);
-    tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
-    pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
-  }
-  std::vector<int64_t> slots_at(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
-  std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t* table = tables + s * max_blocks;
-    for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
-      slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
-  }
-  std::unique_ptr<c10::BFloat16[]> packed(new c10::BFloat16[std::max<int64_t>(packed_at[num_seqs], 1)]);
-  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + packed_at[s] + kvh * head_size(s); };
+  const int64_t d2 = d / 2, group = heads / num_kv_heads;
+  const int64_t value_panels = (d + P - 1) / P, key_panel_size = T::panel_size(d);  // bfloat16s per key panel: d P
+  const PromptPlan plan(tables, max_blocks, key_lens, q_lens, num_seqs, block_size, num_kv_heads, heads, d);
+  const auto& tp = plan.tp;
+  // per (sequence, KV head): keys [tp / P][d2][P][2], then values [value_panels][tp / 2][P][2]
+  std::unique_ptr<c10::BFloat16[]> packed(new c10::BFloat16[plan.packed_size()]);
+  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + plan.packed(s, kvh); };
   auto lanes = [](int64_t n) {  // the first n of 16 lanes (all for n >= 16, none for n <= 0)
     return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
   };
   const __m512i key_index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                _mm512_set1_epi32(static_cast<int>(P)));
-  parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {  // one panel of 32 keys and their 32 values each
-    const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
-    const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
+  parallel_chunks(plan.num_pieces(), [&](int64_t piece) {  // one panel of 32 keys and their 32 values each
+    const auto [s, kvh, p] = plan.piece(piece);
+    const int64_t panels = tp[s] / P;
     auto* kp = reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + p * key_panel_size);  // [d2][P] pairs
     auto* vp = reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + panels * key_panel_size);  // [vpanels][tp/2][P]
     const int64_t real = std::min(P, key_lens[s] - p * P);  // keys of the panel in the cache; 0 past them
@@ -395,9 +411,8 @@ inline void prompt_attention_bf16(const float* q, const float* k_cache, const fl
         std::fill(rows, rows + P / 2 * P, 0u);
       }
     }
-    auto key = [&](int64_t c) { return slot_offsets[slots_at[s] + p * P + c] + kvh * d; };
     for (int64_t c = 0; c < real; ++c) {  // key c's dimension pairs to kp[i][c]: 16 pairs (32 floats) at a time
-      const float* kr = k_cache + key(c);
+      const float* kr = k_cache + plan.key(s, p * P + c, kvh);
       for (int64_t i = 0; i < d2; i += 16) {
         const __m512 lo = _mm512_maskz_loadu_ps(lanes(d - 2 * i), kr + 2 * i);
         const __m512 hi = _mm512_maskz_loadu_ps(lanes(d - 2 * i - 16), kr + 2 * i + 16);
@@ -405,8 +420,8 @@ inline void prompt_attention_bf16(const float* q, const float* k_cache, const fl
       }
     }
     for (int64_t c = 0; c < real; c += 2) {  // keys c, c + 1's values side by side, 16 dimensions at a time
-      const float* v0 = v_cache + key(c);
-      const float* v1 = c + 1 < real ? v_cache + key(c + 1) : nullptr;
+      const float* v0 = v_cache + plan.key(s, p * P + c, kvh);
+      const float* v1 = c + 1 < real ? v_cache + plan.key(s, p * P + c + 1, kvh) : nullptr;
       for (int64_t e = 0; e < value_panels * P; e += 16) {
         const __mmask16 m = lanes(d - e);
         const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v0 + e)));
@@ -418,22 +433,19 @@ inline void prompt_attention_bf16(const float* q, const float* k_cache, const fl
     }
   });
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
+  parallel_claims(plan.num_tiles(), [&](auto& claim) {
     // bfloat16 pairs: the tile's queries [d2][rows], its probabilities [rows][width / 2]
     std::vector<uint32_t> qbuf(kTileRows * d2), probs;
     std::vector<float> scores, obuf(kTileRows * value_panels * P);
     for (int64_t item = claim(); item >= 0; item = claim()) {
-      const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
-      const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
-      const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
+      const auto [s, h, r0, p0, rows] = plan.tile(item);
       const c10::BFloat16* kp = packed_keys(s, h / group);
       const c10::BFloat16* vp = kp + tp[s] / P * key_panel_size;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
       const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
       scores.resize(kTileRows * width);
       probs.resize(kTileRows * width / 2);
       for (int r = 0; r < rows; ++r) {  // pairs, the rows interleaved: [d2][rows] (Bf16DotTiles)
-        const float* qr = q + ((row0[s] + r0 + r) * heads + h) * d;
+        const float* qr = q + ((plan.row0[s] + r0 + r) * heads + h) * d;
         for (int64_t i = 0; i < d2; ++i)
           qbuf[i * rows + r] = c10::BFloat16(qr[2 * i]).x | static_cast<uint32_t>(c10::BFloat16(qr[2 * i + 1]).x) << 16;
       }
@@ -467,7 +479,7 @@ inline void prompt_attention_bf16(const float* q, const float* k_cache, const fl
         tiles_of<Bf16DotRowTiles, 1>(rows, seq, probs.data(), width, vp + j * tp[s] * P, nullptr,
                                      obuf.data() + j * P, value_panels * P, std::min(P, d - j * P));
       for (int r = 0; r < rows; ++r) {
-        float* o = out + ((row0[s] + r0 + r) * heads + h) * d;
+        float* o = out + ((plan.row0[s] + r0 + r) * heads + h) * d;
         const float* src = obuf.data() + r * value_panels * P;
         for (int64_t i = 0; i < d; ++i) o[i] = src[i] * inv[r];
       }
