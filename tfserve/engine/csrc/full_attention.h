@@ -212,6 +212,63 @@ inline void panel_scores(const float* const* q, const float* kp, int64_t d, floa
     for (int v = 0; v < KV; ++v) (fold(part[r][v]) * Vec::set1(scale)).store(out[r] + v * L);
 }
 
+// How both prompt kernels share out a call's work. Packing: per (sequence, KV head) its keys and values in panels
+// of kPanelCols keys, packed a panel of keys (and their values) a piece, in order (sequence, KV head, panel).
+// Tiles: items in order (sequence, head, tile of kTileRows rows). A sequence without rows packs nothing.
+struct PromptPlan {
+  struct Piece { int64_t s, kvh, p; };  // panel p of sequence s's KV head kvh
+  struct Tile { int64_t s, h, r0, p0; int rows; };  // rows r0 ... of sequence s's head h; p0: its first row's position
+  int64_t d, num_kv_heads, heads, value_panels;
+  const int64_t *key_lens, *q_lens;
+  // per sequence (and one past): its first row, its keys padded to panels, where its packed keys and values start,
+  // its first piece, its first tile item, its first key's place in slot_offsets
+  std::vector<int64_t> row0, tp, packed_at, pieces_at, tiles_at, slots_at;
+  std::vector<int64_t> slot_offsets;  // each key's offset in the caches, worked out once for all its KV heads
+
+  PromptPlan(const int64_t* tables, int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens,
+             int64_t num_seqs, int64_t block_size, int64_t num_kv_heads, int64_t heads, int64_t d)
+      : d(d), num_kv_heads(num_kv_heads), heads(heads), value_panels((d + kPanelCols - 1) / kPanelCols),
+        key_lens(key_lens), q_lens(q_lens), row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0),
+        pieces_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0), slots_at(num_seqs + 1, 0) {
+    constexpr int64_t P = kPanelCols;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const bool rows = q_lens[s] > 0;
+      row0[s + 1] = row0[s] + q_lens[s];
+      tp[s] = (key_lens[s] + P - 1) / P * P;
+      packed_at[s + 1] = packed_at[s] + (rows ? num_kv_heads * head_size(s) : 0);
+      pieces_at[s + 1] = pieces_at[s] + (rows ? num_kv_heads * (tp[s] / P) : 0);
+      tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
+      slots_at[s + 1] = slots_at[s] + (rows ? key_lens[s] : 0);
+    }
+    slot_offsets.resize(slots_at[num_seqs]);
+    const int64_t token_stride = num_kv_heads * d;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t* table = tables + s * max_blocks;
+      for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
+        slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+    }
+  }
+  int64_t num_pieces() const { return pieces_at.back(); }
+  int64_t num_tiles() const { return tiles_at.back(); }
+  int64_t packed_size() const { return std::max<int64_t>(packed_at.back(), 1); }
+  // elements (floats, bfloat16s) of one (sequence, KV head): keys [tp / P][d * P], then values [value_panels][tp][P]
+  int64_t head_size(int64_t s) const { return tp[s] * d + value_panels * tp[s] * kPanelCols; }
+  int64_t packed(int64_t s, int64_t kvh) const { return packed_at[s] + kvh * head_size(s); }  // its keys' place
+  int64_t key(int64_t s, int64_t t, int64_t kvh) const { return slot_offsets[slots_at[s] + t] + kvh * d; }
+  static int64_t seq_of(const std::vector<int64_t>& at, int64_t i) {
+    return std::upper_bound(at.begin(), at.end(), i) - at.begin() - 1;
+  }
+  Piece piece(int64_t i) const {
+    const int64_t s = seq_of(pieces_at, i), panels = tp[s] / kPanelCols;
+    return {s, (i - pieces_at[s]) / panels, (i - pieces_at[s]) % panels};
+  }
+  Tile tile(int64_t item) const {
+    const int64_t s = seq_of(tiles_at, item), n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows;
+    const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
+    return {s, h, r0, key_lens[s] - n, static_cast<int>(std::min<int64_t>(kTileRows, n - r0))};
+  }
+};
+
 // Prompt rows of several sequences, causal, through tiles: sequence i has q_lens[i] rows (packed in order) at
 // positions key_lens[i] - q_lens[i] ..., over its paged keys up to its last row. Per (sequence, KV head) the keys
 // and values are packed into panels once for the call; each tile of kTileRows rows of a head gets its scores a
@@ -231,60 +288,35 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
   constexpr int kRowsAtOnce = std::max(2, std::min(4, 16 / V));
 #endif
   static_assert(T % P == 0 && P % L == 0, "partitions are whole panels, panels whole vectors");
-  const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * d, value_panels = (d + P - 1) / P;
-  // per sequence: its first row, its keys padded to panels, where its packed keys and values start, its first item
-  std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
-  std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
-  // per (sequence, KV head): keys [panels][d][P] (the scores' panels), then values [value_panels][tp][P]
-  auto head_floats = [&](int64_t s) { return tp[s] * d + value_panels * tp[s] * P; };
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    row0[s + 1] = row0[s] + q_lens[s];
-    tp[s] = (key_lens[s] + P - 1) / P * P;
-    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * head_floats(s) : 0);
-    tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
-    pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
-  }
-  // each sequence's keys' offsets in the caches, worked out once for all its KV heads
-  std::vector<int64_t> slots_at(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
-  std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t* table = tables + s * max_blocks;
-    for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
-      slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
-  }
-  auto slot = [&](int64_t s, int64_t t) { return slot_offsets[slots_at[s] + t]; };
-  std::unique_ptr<float[]> packed(new float[std::max<int64_t>(packed_at[num_seqs], 1)]);
-  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + packed_at[s] + kvh * head_floats(s); };
-  parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {
-    const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
-    const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
-    float* vp = packed_keys(s, kvh) + tp[s] * d;
-    float* kp = packed_keys(s, kvh) + p * d * P;
+  const int64_t group = heads / num_kv_heads, value_panels = (d + P - 1) / P;
+  const PromptPlan plan(tables, max_blocks, key_lens, q_lens, num_seqs, block_size, num_kv_heads, heads, d);
+  const auto& tp = plan.tp;
+  std::unique_ptr<float[]> packed(new float[plan.packed_size()]);
+  parallel_chunks(plan.num_pieces(), [&](int64_t piece) {
+    const auto [s, kvh, p] = plan.piece(piece);
+    float* vp = packed.get() + plan.packed(s, kvh) + tp[s] * d;
+    float* kp = packed.get() + plan.packed(s, kvh) + p * d * P;
     std::fill(kp, kp + d * P, 0.f);
     for (int64_t c = 0; c < P; ++c) {
       const int64_t t = p * P + c;
       for (int64_t j = 0; j < value_panels; ++j) {
         float* dst = vp + (j * tp[s] + t) * P;
         const int64_t cols = t < key_lens[s] ? std::min(P, d - j * P) : 0;
-        if (cols) std::memcpy(dst, v_cache + slot(s, t) + kvh * d + j * P, cols * sizeof(float));
+        if (cols) std::memcpy(dst, v_cache + plan.key(s, t, kvh) + j * P, cols * sizeof(float));
         std::fill(dst + cols, dst + P, 0.f);
       }
       if (t >= key_lens[s]) continue;
-      const float* kr = k_cache + slot(s, t) + kvh * d;
+      const float* kr = k_cache + plan.key(s, t, kvh);
       for (int64_t i = 0; i < d; ++i) kp[i * P + c] = kr[i];
     }
   });
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
+  parallel_claims(plan.num_tiles(), [&](auto& claim) {
     std::vector<float> scores, partials, ml;  // ml: (m_p, l_p) per partition and row
     for (int64_t item = claim(); item >= 0; item = claim()) {
-      const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
-      const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
-      const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
-      const float* kp = packed_keys(s, h / group);
+      const auto [s, h, r0, p0, rows] = plan.tile(item);
+      const float* kp = packed.get() + plan.packed(s, h / group);
       const float* vp = kp + tp[s] * d;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
       const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
       const int64_t parts = (keys + T - 1) / T, ldo = value_panels * P;
       scores.resize(kTileRows * width);
@@ -299,7 +331,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
           const int m = std::min(kRowsAtOnce, rows - r);
           for (int i = 0; i < kRowsAtOnce; ++i) {  // a short group repeats its last row (its scores written twice)
             const int ri = r + std::min(i, m - 1);
-            qr[i] = q + ((row0[s] + r0 + ri) * heads + h) * d;
+            qr[i] = q + ((plan.row0[s] + r0 + ri) * heads + h) * d;
             o[i] = scores.data() + ri * width + t0;
           }
           if (two) panel_scores<V, kRowsAtOnce, 2>(qr, kp + t0 * d, d, scale, o);
@@ -324,7 +356,7 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t own = p0 + r0 + r + 1, own_parts = (own + T - 1) / T;
-        float* o = out + ((row0[s] + r0 + r) * heads + h) * d;
+        float* o = out + ((plan.row0[s] + r0 + r) * heads + h) * d;
         if (own_parts == 1) {
           const Vec inv = Vec::set1(1.f / ml[r * 2 + 1]);
           for (int64_t i = 0; i < d; i += L) (Vec::load(partials.data() + r * ldo + i) * inv).store(o + i);
@@ -338,6 +370,70 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
 }
 
 #if TFS_BF16_DOT
+// 2^x on 16 lanes for the bfloat16 path's probabilities: 2^n p(x - n), n = round(x), p a degree-4 polynomial fitted
+// to 2^f on [-1/2, 1/2] (relative error 2.7e-6, a thousandth of the 2^-9 the probabilities are then rounded to; the
+// degree-6 `exp` of vec.h took 20% of this kernel's time). No clamp: scalef takes any n, lanes far below 0 give 0
+// (and those far above, inf, which the caller masks).
+inline __m512 exp2_lanes(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.5718075e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5918004e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024703e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312179e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999928e-1f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The first n of 16 lanes (all for n >= 16, none for n <= 0).
+inline __mmask16 first_lanes(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+}
+
+// Packs panel p (keys p P ...) of one (sequence, KV head) for prompt_attention_bf16: its `real` keys in the cache
+// (at key(c), c < real; 0 past them) to kp [d/2][P] pairs (key c's dimensions i, i + 1 side by side), their values
+// to vp [value panels][tp / 2][P] pairs (dimension e's keys t, t + 1 side by side). pairs: room for [P][d/2]. The
+// keys go a row each through `pairs`, then are turned: scattered 16 pairs at a time, they took 1.8x as long.
+template <typename Key>
+inline void pack_bf16_panel(const float* k_cache, const float* v_cache, const Key& key, int64_t real, int64_t d,
+                            int64_t tp, int64_t p, uint32_t* kp, uint32_t* vp, uint32_t* pairs) {
+  constexpr int64_t P = kPanelCols;
+  const int64_t d2 = d / 2, value_panels = (d + P - 1) / P;
+  if (real < P) {
+    std::fill(kp, kp + d2 * P, 0u);
+    for (int64_t j = 0; j < value_panels; ++j) {
+      uint32_t* rows = vp + (j * tp + p * P) / 2 * P;
+      std::fill(rows, rows + P / 2 * P, 0u);
+    }
+  }
+  for (int64_t c = 0; c < real; ++c) {  // key c's dimension pairs: 16 pairs (32 floats) at a time
+    const float* kr = k_cache + key(c);
+    // rows ahead of their use, key c + 8's and value c's: the cache is paged, no stream for the prefetcher
+    const float* ahead = k_cache + key(std::min(c + 8, real - 1));
+    const float* value = v_cache + key(c);
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(ahead + i), __builtin_prefetch(value + i);
+    for (int64_t i = 0; i < d2; i += 16) {
+      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(d - 2 * i), kr + 2 * i);
+      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(d - 2 * i - 16), kr + 2 * i + 16);
+      _mm512_mask_storeu_epi32(pairs + c * d2 + i, first_lanes(d2 - i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  for (int64_t i = 0; i < d2; ++i)  // turned: key c's pair i to kp[i][c]
+    for (int64_t c = 0; c < real; ++c) kp[i * P + c] = pairs[c * d2 + i];
+  for (int64_t c = 0; c < real; c += 2) {  // keys c, c + 1's values side by side, 16 dimensions at a time
+    const float* v0 = v_cache + key(c);
+    const float* v1 = c + 1 < real ? v_cache + key(c + 1) : nullptr;
+    for (int64_t e = 0; e < value_panels * P; e += 16) {
+      const __mmask16 m = first_lanes(d - e);
+      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v0 + e)));
+      const __m512i b = v1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v1 + e)))
+                           : _mm512_setzero_si512();
+      uint32_t* dst = vp + ((e / P) * tp + p * P + c) / 2 * P + e % P;  // panel e / P, pair row (p P + c) / 2
+      _mm512_storeu_si512(dst, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
 // Prompt rows as prompt_attention takes them, through the bfloat16 dot products (linear.h's Bf16DotTiles: twice
 // the float32 FMA rate), for an engine that already rounds every linear layer's inputs to bfloat16: q, the keys,
 // the values and the probabilities are rounded to bfloat16 (to nearest even), every sum is float32. Per
@@ -345,95 +441,54 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
 // key's dimensions i, i + 1 side by side) and the values as the weight of the output ([panels of 32 dims][tp/2]
 // [32][2]: each dimension's keys t, t + 1 side by side); each tile of kTileRows rows of a head gets its scores a
 // panel of keys at a time, an exact float32 softmax over the row's own keys (a row of 2048 scores is 8 KiB: no
-// partitions, no online rescaling), its probabilities in bfloat16 pairs (0 past its own keys), and the weighted
-// values. A row depends on its query and keys alone (not its tile, chunk or thread), but is not the decode
-// kernel's float32 bits: that holds for the float32 prompt_attention only. d: even.
+// partitions, no online rescaling; its exponentials from exp2_lanes), its probabilities in bfloat16 pairs (0 past
+// its own keys), and the weighted values. A row depends on its query and keys alone (not its tile, chunk or
+// thread), but is not the decode kernel's float32 bits: that holds for the float32 prompt_attention only. d: even.
 inline void prompt_attention_bf16(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                                   int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens, int64_t num_seqs,
                                   int64_t block_size, int64_t num_kv_heads, float* out, int64_t heads, int64_t d,
                                   float scale) {
   using T = Bf16DotTiles;
   constexpr int64_t P = kPanelCols;
-  const int64_t d2 = d / 2, group = heads / num_kv_heads, token_stride = num_kv_heads * d;
-  const int64_t value_panels = (d + P - 1) / P, key_panel_size = T::panel_size(d);  // bfloat16s per key panel
-  std::vector<int64_t> row0(num_seqs + 1, 0), tp(num_seqs), packed_at(num_seqs + 1, 0), tiles_at(num_seqs + 1, 0);
-  std::vector<int64_t> pieces_at(num_seqs + 1, 0);  // (sequence, KV head, panel of keys) pieces to pack
-  // per (sequence, KV head): keys [tp / P][d2][P][2], then values [value_panels][tp / 2][P][2]: 2 (tp d + tp P v)
-  auto head_size = [&](int64_t s) { return tp[s] / P * key_panel_size + value_panels * tp[s] * P; };
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    row0[s + 1] = row0[s] + q_lens[s];
-    tp[s] = (key_lens[s] + P - 1) / P * P;
-    packed_at[s + 1] = packed_at[s] + (q_lens[s] ? num_kv_heads * head_size(s) : 0);
-    tiles_at[s + 1] = tiles_at[s] + heads * ((q_lens[s] + kTileRows - 1) / kTileRows);
-    pieces_at[s + 1] = pieces_at[s] + (q_lens[s] ? num_kv_heads * (tp[s] / P) : 0);
-  }
-  std::vector<int64_t> slots_at(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) slots_at[s + 1] = slots_at[s] + (q_lens[s] ? key_lens[s] : 0);
-  std::vector<int64_t> slot_offsets(slots_at[num_seqs]);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t* table = tables + s * max_blocks;
-    for (int64_t t = 0; t < slots_at[s + 1] - slots_at[s]; ++t)
-      slot_offsets[slots_at[s] + t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
-  }
-  std::unique_ptr<c10::BFloat16[]> packed(new c10::BFloat16[std::max<int64_t>(packed_at[num_seqs], 1)]);
-  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + packed_at[s] + kvh * head_size(s); };
-  auto lanes = [](int64_t n) {  // the first n of 16 lanes (all for n >= 16, none for n <= 0)
-    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
-  };
-  const __m512i key_index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(static_cast<int>(P)));
-  parallel_chunks(pieces_at[num_seqs], [&](int64_t piece) {  // one panel of 32 keys and their 32 values each
-    const int64_t s = std::upper_bound(pieces_at.begin(), pieces_at.end(), piece) - pieces_at.begin() - 1;
-    const int64_t panels = tp[s] / P, kvh = (piece - pieces_at[s]) / panels, p = (piece - pieces_at[s]) % panels;
-    auto* kp = reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + p * key_panel_size);  // [d2][P] pairs
-    auto* vp = reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + panels * key_panel_size);  // [vpanels][tp/2][P]
-    const int64_t real = std::min(P, key_lens[s] - p * P);  // keys of the panel in the cache; 0 past them
-    if (real < P) {
-      std::fill(kp, kp + key_panel_size / 2, 0u);
-      for (int64_t j = 0; j < value_panels; ++j) {
-        uint32_t* rows = vp + (j * tp[s] + p * P) / 2 * P;
-        std::fill(rows, rows + P / 2 * P, 0u);
-      }
-    }
-    auto key = [&](int64_t c) { return slot_offsets[slots_at[s] + p * P + c] + kvh * d; };
-    for (int64_t c = 0; c < real; ++c) {  // key c's dimension pairs to kp[i][c]: 16 pairs (32 floats) at a time
-      const float* kr = k_cache + key(c);
-      for (int64_t i = 0; i < d2; i += 16) {
-        const __m512 lo = _mm512_maskz_loadu_ps(lanes(d - 2 * i), kr + 2 * i);
-        const __m512 hi = _mm512_maskz_loadu_ps(lanes(d - 2 * i - 16), kr + 2 * i + 16);
-        _mm512_mask_i32scatter_epi32(kp + i * P + c, lanes(d2 - i), key_index, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), 4);
-      }
-    }
-    for (int64_t c = 0; c < real; c += 2) {  // keys c, c + 1's values side by side, 16 dimensions at a time
-      const float* v0 = v_cache + key(c);
-      const float* v1 = c + 1 < real ? v_cache + key(c + 1) : nullptr;
-      for (int64_t e = 0; e < value_panels * P; e += 16) {
-        const __mmask16 m = lanes(d - e);
-        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v0 + e)));
-        const __m512i b = v1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v1 + e)))
-                             : _mm512_setzero_si512();
-        uint32_t* dst = vp + ((e / P) * tp[s] + p * P + c) / 2 * P + e % P;  // panel e / P, pair row (p P + c) / 2
-        _mm512_storeu_si512(dst, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-      }
+  const int64_t d2 = d / 2, group = heads / num_kv_heads;
+  const int64_t value_panels = (d + P - 1) / P, key_panel_size = T::panel_size(d);  // bfloat16s per key panel: d P
+  const PromptPlan plan(tables, max_blocks, key_lens, q_lens, num_seqs, block_size, num_kv_heads, heads, d);
+  const auto& tp = plan.tp;
+  // per (sequence, KV head): keys [tp / P][d2][P][2], then values [value_panels][tp / 2][P][2]
+  std::unique_ptr<c10::BFloat16[]> packed(new c10::BFloat16[plan.packed_size()]);
+  auto packed_keys = [&](int64_t s, int64_t kvh) { return packed.get() + plan.packed(s, kvh); };
+  parallel_claims(plan.num_pieces(), [&](auto& claim) {  // one panel of 32 keys and their 32 values a piece
+    std::vector<uint32_t> pairs(P * d2);
+    for (int64_t piece = claim(); piece >= 0; piece = claim()) {
+      const PromptPlan::Piece at = plan.piece(piece);
+      const int64_t s = at.s, kvh = at.kvh, p = at.p;
+      auto key = [&](int64_t c) { return plan.key(s, p * P + c, kvh); };
+      const int64_t real = std::min(P, key_lens[s] - p * P);  // keys of the panel in the cache
+      pack_bf16_panel(k_cache, v_cache, key, real, d, tp[s], p,
+                      reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + p * key_panel_size),
+                      reinterpret_cast<uint32_t*>(packed_keys(s, kvh) + tp[s] / P * key_panel_size), pairs.data());
     }
   });
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  parallel_claims(tiles_at[num_seqs], [&](auto& claim) {
+  parallel_claims(plan.num_tiles(), [&](auto& claim) {
     // bfloat16 pairs: the tile's queries [d2][rows], its probabilities [rows][width / 2]
     std::vector<uint32_t> qbuf(kTileRows * d2), probs;
     std::vector<float> scores, obuf(kTileRows * value_panels * P);
     for (int64_t item = claim(); item >= 0; item = claim()) {
-      const int64_t s = std::upper_bound(tiles_at.begin(), tiles_at.end(), item) - tiles_at.begin() - 1;
-      const int64_t n = q_lens[s], num_tiles = (n + kTileRows - 1) / kTileRows, p0 = key_lens[s] - n;
-      const int64_t h = (item - tiles_at[s]) / num_tiles, r0 = (item - tiles_at[s]) % num_tiles * kTileRows;
+      const auto [s, h, r0, p0, rows] = plan.tile(item);
       const c10::BFloat16* kp = packed_keys(s, h / group);
       const c10::BFloat16* vp = kp + tp[s] / P * key_panel_size;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
+      if (item + 1 < plan.num_tiles()) {  // the next item's queries, ahead: rows heads * d apart, no stream (1.03x)
+        const auto next = plan.tile(item + 1);
+        for (int r = 0; r < next.rows; ++r)
+          for (int64_t i = 0; i < d; i += 16)
+            __builtin_prefetch(q + ((plan.row0[next.s] + next.r0 + r) * heads + next.h) * d + i);
+      }
       const int64_t keys = p0 + r0 + rows, width = (keys + P - 1) / P * P;  // the tile's last row's keys
       scores.resize(kTileRows * width);
       probs.resize(kTileRows * width / 2);
       for (int r = 0; r < rows; ++r) {  // pairs, the rows interleaved: [d2][rows] (Bf16DotTiles)
-        const float* qr = q + ((row0[s] + r0 + r) * heads + h) * d;
+        const float* qr = q + ((plan.row0[s] + r0 + r) * heads + h) * d;
         for (int64_t i = 0; i < d2; ++i)
           qbuf[i * rows + r] = c10::BFloat16(qr[2 * i]).x | static_cast<uint32_t>(c10::BFloat16(qr[2 * i + 1]).x) << 16;
       }
@@ -446,28 +501,36 @@ inline void prompt_attention_bf16(const float* q, const float* k_cache, const fl
         Vec mv = Vec::set1(-std::numeric_limits<float>::infinity());
         int64_t i = 0;
         for (; i + Vec::N <= own; i += Vec::N) mv = max(mv, Vec::load(sr + i));
-        const __mmask16 tail = lanes(own - i);  // own - i < 16 lanes
+        const __mmask16 tail = first_lanes(own - i);  // own - i < 16 lanes
         mv = {_mm512_mask_max_ps(mv.v, tail, mv.v, _mm512_maskz_loadu_ps(tail, sr + i))};
-        const Vec sc = Vec::set1(scale), shift = Vec::set1(-scale * mv.max());
-        Vec lv = Vec::zero();
+        const float sc2 = scale * 1.44269504088896341f;  // exp(scale s) = 2^(scale log2(e) s)
+        const __m512 sc = _mm512_set1_ps(sc2), shift = _mm512_set1_ps(-sc2 * mv.max());
+        __m512 lv = _mm512_setzero_ps();
         auto* pr = reinterpret_cast<uint16_t*>(probs.data() + r * width / 2);
-        for (int64_t a = 0; a < width; a += 2 * Vec::N) {  // 32 keys: two vectors of e's, one of bfloat16s
+        int64_t a = 0;
+        for (; a + 2 * Vec::N <= own; a += 2 * Vec::N) {  // 32 keys: two vectors of e's, one of bfloat16s
+          const __m512 e0 = exp2_lanes(_mm512_fmadd_ps(_mm512_loadu_ps(sr + a), sc, shift));
+          const __m512 e1 = exp2_lanes(_mm512_fmadd_ps(_mm512_loadu_ps(sr + a + Vec::N), sc, shift));
+          lv = _mm512_add_ps(_mm512_add_ps(lv, e0), e1);
+          _mm512_storeu_si512(pr + a, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        for (; a < width; a += 2 * Vec::N) {  // the row's last keys, then 0 past them
           __m512 e[2];
           for (int half = 0; half < 2; ++half) {
             const int64_t b = a + half * Vec::N;
-            const __m512 x = exp(fma(Vec::load(sr + b), sc, shift)).v;
-            e[half] = _mm512_maskz_mov_ps(lanes(own - b), x);  // 0 past its keys
-            lv = lv + Vec{e[half]};
+            const __m512 x = exp2_lanes(_mm512_fmadd_ps(_mm512_loadu_ps(sr + b), sc, shift));
+            e[half] = _mm512_maskz_mov_ps(first_lanes(own - b), x);  // 0 past its keys
+            lv = _mm512_add_ps(lv, e[half]);
           }
           _mm512_storeu_si512(pr + a, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
         }
-        inv[r] = 1.f / lv.sum();
+        inv[r] = 1.f / _mm512_reduce_add_ps(lv);
       }
       for (int64_t j = 0; j < value_panels; ++j)  // sum_t e_t v_t: [rows][d], keys as the inner dimension
         tiles_of<Bf16DotRowTiles, 1>(rows, seq, probs.data(), width, vp + j * tp[s] * P, nullptr,
                                      obuf.data() + j * P, value_panels * P, std::min(P, d - j * P));
       for (int r = 0; r < rows; ++r) {
-        float* o = out + ((row0[s] + r0 + r) * heads + h) * d;
+        float* o = out + ((plan.row0[s] + r0 + r) * heads + h) * d;
         const float* src = obuf.data() + r * value_panels * P;
         for (int64_t i = 0; i < d; ++i) o[i] = src[i] * inv[r];
       }
