@@ -19,6 +19,17 @@ FORCED = {"model": MODEL_NAME, "input": "Weather in Paris?", "tools": [TOOL], "t
           "parallel_tool_calls": False, "temperature": 0.9, "max_output_tokens": 80, "extra_body": {"seed": 3}}
 
 
+def follow_up_prompt_ids(tokenizer, call) -> list[int]:
+    """The prompt of a turn that answers `call` (get_weather, Paris) with "sunny, 21 C", as the chat template
+    renders it: the first question, the call, the tool's answer."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.loads(call.arguments)}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    tools = [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
 def raw(body: dict) -> dict:
     """An SDK call's keyword arguments as a raw body (extra_body merged in)."""
     body = dict(body)
@@ -112,13 +123,7 @@ def test_previous_response_id_continues_the_conversation(server, tokenizer):
                                       max_output_tokens=3, temperature=0)
     assert second.previous_response_id == first.id
     # the prompt is the whole conversation: the first turn, its call, the tool's answer
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-                    "name": "get_weather", "arguments": json.loads(call.arguments)}}]},
-                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
-    tools = [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
-    expected = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    assert second.usage.input_tokens == len(expected["input_ids"])
+    assert second.usage.input_tokens == len(follow_up_prompt_ids(tokenizer, call))
     third = client.responses.create(model=MODEL_NAME, previous_response_id=second.id, input="thanks", tools=[TOOL],
                                     max_output_tokens=2, temperature=0)  # tools are sent again each turn, as OpenAI
     assert third.usage.input_tokens > second.usage.input_tokens

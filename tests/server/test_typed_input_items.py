@@ -4,10 +4,10 @@ it is read, so the handler and the Responses builder read typed items only."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
+from test_responses_tools import FORCED, TOOL, follow_up_prompt_ids
 from tiny import MODEL_NAME
 
 from tfserve.server.api.response_items import input_items, parse_input
@@ -16,11 +16,6 @@ from tfserve.server.requests.input_items import (FunctionCallItem, FunctionCallO
                                                  parse_item, parse_items)
 from tfserve.server.requests.responses import ResponseRequest
 
-TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
-                       "required": ["city"], "additionalProperties": False}}
-FORCED = {"model": MODEL_NAME, "input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required",
-          "parallel_tool_calls": False, "temperature": 0.9, "max_output_tokens": 80, "extra_body": {"seed": 3}}
 
 
 def test_the_request_holds_typed_items():
@@ -92,13 +87,7 @@ def test_a_referenced_stored_call_is_answered_by_a_function_call_output(server, 
               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
     second = client.responses.create(model=MODEL_NAME, input=follow, tools=[TOOL], max_output_tokens=3,
                                      temperature=0)
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-                    "name": "get_weather", "arguments": json.loads(call.arguments)}}]},
-                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
-    tools = [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
-    expected = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    assert second.usage.input_tokens == len(expected["input_ids"])
+    assert second.usage.input_tokens == len(follow_up_prompt_ids(tokenizer, call))
     listed = client.responses.input_items.list(second.id, order="asc").data
     assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
     assert listed[1].id == call.id  # the stored item, as it was stored
