@@ -1,7 +1,8 @@
 """Which instructions each path of the CPU kernels runs on this machine, for the startup log, the banner and /metrics
 (`tfserve_kernel_path_info{path, isa}`).
 
-The table is read from what the compiled module says it has (`isa`, `bf16_dot`, `vnni`, `amx`, `amx_active()`:
+The table is read from what the compiled module says it has (`matmul_paths` names the units, as the banner and
+`tfserve_matmul_unit_info` do; `bf16_dot`, `vnni`, `amx`, `amx_active()`:
 -march=native, the compiler's version and TFSERVE_KERNELS_MARCH all shape it), never guessed from the CPU's flags;
 the flags only add a note where the CPU has a better unit the kernels do not use, and why (amx.py's reason for AMX).
 """
