@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from tfserve.engine.kernel_paths import AMX_BF16
+from tfserve.engine.kernel_paths import matmul_unit_names
 from tfserve.models.gguf_weights import BLOCK_TYPES, QuantizedWeight
 
 MAX_PACKED_BYTES = 4 << 30  # a float32 packed copy is as large as the weights
@@ -162,14 +162,12 @@ def matmul_units(formats, ops) -> dict[str, str]:
     """Which instructions multiply each weight format in use (`formats`: the lean forward's labels, e.g.
     float32, bfloat16, int8, Q4_K), for the banner, the log and /metrics: empty without the kernels. GGUF
     blocks and int8 multiply decode rows in integers and prompt rows in float32."""
-    paths = getattr(ops, "matmul_paths", None)
+    paths = matmul_unit_names(ops)  # bfloat16 on AMX tiles where amx.py chose them
     if not paths:
         return {}
     units = {}
     for fmt in formats:
-        if fmt == "bfloat16" and getattr(ops, "amx_active", lambda: False)():  # chosen at run time (amx.py): the tiles, not the dot products
-            units[fmt] = AMX_BF16
-        elif fmt in _PANEL_DTYPES:
+        if fmt in _PANEL_DTYPES:
             units[fmt] = paths[fmt]
         else:
             units[fmt] = f"{paths['int8']} (decode rows), {paths['float32']} (prompt rows)"

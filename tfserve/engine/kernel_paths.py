@@ -14,22 +14,30 @@ from tfserve.engine import amx
 AMX_BF16 = "AMX-BF16 (TDPBF16PS)"
 
 
+def matmul_unit_names(ops) -> dict[str, str]:
+    """The module's `matmul_paths` (float32, float16, bfloat16, int8 -> the instructions that multiply them) as
+    they run now: bfloat16 on AMX tiles where amx.py turned them on. Empty without the kernels."""
+    units = dict(getattr(ops, "matmul_paths", None) or {})
+    if units and getattr(ops, "amx_active", lambda: False)():
+        units["bfloat16"] = AMX_BF16
+    return units
+
+
 def kernel_paths(ops) -> dict[str, str]:
     """Kernel path -> the instructions it runs on, for the kernels `ops` (empty without them: torch's own paths).
-    The names are the module's own (`matmul_paths`, what the banner and `tfserve_matmul_unit_info` say)."""
-    units = getattr(ops, "matmul_paths", None)
+    The names are the module's own (`matmul_unit_names`, what the banner and `tfserve_matmul_unit_info` say)."""
+    units = matmul_unit_names(ops)
     if not units:
         return {}
-    bf16 = AMX_BF16 if getattr(ops, "amx_active", lambda: False)() else units["bfloat16"]
     return {
         "linear float32": units["float32"],
         "linear float16": units["float16"],
-        "linear bfloat16": bf16,
+        "linear bfloat16": units["bfloat16"],
         "quantized blocks (decode rows)": units["int8"],  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8: int8 activations
         "quantized blocks (prompt rows)": f"{units['float32']} (dequantized)",
         "attention float32": units["float32"],
         # --dtype bfloat16 rounds a prompt's q, k, v to bfloat16 for the dot products where the build has them
-        "prompt attention bfloat16": units["bfloat16"] if getattr(ops, "bf16_dot", False) else units["float32"],
+        "prompt attention bfloat16": ops.matmul_paths["bfloat16"] if getattr(ops, "bf16_dot", False) else units["float32"],
     }
 
 

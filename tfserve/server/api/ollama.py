@@ -20,7 +20,6 @@ from tfserve.protocol.reasoning import reasoning_for
 from tfserve.protocol.reply import ReplyParser
 from tfserve.protocol.tool_formats import detect_format
 from tfserve.server.api import ollama_models
-from tfserve.server.api.ollama_options import ollama_call
 from tfserve.server.chat_prompt import INLINE_PROMPT_CHARS, render_chat, render_multimodal, text_chars
 from tfserve.server.errors import ApiError, bad_request, error_for
 from tfserve.server.generation import admit, check_text_fits, run_choices
@@ -194,3 +193,12 @@ class _Lines(EventStream):
     async def send(self, data: dict[str, Any], event: str | None = None) -> None:
         await self.open()
         await self.response.write(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+
+
+def ollama_call(call: Any) -> dict[str, Any]:
+    """A parsed call in Ollama's shape: arguments as an object (a model's malformed JSON: its text as it is)."""
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except ValueError:
+        arguments = call.arguments
+    return {"function": {"index": call.index, "name": call.name, "arguments": arguments}}

@@ -4,12 +4,12 @@ and is not honoured is a 400, never dropped."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tfserve.sampling_params import Grammar
-from tfserve.server.api.ollama_options import openai_message
 from tfserve.server.chat_prompt import parse_tools
 from tfserve.server.errors import bad_request
 from tfserve.server.protocol import field
@@ -259,3 +259,39 @@ class OllamaEmbedRequest(RequestModel):
     def model_name(self) -> str:
         """The model asked for, without Ollama's default tag."""
         return (self.model or "").removesuffix(":latest")
+
+
+def openai_message(message: Any, i: int) -> dict[str, Any]:
+    """An Ollama message -> the OpenAI message `parse_messages` reads: `images` (base64) become image parts,
+    `tool_calls` with object arguments get ids and JSON strings, a tool result's `tool_name` its name."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object", where)
+    result = {key: message[key] for key in ("role", "content") if key in message}
+    images = field(message, "images", list, [], param=f"{where}.images")
+    if images:
+        for j, image in enumerate(images):
+            if not isinstance(image, str):
+                raise bad_request(f"{where}.images[{j}] must be a base64 string", f"{where}.images[{j}]")
+        result["content"] = [{"type": "text", "text": field(message, "content", str, "", param=f"{where}.content")},
+                             *({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}
+                               for image in images)]
+    calls = field(message, "tool_calls", list, param=f"{where}.tool_calls")
+    if calls:
+        result["tool_calls"] = [openai_call(call, f"{where}.tool_calls[{j}]", j) for j, call in enumerate(calls)]
+        result.setdefault("content", "")
+    name = field(message, "tool_name", str, param=f"{where}.tool_name")
+    if name is not None:
+        result["name"] = name
+    return result
+
+
+def openai_call(call: Any, where: str, index: int) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise bad_request(f"{where} must be an object with a function", where)
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{index}", "type": "function", "function": {"name": function.get("name"),
+                                                                     "arguments": arguments}}
