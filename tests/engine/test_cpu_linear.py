@@ -235,19 +235,27 @@ def test_int8_is_ggufs_own_q8_0(ops):
     assert np.array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize("road", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
-def test_prompt_rows_multiply_the_exactly_dequantized_weight_in_float32(ops, name):
-    """Rows from `float_from` on take the float road: bit for bit what float32 panels over GGUF's own
-    dequantization give; the rows before it keep the integer road."""
+def test_prompt_rows_multiply_the_exactly_dequantized_weight(ops, name, road):
+    """Rows from `float_from` on take the prompt road: bit for bit what float32 panels over GGUF's own
+    dequantization give, or (`prompt_dot`, the default where the build has bfloat16 dot products) what the
+    bfloat16 dot-product panels over it give; the rows before it keep the integer road."""
+    if road == "bfloat16" and not ops.bf16_dot:
+        pytest.skip("this build has no bfloat16 dot products")
     torch.manual_seed(4)
     layer = torch.nn.Linear(96, 37, bias=False)
     blocks = _blocks(layer.weight.detach(), name)
     dequantized = torch.nn.Linear(96, 37, bias=False)
     dequantized.weight.data = torch.from_numpy(gguf.quants.dequantize(blocks.blocks, BLOCK_TYPES[name])).float()
-    quantized, floats = EngineLinear(layer, ops, "gguf", blocks), EngineLinear(dequantized, ops, "float32")
+    quantized, floats = EngineLinear(layer, ops, "gguf", blocks), EngineLinear(dequantized, ops, road)
+    assert quantized.prompt_dot == ops.bf16_dot
+    quantized.prompt_dot = road == "bfloat16"
     x = torch.randn(9, 96)
+    x[4, 7] = 300.0  # an outlier, which int8 activations would round its block's other values away next to
     with torch.inference_mode():
         mixed = quantized(x, 3)
         assert torch.equal(mixed[3:], floats(x[3:]))
         assert torch.equal(mixed[:3], quantized(x[:3]))
         assert torch.equal(quantized(x, 0), floats(x))
+        assert torch.equal(quantized(x[4:5], 0)[0], mixed[4])  # a row alone as in any batch

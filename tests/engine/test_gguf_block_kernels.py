@@ -205,6 +205,22 @@ def test_prompt_rows_are_float32_panels_over_the_dequantized_weight_bit_for_bit(
         torch.testing.assert_close(with_bias, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
+def test_prompt_rows_in_bfloat16_are_the_dot_product_panels_over_the_dequantized_weight(ops, layer):
+    """`dot` (the engine's choice where the build has bfloat16 dot products): bit for bit what the bfloat16
+    dot-product panels of the dequantized weight give, and a row the same alone and in any batch."""
+    if not ops.bf16_dot:
+        pytest.skip("this build has no bfloat16 dot products")
+    name, _, weight, packed = layer
+    panels = ops.pack_linear_weight(weight, torch.bfloat16, dot=True)
+    torch.manual_seed(5)
+    x = torch.randn(max(ROWS), K)
+    alone = ops.quant_linear(x[:1], packed, int(T[name]), N, None, 0, True)
+    for rows in ROWS:
+        got = ops.quant_linear(x[:rows], packed, int(T[name]), N, None, 0, True)
+        assert torch.equal(got, ops.linear(x[:rows], panels, N)), rows
+        assert torch.equal(got[:1], alone), rows
+
+
 def test_decode_rows_compute_the_integer_arithmetic_they_promise(ops, layer):
     name, blocks, weight, packed = layer
     torch.manual_seed(2)

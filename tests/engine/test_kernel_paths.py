@@ -41,6 +41,9 @@ def test_the_table_is_what_the_module_exposes(ops):
     else:
         assert paths["linear bfloat16"] == paths["linear float16"]  # widened to float32 in registers
     assert ("BF16" in paths["prompt attention bfloat16"]) == ops.bf16_dot
+    # a GGUF file's prompt rows: dequantized, then the bfloat16 unit where there is one (AMX's where it is on)
+    assert paths["quantized blocks (prompt rows)"].startswith(paths["linear bfloat16"] if ops.bf16_dot
+                                                              else paths["linear float32"])
     int8 = paths["quantized blocks (decode rows)"]
     assert int8.startswith(ops.vnni) if ops.vnni else "VNNI" not in int8
     assert ops.vnni in ("", "AVX512-VNNI", "AVX-VNNI") and ops.amx in (True, False)

@@ -68,9 +68,9 @@ def test_from_pretrained_maps_dtype_and_quantization_onto_weight_formats(llama, 
         assert engine.quantization == expected, options
         assert engine.model.dtype == torch.float32  # compute stays float32; only the engine's copy is smaller
         for fmt in expected.split("/") if expected != "none" else ["float32"]:  # said in the log and /metrics
+            prompt_unit = ops.matmul_paths["bfloat16" if ops.bf16_dot else "float32"]  # (AMX is off in tests)
             assert engine.matmul_units[fmt] == (ops.matmul_paths[fmt] if fmt != "int8" else
-                                                f"{ops.matmul_paths['int8']} (decode rows), "
-                                                f"{ops.matmul_paths['float32']} (prompt rows)")
+                                                f"{ops.matmul_paths['int8']} (decode rows), {prompt_unit} (prompt rows)")
         out = engine.generate_batch(["hello world"], SamplingParams(temperature=0, max_tokens=3))
         assert len(next(iter(out.values())).generated_tokens) == 3
 

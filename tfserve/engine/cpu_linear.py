@@ -15,8 +15,9 @@ by reading the weights; a general GEMM reads them at about half the memory bandw
                       Q2_K .. Q6_K (those need in_features % 256 == 0)
 
 The block formats multiply decode tokens with activations quantized to int8 per block of 32 (integer dot
-products, as llama.cpp does) and prompt tokens in float32 over the exactly dequantized weights (faster for
-many rows, and what the float32 engine computes). `rows(ids)` reads weight rows back in float32, so that a
+products, as llama.cpp does) and prompt tokens over the exactly dequantized weights: through the bfloat16 dot
+products where the CPU has them (weights and inputs rounded to bfloat16, float32 sums: twice the float32 rate,
+and no int8 rounding of the prompt's large activations), else in float32 (what the float32 engine computes). `rows(ids)` reads weight rows back in float32, so that a
 token embedding tied to the LM head is looked up in the head's own copy. Every kernel computes every row the
 same way whatever the number of rows, so a request's output does not depend on the rest of its batch. The
 caller's `nn.Linear` is never changed, so the model outside the engine (its own `generate`, training) runs
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tfserve.engine.kernel_paths import matmul_unit_names
+from tfserve.engine.kernel_paths import block_units, matmul_unit_names
 from tfserve.models.gguf_weights import BLOCK_TYPES, QuantizedWeight
 
 MAX_PACKED_BYTES = 4 << 30  # a float32 packed copy is as large as the weights
@@ -41,11 +42,12 @@ class EngineLinear:
     `ops` (the compiled kernels) it is F.linear; with them the weight is held in `weights` format (`blocks`:
     the layer's GGUF blocks for "gguf")."""
 
-    __slots__ = ("bias", "format", "in_features", "ops", "out_features", "packed", "qtype", "weight")
+    __slots__ = ("bias", "format", "in_features", "ops", "out_features", "packed", "prompt_dot", "qtype", "weight")
 
     def __init__(self, layer: torch.nn.Linear, ops=None, weights: str = "float32", blocks=None) -> None:
         self.bias, self.out_features = layer.bias, layer.out_features
         self.ops, self.packed, self.qtype = ops, None, 0
+        self.prompt_dot = bool(getattr(ops, "bf16_dot", False))  # blocks: prompt rows in bfloat16 dot products
         self.format = weights if ops is not None else "torch"
         weight = layer.weight.detach() if layer.weight is not None else None
         self.in_features = weight.shape[1] if weight is not None else None
@@ -65,14 +67,16 @@ class EngineLinear:
             raise ValueError(f"weights must be float32, float16, bfloat16, int8 or gguf (got {weights!r})")
 
     def __call__(self, x: torch.Tensor, float_from: int = -1) -> torch.Tensor:
-        """x @ W.T + bias. With blocks, rows from `float_from` on (a step's prompt tokens) multiply in float32
-        over the exactly dequantized weight, the others with int8 activations (all where it is -1)."""
+        """x @ W.T + bias. With blocks, rows from `float_from` on (a step's prompt tokens) multiply over the
+        exactly dequantized weight (`prompt_dot`: in bfloat16), the others with int8 activations (all where it
+        is -1)."""
         if self.format == "torch":  # exactly F.linear's ops
             if self.bias is None:
                 return torch.mm(x, self.weight.t())
             return torch.addmm(self.bias, x, self.weight.t())
         if self.qtype:
-            return self.ops.quant_linear(x, self.packed, self.qtype, self.out_features, self.bias, float_from)
+            return self.ops.quant_linear(x, self.packed, self.qtype, self.out_features, self.bias, float_from,
+                                         self.prompt_dot)
         return self.ops.linear(x, self.packed, self.out_features, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -161,17 +165,13 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 def matmul_units(formats, ops) -> dict[str, str]:
     """Which instructions multiply each weight format in use (`formats`: the lean forward's labels, e.g.
     float32, bfloat16, int8, Q4_K), for the banner, the log and /metrics: empty without the kernels. GGUF
-    blocks and int8 multiply decode rows in integers and prompt rows in float32."""
+    blocks and int8 multiply decode rows in integers and prompt rows as `block_units` says."""
     paths = matmul_unit_names(ops)  # bfloat16 on AMX tiles where amx.py chose them
     if not paths:
         return {}
-    units = {}
-    for fmt in formats:
-        if fmt in _PANEL_DTYPES:
-            units[fmt] = paths[fmt]
-        else:
-            units[fmt] = f"{paths['int8']} (decode rows), {paths['float32']} (prompt rows)"
-    return units
+    decode, prompt = block_units(ops)
+    return {fmt: paths[fmt] if fmt in _PANEL_DTYPES else f"{decode} (decode rows), {prompt} (prompt rows)"
+            for fmt in formats}
 
 
 class PackedLinear(torch.nn.Module):

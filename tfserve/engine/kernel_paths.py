@@ -23,6 +23,17 @@ def matmul_unit_names(ops) -> dict[str, str]:
     return units
 
 
+def block_units(ops) -> tuple[str, str]:
+    """What multiplies GGUF blocks and int8 weights (quant.h): decode rows in int8 dot products, prompt rows over
+    the dequantized weight, in bfloat16 dot products where the build has them (EngineLinear.prompt_dot: AMX
+    tiles where amx.py turned them on), else float32 FMA. ("", "") without the kernels."""
+    units = matmul_unit_names(ops)
+    if not units:
+        return "", ""
+    prompt = units["bfloat16"] if getattr(ops, "bf16_dot", False) else units["float32"]
+    return units["int8"], prompt
+
+
 def kernel_paths(ops) -> dict[str, str]:
     """Kernel path -> the instructions it runs on, for the kernels `ops` (empty without them: torch's own paths).
     The names are the module's own (`matmul_unit_names`, what the banner and `tfserve_matmul_unit_info` say)."""
@@ -33,8 +44,8 @@ def kernel_paths(ops) -> dict[str, str]:
         "linear float32": units["float32"],
         "linear float16": units["float16"],
         "linear bfloat16": units["bfloat16"],
-        "quantized blocks (decode rows)": units["int8"],  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8: int8 activations
-        "quantized blocks (prompt rows)": f"{units['float32']} (dequantized)",
+        "quantized blocks (decode rows)": block_units(ops)[0],  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8
+        "quantized blocks (prompt rows)": f"{block_units(ops)[1]} (dequantized)",
         "attention float32": units["float32"],
         # --dtype bfloat16 rounds a prompt's q, k, v to bfloat16 for the dot products where the build has them
         "prompt attention bfloat16": ops.matmul_paths["bfloat16"] if getattr(ops, "bf16_dot", False) else units["float32"],

@@ -59,9 +59,11 @@ inline TileConfig amx_config(int64_t tail) {
 
 // Row tiles x panels, pieces [begin, end) of panels * row_tiles (piece = panel * row_tiles + row tile: a panel's
 // row tiles one after the other, so its weights stay in cache). x: row-major pairs [row_tiles * 16][k2], rows past m
-// zero; y[r, :] = x[r] @ panels + bias for r < m. The tile configuration is each thread's: loaded and released here.
+// zero; y[r, :n] = x[r] @ panels + bias for r < m, y's rows ldy apart (n: the columns from the first panel's on; a
+// caller holding one panel of a wider layer passes that panel, its place in y and the columns left from there). The
+// tile configuration is each thread's: loaded and released here.
 TFS_AMX_TARGET static void amx_pieces(int64_t begin, int64_t end, const uint32_t* x, const c10::BFloat16* panels,
-                                      const float* bias, float* y, int64_t m, int64_t k2, int64_t n) {
+                                      const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t ldy) {
   const int64_t row_tiles = (m + kAmxRows - 1) / kAmxRows, steps = k2 / kAmxPairs, tail = k2 % kAmxPairs;
   const int64_t panel_size = k2 * 2 * kPanelCols, x_stride = k2 * 4, w_stride = 2 * kPanelCols * 2;  // bytes
   const TileConfig cfg = amx_config(tail);
@@ -93,7 +95,7 @@ TFS_AMX_TARGET static void amx_pieces(int64_t begin, int64_t end, const uint32_t
     _tile_stored(1, &c[0][16], kPanelCols * 4);
     const int64_t rows = std::min(kAmxRows, m - r0), cols = std::min(kPanelCols, n - p * kPanelCols);
     for (int64_t r = 0; r < rows; ++r) {
-      float* yr = y + (r0 + r) * n + p * kPanelCols;
+      float* yr = y + (r0 + r) * ldy + p * kPanelCols;
       for (int64_t j = 0; j < cols; ++j) yr[j] = c[r][j] + (bias ? bias[p * kPanelCols + j] : 0.f);
     }
   }
@@ -114,7 +116,7 @@ inline void amx_linear(const float* x, const c10::BFloat16* panels, const float*
   const std::vector<uint32_t> pairs = amx_rows(x, m, k);
   const int64_t pieces = num_panels * ((m + kAmxRows - 1) / kAmxRows);
   at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
-    amx_pieces(begin, end, pairs.data(), panels, bias, y, m, (k + 1) / 2, n);
+    amx_pieces(begin, end, pairs.data(), panels, bias, y, m, (k + 1) / 2, n, n);
   });
 }
 
@@ -138,7 +140,7 @@ inline double amx_probe() {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < k; ++i)
       pairs[r * k2 + i / 2] |= static_cast<uint32_t>(c10::BFloat16(x[r * k + i]).x) << (16 * (i % 2));
-  amx_pieces(0, num_panels * (padded / kAmxRows), pairs.data(), packed.data(), bias.data(), y.data(), m, k2, n);
+  amx_pieces(0, num_panels * (padded / kAmxRows), pairs.data(), packed.data(), bias.data(), y.data(), m, k2, n, n);
   double err = 0, scale = 0;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = 0; c < n; ++c) {

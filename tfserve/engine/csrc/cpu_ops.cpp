@@ -505,7 +505,8 @@ struct StackLinear {
   c10::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x, int64_t float_from) const {
-    return qtype ? quant_linear(x, packed, qtype, out_features, bias, float_from) : linear(x, packed, out_features, bias);
+    return qtype ? quant_linear(x, packed, qtype, out_features, bias, float_from, false)  // decode rows only
+                 : linear(x, packed, out_features, bias);
   }
 };
 
@@ -697,7 +698,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "layout of quant_linear (CPU)", nogil, py::arg("parts"), py::arg("qtype"));
   m.def("quant_linear", &quant_linear, "x @ W.T + bias with W from repack_blocks (CPU)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none(),
-        py::arg("float_from") = -1);
+        py::arg("float_from") = -1, py::arg("dot") = false);
   m.def("dequantize_rows", &dequantize_rows, "Rows of a repacked weight as GGUF dequantizes them (CPU)", nogil,
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"), py::arg("ids"));
   m.def("quantize_q8_0", &quantize_q8_0, "A float weight as GGUF Q8_0 blocks (CPU)", nogil);

@@ -200,10 +200,10 @@ static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_
   });
 }
 
-// Block j (32 inputs) of a group block's 8 columns as float32 rows ([32][ld], the columns at offset 0 of each
-// row), each weight as GGUF dequantizes it: scale * (u - offset), then + min (two roundings, as numpy).
-template <QType T>
-static inline void dequantize_block(const uint8_t* gb, int j, float* rows, int64_t ld) {
+// Block j (32 inputs) of a group block's 8 columns, each weight as GGUF dequantizes it: scale * (u - offset), then
+// + min (two roundings, as numpy), handed to put(quad, v) a quad at a time: v[i] the 8 columns at input 4 quad + i.
+template <QType T, typename Put>
+static inline void dequantize_quads(const uint8_t* gb, int j, Put&& put) {
   using namespace lanes;
   using S = Spec<T>;
   const uint8_t* quants = gb + kQuantsAt<T> + j * kBlockBytes<T>;
@@ -212,33 +212,91 @@ static inline void dequantize_block(const uint8_t* gb, int j, float* rows, int64
     constexpr int Qd = decltype(qd)::value, h = S::kHalves && Qd >= 4;
     I in[4];
     inputs<S::kSigned>(quad<S::kBits, Qd>(quants), in);
+    F v[4];
     for (int i = 0; i < 4; ++i) {
-      F v = to_float(S::kOffset ? in[i] - S::kOffset : in[i]) * sc.s[h];
-      if constexpr (S::kMin) v = v + sc.m[h];
-      store(rows + (4 * Qd + i) * ld, v);
+      v[i] = to_float(S::kOffset ? in[i] - S::kOffset : in[i]) * sc.s[h];
+      if constexpr (S::kMin) v[i] = v[i] + sc.m[h];
     }
+    put(Qd, v);
   });
 }
 
-// The columns [c0, c0 + cols) as one float32 panel [k][kPanelCols] (zero past `cols`), exactly dequantized.
-template <QType T>
-static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int64_t c0, int64_t cols, float* panel) {
-  constexpr int64_t P = kPanelCols, kIn = Spec<T>::kInputs;
+// The columns [c0, c0 + cols) as one panel, exactly dequantized, zero past `cols`: float32 [k][kPanelCols], or
+// (kPairs, the bfloat16 road) Bf16DotTiles' panel [k/2][kPanelCols][2], each weight rounded to the nearest
+// bfloat16 (even on ties, as torch rounds: the same panel pack_linear_weight makes of the dequantized weight).
+template <QType T, bool kPairs = false, typename Out>
+static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int64_t c0, int64_t cols, Out* panel) {
+  constexpr int64_t P = kPanelCols, kIn = Spec<T>::kInputs, kWidth = kPairs ? 2 : 1;  // values a column-input
   for (int64_t g0 = 0; g0 < P; g0 += kGroup) {
     const int64_t g = (c0 + g0) / kGroup;
     for (int64_t b = 0; b < nbk; ++b)
       for (int j = 0; j < kSubBlocks<T>; ++j) {
-        float* rows = panel + (b * kIn + j * QK) * P + g0;
+        const int64_t first = b * kIn + j * QK;  // the block's first input
+        Out* at = panel + (first * P + g0 * kWidth);  // (pairs: first / 2 pair rows of 2 P, at column g0)
         if (g >= groups || g0 >= cols) {
-          for (int64_t t = 0; t < QK; ++t) std::fill(rows + t * P, rows + t * P + kGroup, 0.f);
+          for (int64_t t = 0; t < QK / kWidth; ++t)
+            std::fill(at + t * kWidth * P, at + t * kWidth * P + kWidth * kGroup, Out(0));
+          continue;
+        }
+        const uint8_t* gb = w + (g * nbk + b) * kGroupBytes<T>;
+        if constexpr (kPairs) {
+          dequantize_quads<T>(gb, j, [&](int qd, const lanes::F* v) {
+            lanes::store_bf16_pairs(at + 4 * qd * P, v[0], v[1]);  // inputs 4 qd, 4 qd + 1: pair row 2 qd (2 P apart)
+            lanes::store_bf16_pairs(at + (4 * qd + 2) * P, v[2], v[3]);
+          });
         } else {
-          dequantize_block<T>(w + (g * nbk + b) * kGroupBytes<T>, j, rows, P);
+          dequantize_quads<T>(gb, j, [&](int qd, const lanes::F* v) {
+            for (int i = 0; i < 4; ++i) lanes::store(at + (4 * qd + i) * P, v[i]);
+          });
         }
       }
   }
   if (cols < P)  // columns of the last group past out_features: their zero scales already gave 0
-    for (int64_t i = 0; i < nbk * kIn; ++i) std::fill(panel + i * P + cols, panel + (i + 1) * P, 0.f);
+    for (int64_t i = 0; i < nbk * kIn / kWidth; ++i)
+      std::fill(panel + (i * P + cols) * kWidth, panel + (i + 1) * P * kWidth, Out(0));
 }
+
+#if TFS_BF16_DOT
+// The prompt road where the CPU has bfloat16 dot products: each panel dequantized exactly and rounded to bfloat16,
+// multiplied by the rows rounded to bfloat16, float32 sums (VDPBF16PS, or AMX tiles where amx.py turned them on):
+// twice the float32 rate. The rounding is bfloat16's relative 2^-9 per value, a row's outliers included (int8
+// activations lose a block's small values next to a large one: SmolLM2's first prompt rows answered wrongly).
+template <QType T>
+static void dequant_linear_bf16(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
+  const int64_t nbk = k / Spec<T>::kInputs, panels = (n + kPanelCols - 1) / kPanelCols, k2 = k / 2;
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+#if TFS_AMX
+  if (g_use_amx.load(std::memory_order_relaxed)) {
+    const std::vector<uint32_t> pairs = amx_rows(x, m, k);
+    parallel_claims(panels, [&](auto& claim) {
+      std::vector<c10::BFloat16> dot(k * kPanelCols);
+      for (int64_t p = claim(); p >= 0; p = claim()) {
+        dequantize_panel<T, true>(w, nbk, groups, p * kPanelCols, std::min(kPanelCols, n - p * kPanelCols), dot.data());
+        amx_pieces(0, (m + kAmxRows - 1) / kAmxRows, pairs.data(), dot.data(), nullptr, y + p * kPanelCols, m, k2,
+                   n - p * kPanelCols, n);
+      }
+    });
+    return;
+  }
+#endif
+  const int64_t tile_rows = tile_rows_for(m);
+  std::vector<uint32_t> pairs(m * k2);
+  bf16_pairs(x, pairs.data(), m, k, tile_rows);
+  constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
+  parallel_claims(panels, [&](auto& claim) {
+    std::vector<c10::BFloat16> dot(k * kPanelCols);
+    for (int64_t p = claim(); p >= 0; p = claim()) {
+      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
+      dequantize_panel<T, true>(w, nbk, groups, p * kPanelCols, cols, dot.data());
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+        tiles_of<Bf16DotTiles, 1>(rows, seq, pairs.data() + r0 * k2, k, dot.data(), nullptr,
+                                  y + r0 * n + p * kPanelCols, n, cols);
+      }
+    }
+  });
+}
+#endif
 
 template <QType T>
 static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
@@ -275,7 +333,9 @@ static void dequantize_rows(const uint8_t* w, const int64_t* ids, int64_t num_id
       // a row's group is one stretch of memory, read cold (a token embedding): ask for it ahead
       if (blk % kSubBlocks<T> == 0)
         for (int64_t line = 0; line < kGroupBytes<T>; line += 64) __builtin_prefetch(gb + kAheadBytes + line);
-      dequantize_block<T>(gb, static_cast<int>(blk % kSubBlocks<T>), rows, kGroup);
+      dequantize_quads<T>(gb, static_cast<int>(blk % kSubBlocks<T>), [&](int qd, const lanes::F* v) {
+        for (int i = 0; i < 4; ++i) lanes::store(rows + (4 * qd + i) * kGroup, v[i]);
+      });
       float* o = out + i / num_blocks * k + blk * QK;
       for (int64_t t = 0; t < QK; ++t) o[t] = rows[t * kGroup + c];
     }
@@ -344,10 +404,10 @@ static void check_packed(const torch::Tensor& packed, int64_t qtype, int64_t out
 }
 
 // y = x @ W.T + bias with W repacked by repack_blocks. x: float32 [rows, in_features] -> [rows, out_features].
-// Rows before `float_from` (all where it is negative) multiply with int8 activations, the rest in float32
-// over the exactly dequantized weight.
+// Rows before `float_from` (all where it is negative) multiply with int8 activations, the rest over the exactly
+// dequantized weight: in float32, or with `dot` in bfloat16 through the CPU's dot products (`bf16_dot` builds).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t out_features,
-                           c10::optional<torch::Tensor> bias, int64_t float_from) {
+                           c10::optional<torch::Tensor> bias, int64_t float_from, bool dot) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: float32 [rows, in_features]");
   auto xc = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
@@ -364,7 +424,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype,
       tfs::quantize_rows(xp, mi, k, xq);
       tfs::quant_linear<T>(w, xq, yp, mi, k, n);
     }
-    if (mi < m) tfs::dequant_linear<T>(w, xp + mi * k, yp + mi * n, m - mi, k, n);
+    if (mi < m && dot) {
+#if TFS_BF16_DOT
+      tfs::dequant_linear_bf16<T>(w, xp + mi * k, yp + mi * n, m - mi, k, n);
+#else
+      TORCH_CHECK(false, "this build has no bfloat16 dot products (bf16_dot is False)");
+#endif
+    } else if (mi < m) {
+      tfs::dequant_linear<T>(w, xp + mi * k, yp + mi * n, m - mi, k, n);
+    }
   });
   if (bias) y.add_(*bias);
   return y;

@@ -117,6 +117,18 @@ inline F operator*(F a, F b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline F operator+(F a, F b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline void store(float* p, F a) { _mm256_storeu_ps(p, a.v); }
+// 8 columns' values at two inputs as bfloat16 pairs side by side (a[c], b[c] at 2c, 2c + 1), rounded to the nearest
+// even as torch rounds finite floats to bfloat16 (the panels of quant.h's bfloat16 prompt road)
+inline void store_bf16_pairs(c10::BFloat16* p, F a, F b) {
+  const auto round = [](__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  };
+  const __m256i pairs = _mm256_or_si256(_mm256_srli_epi32(round(a.v), 16),
+                                        _mm256_and_si256(round(b.v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pairs);
+}
 
 #else  // plain C++ (and NEON, for now): the same operations on arrays
 
@@ -186,6 +198,9 @@ inline F operator*(F a, F b) { for (int c = 0; c < 8; ++c) a.v[c] *= b.v[c]; ret
 inline F operator+(F a, F b) { for (int c = 0; c < 8; ++c) a.v[c] += b.v[c]; return a; }
 inline F fma(F a, F b, F c) { for (int j = 0; j < 8; ++j) c.v[j] = std::fma(a.v[j], b.v[j], c.v[j]); return c; }
 inline void store(float* p, F a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline void store_bf16_pairs(c10::BFloat16* p, F a, F b) {
+  for (int c = 0; c < 8; ++c) p[2 * c] = c10::BFloat16(a.v[c]), p[2 * c + 1] = c10::BFloat16(b.v[c]);
+}
 #endif
 
 }  // namespace lanes
