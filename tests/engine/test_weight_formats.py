@@ -13,6 +13,7 @@ from tfserve.engine.kernels import cpu_ops  # noqa: E402
 
 # Largest logit error allowed, relative to the float32 logits' spread (max - min) at the same position.
 # measured: 0.0002; 0.0017 with float32 inputs, 0.0022 with AVX512-BF16 dot products (inputs rounded too); 0.006
+# (0.003 with its prompt rows and attention through the AVX512-BF16 dot products)
 TOLERANCE = {"float16": 0.001, "bfloat16": 0.005, "int8": 0.015}
 
 
@@ -41,8 +42,9 @@ def test_each_format_stays_within_its_stated_logit_error(llama, ops, weights):
     engine = Engine(llama, block_size=4, num_blocks=64, weights=weights)
     expected = {weights: 2 * 7 + 1} if weights != "int8" else {"int8": 2 * 7, "float16": 1}  # the head: float16
     assert engine.runner.forward.weight_formats == expected
-    # bfloat16 weights: prompt attention on the bfloat16 dot products too, where the build has them
-    assert engine.runner.forward.prompt_dot is (weights == "bfloat16" and ops.bf16_dot)
+    # bfloat16 weights and int8 blocks' prompt rows: prompt attention on the bfloat16 dot products too, where the
+    # build has them
+    assert engine.runner.forward.prompt_dot is (weights != "float16" and ops.bf16_dot)
     for got, ref in zip(_prompt_logits(engine, prompts), reference):
         spread = (ref.max() - ref.min()).item()
         assert (got - ref).abs().max().item() <= TOLERANCE[weights] * spread, weights
@@ -87,3 +89,23 @@ def test_a_prompts_last_token_alone_is_computed_as_a_prompt_token(llama, ops, ch
     first, cached = _prompt_logits(engine, [prompt, prompt])  # the second finds 8 of its 9 tokens cached
     assert engine.block_pool.stats.num_hit_tokens == 8
     assert torch.equal(first, cold[0]) and torch.equal(cached, cold[0])
+
+
+def test_auto_holds_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_its_dot_products(tokenizer, ops, tmp_path):
+    """weights "auto": a checkpoint stored in bfloat16 runs on the bfloat16 dot products where the build has them
+    (float32 elsewhere); --dtype float32 keeps float32 arithmetic; a float32 checkpoint stays float32."""
+    from tiny import build_llama
+
+    stored = build_llama(tokenizer, seed=3)
+    with torch.no_grad():
+        for param in stored.parameters():
+            param.copy_(param.bfloat16().float())  # as transformers loads a bfloat16 checkpoint in float32
+    stored.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    auto = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16)
+    assert auto.runner.forward.weight_formats.keys() == ({"bfloat16"} if ops.bf16_dot else {"float32"})
+    assert auto.quantization == ("bfloat16" if ops.bf16_dot else "none")
+    pinned = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, dtype="float32")
+    assert pinned.runner.forward.weight_formats.keys() == {"float32"} and pinned.quantization == "none"
+    float32 = Engine(build_llama(tokenizer, seed=3), block_size=4, num_blocks=16)
+    assert float32.runner.forward.weight_formats.keys() == {"float32"}

@@ -40,9 +40,12 @@ ModelOpt = Annotated[
 ]
 DtypeOpt = Annotated[
     Dtype,
-    typer.Option("--dtype", help="Weights dtype; auto is float32 on CPU (a .gguf model: its own quantized blocks), "
-                                  "bfloat16 on CUDA. On CPU float16/bfloat16 store the weights in 16 bits and compute "
-                                  "in float32.", rich_help_panel=LOAD),
+    typer.Option("--dtype", help="Weights dtype; auto on CPU: a .gguf model's own quantized blocks, a checkpoint "
+                                  "stored in bfloat16 as bfloat16 where the CPU has bfloat16 dot products, else "
+                                  "float32; bfloat16 on CUDA. On CPU float16 stores the weights in 16 bits and "
+                                  "computes in float32; bfloat16 multiplies bfloat16 inputs with float32 sums where "
+                                  "the CPU has the dot products (AVX512-BF16, AMX), else as float16.",
+                 rich_help_panel=LOAD),
 ]
 DeviceOpt = Annotated[
     str,

@@ -31,13 +31,15 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     table.add_column()
     table.add_row("Model", state.model_name)
     dtype = str(engine.dtype).removeprefix("torch.")
-    if engine.quantization != "none":
-        table.add_row("Weights", f"{engine.quantization} (compute {dtype})")
+    units = getattr(engine, "matmul_units", {})
+    if engine.quantization != "none":  # bfloat16 on its dot products: products of bfloat16 numbers, float32 sums
+        compute = "bfloat16 products, float32 sums" if "BF16" in units.get("bfloat16", "") else f"compute {dtype}"
+        table.add_row("Weights", f"{engine.quantization} ({compute})")
     else:
         table.add_row("Dtype", dtype)
     table.add_row("Device", str(engine.device))
     formats_by_unit: dict[str, list[str]] = {}
-    for fmt, unit in getattr(engine, "matmul_units", {}).items():
+    for fmt, unit in units.items():
         formats_by_unit.setdefault(unit, []).append(fmt)
     for i, (unit, formats) in enumerate(formats_by_unit.items()):
         table.add_row("" if i else "Matrix units", f"{'/'.join(sorted(formats))}: {unit}")

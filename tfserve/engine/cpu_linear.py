@@ -143,6 +143,17 @@ class LinearWeights:
         self.weight, self.bias, self.out_features = weight, bias, out_features
 
 
+def stored_in_bfloat16(model: torch.nn.Module) -> bool:
+    """True where the checkpoint holds bfloat16 numbers (a model trained and saved in bfloat16, loaded in float32):
+    every linear weight of its first decoder layer exactly a bfloat16 (a float32 checkpoint's never all are)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return False
+    weights = [m.weight for m in layers[0].modules() if type(m) is torch.nn.Linear and m.weight is not None]
+    return bool(weights) and all(w.dtype == torch.float32 and w.device.type == "cpu" and
+                                 torch.equal(w.detach(), w.detach().bfloat16().float()) for w in weights)
+
+
 def can_pack(model: torch.nn.Module, ops) -> bool:
     """True where float32 panels apply: float32 weights on CPU, the kernels built, and a model small enough
     for a second copy of its weights."""

@@ -47,7 +47,8 @@ def kernel_paths(ops) -> dict[str, str]:
         "quantized blocks (decode rows)": block_units(ops)[0],  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8
         "quantized blocks (prompt rows)": f"{block_units(ops)[1]} (dequantized)",
         "attention float32": units["float32"],
-        # --dtype bfloat16 rounds a prompt's q, k, v to bfloat16 for the dot products where the build has them
+        # --dtype bfloat16 and block weights (a GGUF's, int8) round a prompt's q, k, v to bfloat16 for the dot
+        # products where the build has them (lean.py's prompt_dot)
         "prompt attention bfloat16": ops.matmul_paths["bfloat16"] if getattr(ops, "bf16_dot", False) else units["float32"],
     }
 

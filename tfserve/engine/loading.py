@@ -73,6 +73,9 @@ def load_engine(cls, model: str | None = None, config: EngineConfig | None = Non
     formats = getattr(engine.runner.forward, "weight_formats", {})
     if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
         engine.quantization = "/".join(sorted(formats))
+    if config.weights == "auto" and "bfloat16" in formats:  # backends.auto_weights' choice
+        logger.info("weights auto: bfloat16, as the checkpoint stores them, through the CPU's bfloat16 dot products "
+                    "(--dtype float32 keeps float32 arithmetic)")
     engine.matmul_units = matmul_units(formats, getattr(engine.runner.forward, "ops", None))
     for unit in dict.fromkeys(engine.matmul_units.values()):
         formats = "/".join(sorted(f for f, u in engine.matmul_units.items() if u == unit))
@@ -137,7 +140,8 @@ def _cpu_weights(config: EngineConfig, dtype: str, quantization: str, device: st
         if on_cpu_kernels:
             return "float32", "none", "int8"
         return dtype, "bnb-8bit", config.weights
-    if dtype in ("float16", "bfloat16") and quantization == "none" and on_cpu_kernels and config.weights == "auto":
+    if dtype in ("float32", "float16", "bfloat16") and quantization == "none" and on_cpu_kernels \
+            and config.weights == "auto":  # (float32 asked for: kept, where auto may hold a bfloat16 checkpoint so)
         return "float32", "none", dtype
     return dtype, quantization, config.weights
 

@@ -36,6 +36,17 @@ class ForwardBackend(Protocol):
                  logits_index: torch.Tensor) -> torch.Tensor: ...
 
 
+def auto_weights(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=None) -> str:
+    """What weights "auto" holds: a GGUF file's own blocks; a checkpoint stored in bfloat16 as bfloat16 where the
+    kernels have bfloat16 dot products (the same weights, twice float32's rate for prompts and batches, inputs
+    rounded to bfloat16: `--dtype float32` keeps float32 arithmetic); else float32."""
+    if config.gguf_file and cpu_ops is not None and tp is None:
+        return "gguf"
+    if getattr(cpu_ops, "bf16_dot", False) and not is_native(model) and cpu_linear.stored_in_bfloat16(model):
+        return "bfloat16"
+    return "float32"
+
+
 def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=None) -> ForwardBackend:
     """The backend `config.forward_backend` asks for: "hf", "lean" (ValueError where it cannot run), or "auto"
     (lean where it applies), with linear weights held as `config.weights` says; the model's own forward is
@@ -51,9 +62,7 @@ def select_backend(model: torch.nn.Module, config: EngineConfig, cpu_ops, tp=Non
                              or cpu_ops is None or config.weights not in ("auto", "gguf") or not config.gguf_file):
         raise ValueError("a GGUF file loaded natively runs its blocks on the lean forward with tfserve's CPU "
                          "kernels (forward_backend auto or lean, weights auto or gguf)")
-    weights = config.weights
-    if weights == "auto":
-        weights = "gguf" if config.gguf_file and cpu_ops is not None and tp is None else "float32"
+    weights = config.weights if config.weights != "auto" else auto_weights(model, config, cpu_ops, tp)
     why_not = "forward_backend is hf" if config.forward_backend == "hf" else LeanForward.why_not(model)
     if why_not is not None:
         if config.forward_backend == "lean":

@@ -58,9 +58,7 @@ class LeanForward:
         self.windows = [getattr(layer.self_attn, "sliding_window", getattr(config, "sliding_window", None))
                         if type(model).__name__ != "LlamaForCausalLM" else None for layer in self.layers]
         self.ops = ops
-        # bfloat16 weights round every linear layer's inputs to bfloat16 for the CPU's dot products; a prompt's
-        # attention then goes through them too (2.0x the float32 tiles on a Zen 5 core): AttentionMetadata
-        self.prompt_dot = weights == "bfloat16" and bool(getattr(ops, "bf16_dot", False))
+        self.prompt_dot = False  # set below, once the layers' formats are known
         self.rotary = ops.rotary_embedding_ if ops is not None else rotary_embedding_
         self.rms_norm = ops.rms_norm if ops is not None else rms_norm
         self.act = _ACTIVATIONS[_activation(config)]
@@ -152,6 +150,11 @@ class LeanForward:
         for projection in (*(p for column in self._layers[1:5] for p in column if p is not None), self.lm_head):
             formats.update(projection.labels)
         self.weight_formats = dict(formats)  # linear layers per format, for logs and banners
+        # bfloat16 weights round every linear layer's inputs to bfloat16 for the CPU's dot products, and blocks (a
+        # GGUF's, int8) a prompt's rows (EngineLinear.prompt_dot); a prompt's attention then goes through them too
+        # (2.0x the float32 tiles on a Zen 5 core): AttentionMetadata. An F32 file's float layers keep float32.
+        rounded = set(formats) - {"float32", "float16"}
+        self.prompt_dot = bool(rounded) and bool(getattr(ops, "bf16_dot", False))
 
     def _embedding(self, embed: torch.nn.Embedding, held):
         """`embed(input_ids) -> [num_tokens, hidden]`: the model's own module, or for a natively loaded GGUF (no
