@@ -35,7 +35,8 @@ def test_roofline_rounds_measure_the_steps_against_the_limits(tfserve_home, tmp_
         assert r["weight_bytes"] == weights and r["batch"] == 3
         assert min(r["read_gb_s"], r["one_step_ms"], r["matmul_gflops"], r["matmul_gflops_bf16"],
                    r["batch_step_ms"]) > 0
-        assert r["peak_dtype"] == "float32"  # float32 weights: float32's peak bounds the batch
+        assert r["peak_dtype"] == "float32" and r["unit"] == "float32"  # float32's peak bounds the batch
+        assert r["unit_peak_gops"] is None and r["batch_of_unit_peak"] is None  # no kernels: not measured
         # (each figure is rounded in the JSON: the tiny model's are small, so the rounding counts)
         assert r["one_gb_s"] == pytest.approx(weights / (r["one_step_ms"] / 1e3) / 1e9, rel=0.01, abs=0.01)
         assert r["one_of_read"] == pytest.approx(r["one_gb_s"] / r["read_gb_s"], rel=0.02, abs=0.002)
@@ -43,3 +44,25 @@ def test_roofline_rounds_measure_the_steps_against_the_limits(tfserve_home, tmp_
         assert r["batch_of_roofline"] == pytest.approx(r["batch_tok_s"] / r["roofline_tok_s"], rel=0.02, abs=0.002)
     assert data["settings"]["command"] == "tfserve bench roofline" and data["settings"]["dtype"] == "float32"
 
+
+
+def test_the_unit_is_the_one_the_batch_multiplies_on():
+    from tfserve.bench.roofline import batch_unit
+
+    assert batch_unit({"float32": 15}) == batch_unit({"float16": 15}) == "float32"
+    assert batch_unit({"bfloat16": 15}) == "bfloat16"
+    assert batch_unit({"Q4_1": 14, "Q8_0": 1}) == batch_unit({"int8": 14, "float16": 1}) == "int8"
+
+
+def test_the_kernels_measure_each_units_peak():
+    from tfserve.engine.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("CPU kernels unavailable here")
+    float32 = ops.unit_peak_gops("float32", 0.05)
+    assert float32 > 0 and ops.unit_peak_gops("no such unit", 0.05) == 0
+    # the dot products do 2 (bfloat16) and 4 (int8, VNNI) times the products of an FMA a vector
+    assert (ops.unit_peak_gops("bfloat16", 0.05) > 1.3 * float32) == ops.bf16_dot
+    if ops.vnni == "AVX512-VNNI":
+        assert ops.unit_peak_gops("int8", 0.05) > 2 * float32

@@ -4,7 +4,10 @@ weight), and a batch's step against the matmul roofline (the weights read once, 
 sequence at the GFLOP/s that torch's own matmul reaches here: float32, or bfloat16 for bfloat16 weights, where
 oneDNN uses the CPU's matrix units — AMX tiles, AVX512-BF16 — so the report shows the fraction of their
 measured peak). Each round measures the limits and the steps
-back to back, so a machine whose neighbours come and go is compared with itself."""
+back to back, so a machine whose neighbours come and go is compared with itself. With the CPU kernels it also
+measures the peak of the unit the batch's weights multiply on (in registers: the kernels' `unit_peak_gops`, csrc/
+peak.h: float32 FMA, bfloat16 dot products, int8 dot products for GGUF blocks and int8) and the fraction of it the
+batch's step reaches (unmeasured on AMX tiles: None)."""
 
 from __future__ import annotations
 
@@ -59,6 +62,23 @@ def matmul_gflops(rows: int, inner: int, outer: int, seconds: float = 0.3, dtype
     return best
 
 
+def batch_unit(formats) -> str:
+    """The unit a batch's decode rows multiply on, for weights in `formats` (the lean forward's labels): bfloat16's
+    dot products, int8's for blocks (GGUF types, int8), else float32 FMA."""
+    if "bfloat16" in formats:
+        return "bfloat16"
+    return "int8" if set(formats) - {"float32", "float16"} else "float32"
+
+
+def unit_peak(engine, unit: str) -> float | None:
+    """GOP/s of `unit` in registers on the engine's threads (the kernels' own measure), or None: no kernels, or
+    bfloat16 on AMX tiles (not what peak.h measures)."""
+    ops = engine.runner.cpu_ops
+    if ops is None or not hasattr(ops, "unit_peak_gops") or (unit == "bfloat16" and ops.amx_active()):
+        return None
+    return ops.unit_peak_gops(unit) or None
+
+
 def decode_step_s(engine, num_seqs: int, num_tokens: int, vocab_size: int, seed: int = 0) -> float:
     """The median time of `engine.step()` once `num_seqs` greedy sequences (40-token random prompts) all decode:
     the steps after the one that prefilled the last prompt."""
@@ -94,6 +114,7 @@ def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3) -> l
     engine.generate_batch([[100, 101, 102]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     formats = getattr(engine.runner.forward, "weight_formats", {})
     peak_dtype = torch.bfloat16 if "bfloat16" in formats else torch.float32  # the units its weights go through
+    unit = batch_unit(formats)
     results = []
     for index in range(rounds):
         read = read_gb_per_s(num_bytes)
@@ -102,12 +123,17 @@ def measure(engine, batch: int = 32, num_tokens: int = 64, rounds: int = 3) -> l
         bf16_gflops = matmul_gflops(2048, hidden, inner, dtype=torch.bfloat16)
         peak = bf16_gflops if peak_dtype == torch.bfloat16 else gflops
         many = decode_step_s(engine, batch, num_tokens, vocab_size, seed=index + 1000)
+        unit_gops = unit_peak(engine, unit)
+        batch_gops = 2 * num_params * batch / many / 1e9
         bound = max(num_bytes / (read * 1e9), 2 * num_params * batch / (peak * 1e9))
         result = {"round": index + 1, "weight_bytes": num_bytes, "read_gb_s": round(read, 2),
                   "one_step_ms": round(one * 1e3, 3), "one_gb_s": round(num_bytes / one / 1e9, 2),
                   "one_of_read": round(num_bytes / one / 1e9 / read, 3), "matmul_gflops": round(gflops, 1),
                   "matmul_gflops_bf16": round(bf16_gflops, 1), "peak_dtype": str(peak_dtype).removeprefix("torch."),
                   "batch": batch, "batch_step_ms": round(many * 1e3, 3), "batch_tok_s": round(batch / many, 1),
-                  "roofline_tok_s": round(batch / bound, 1), "batch_of_roofline": round(bound / many, 3)}
+                  "roofline_tok_s": round(batch / bound, 1), "batch_of_roofline": round(bound / many, 3),
+                  "unit": unit, "unit_peak_gops": round(unit_gops, 1) if unit_gops else None,
+                  "batch_gops": round(batch_gops, 2),
+                  "batch_of_unit_peak": round(batch_gops / unit_gops, 4) if unit_gops else None}
         results.append(result)
     return results

@@ -163,12 +163,15 @@ def roofline(
 
     One sequence's step against reading the weights once (every weight streamed);
     a batch's step against the matmul roofline (2 FLOPs a parameter a sequence,
-    at torch's own matmul rate here). Each round measures both back to back.
+    at torch's own matmul rate here) and against the peak of the unit its weights
+    multiply on (float32 FMA, bfloat16 or int8 dot products), measured in registers.
+    Each round measures them back to back.
 
     [bold]Examples[/bold]
 
       tfserve bench roofline                       # float32, a batch of 32
       tfserve bench roofline --dtype float16 --batch 8 -o roofline.json
+      tfserve bench roofline --dtype auto          # the default model's GGUF blocks: int8 units
     """
     from tfserve.bench.roofline import measure
     from tfserve.bench.settings import run_settings
@@ -184,7 +187,8 @@ def roofline(
     from rich.table import Table
 
     details = _engine_details(engine)
-    table = Table(title=f"roofline: {engine.model_name} ({details['dtype']}, "
+    weights = engine.quantization if engine.quantization != "none" else details["dtype"]  # (Q4_1/Q8_0: the blocks)
+    table = Table(title=f"roofline: {engine.model_name} ({weights}, "
                         f"kernels {details['cpu_kernels'] or 'off'})")
     table.add_column("")
     try:
@@ -199,9 +203,11 @@ def roofline(
             ("matmul float32, GFLOP/s", "matmul_gflops", "{:.0f}"),
             ("matmul bfloat16, GFLOP/s", "matmul_gflops_bf16", "{:.0f}"), (f"{batch} sequences: step, ms", "batch_step_ms", "{:.1f}"),
             (f"{batch} sequences: tok/s", "batch_tok_s", "{:.0f}"), ("roofline, tok/s", "roofline_tok_s", "{:.0f}"),
-            (f"{batch} sequences: of the roofline", "batch_of_roofline", "{:.0%}")]
+            (f"{batch} sequences: of the roofline", "batch_of_roofline", "{:.0%}"),
+            (f"{results[0]['unit']} unit's peak, GOP/s", "unit_peak_gops", "{:.0f}"),
+            (f"{batch} sequences: of the unit's peak", "batch_of_unit_peak", "{:.1%}")]
     for label, key, form in rows:
-        table.add_row(label, *(form.format(r[key]) for r in results))
+        table.add_row(label, *(form.format(r[key]) if r[key] is not None else "-" for r in results))
     console.print(table)
     if output_json is not None:
         settings = run_settings("roofline", ctx.params, model_name=engine.model_name, **details)

@@ -314,6 +314,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 #include "quant.h"
 #include "shm.h"
+#include "peak.h"
 
 // One head's `x * cos + rotate_half(x) * sin`, every product rounded before the sum; `in` may be `out`.
 static inline void rotate_half_row(const float* in, float* out, const float* ct, const float* st, int64_t half) {
@@ -677,6 +678,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return tfs::g_use_amx.load();
   }, "bfloat16 linear layers through AMX tiles from now on (after amx.py's checks); whether they are", py::arg("on"));
   m.def("amx_active", [] { return tfs::g_use_amx.load(); }, "Whether bfloat16 linear layers go through AMX tiles");
+  m.def("unit_peak_gops", &tfs::unit_peak_gops, "GOP/s of a unit (float32, bfloat16 or int8) in registers on all of "
+        "torch's threads over about `seconds` (peak.h); 0 where the build lacks it", nogil, py::arg("unit"),
+        py::arg("seconds") = 0.3);
   m.attr("vec_width") = tfs::Vec::N;  // floats per vector: decode attention's vector path takes head_dim = N * 2^i <= 16 N
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", nogil, py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
