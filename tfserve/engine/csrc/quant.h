@@ -98,30 +98,61 @@ constexpr int64_t kAheadBytes = 2048;  // about 13 blocks of Q4_0: as many loads
 template <QType T>
 constexpr int kRun = std::min(Spec<T>::kHalves ? 4 : 8, Spec<T>::kBits <= 4 ? 8 : Spec<T>::kBits == 5 ? 4 : 2);
 
-// y[r, 0:cols] for R rows over one group of 8 columns (`group`: its nbk group blocks of type T), activations
-// rows r0..r0+R of xq. y: row stride ldy.
-template <QType T, int R>
-static inline void group_tile(const uint8_t* group, int64_t nbk, const QuantRows& xq, int64_t r0, int64_t k,
-                              float* y, int64_t ldy, int64_t cols) {
+// The float scales of block j of a group block (or of two groups', side by side)
+template <QType T>
+inline BlockScales block_scales(const uint8_t* gb, int j) { return Spec<T>::scales(gb, j); }
+#if TFS_GROUP_PAIRS
+struct PairScales { lanes::F16 s[2], m[2]; };
+template <QType T>
+inline PairScales block_scales(lanes::GroupPair gb, int j) {
+  const BlockScales a = Spec<T>::scales(gb.first, j), b = Spec<T>::scales(gb.first + gb.stride, j);
+  return {{join(a.s[0], b.s[0]), join(a.s[1], b.s[1])}, {join(a.m[0], b.m[0]), join(a.m[1], b.m[1])}};
+}
+#endif
+
+// Asks for the bytes `offset` on from a tile's first group block. The blocks are read front to back and the next
+// tile's follow; a pair's two groups are two streams: the second runs on into the next pair's first group, the
+// first, past its own end, into the next pair's second (its start cold otherwise: a row's pass over cold weights
+// in pairs took 1.2x as long).
+inline void prefetch_at(const uint8_t* group, int64_t offset) { __builtin_prefetch(group + offset); }
+#if TFS_GROUP_PAIRS
+inline void prefetch_at(lanes::GroupPair group, int64_t offset) {
+  __builtin_prefetch(group.first + group.stride + offset);
+  __builtin_prefetch(group.first + (offset < group.stride ? offset : 2 * group.stride + offset));
+}
+#endif
+
+// y[r, 0:cols] for R rows over one group of 8 columns (Cols 8; `group`: its nbk group blocks of type T) or two
+// (Cols 16), activations rows r0..r0+R of xq. y: row stride ldy.
+template <QType T, int R, int Cols>
+static inline void group_tile(typename lanes::Lanes<Cols>::Src group, int64_t nbk, const QuantRows& xq, int64_t r0,
+                              int64_t k, float* y, int64_t ldy, int64_t cols) {
   using namespace lanes;
   using S = Spec<T>;
+  using L = lanes::Lanes<Cols>;
+  using I = typename L::I;
+  using F = typename L::F;
   constexpr int64_t gbb = kGroupBytes<T>, kSubs = kSubBlocks<T>, kStep = gbb / kSubs;
+  // what the sums hold beyond w x per unit of the activations' quants (q16): an offset in u (Q5_0's 16), or the
+  // 128 of Q8_0's flip
+  constexpr int kQ16Offset = (S::kOffsetAsMin ? 0 : S::kOffset) + (S::kSigned && kSignedAsUnsigned ? 128 : 0);
+  static_assert(!S::kHalves || !S::kSigned, "signed quants are corrected over the whole block");
   const int64_t nb = k / QK;
   F acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  for (int r = 0; r < R; ++r) acc[r] = F{};
   for (int64_t b = 0; b < nbk; ++b) {
-    const uint8_t* gb = group + b * gbb;
+    const auto gb = group + b * gbb;
     for (int j = 0; j < kSubs; ++j) {
-      // the blocks are read front to back (and the next group's follow): ask for the bytes kAheadBytes on
-      for (int64_t line = 0; line < kStep; line += 64) __builtin_prefetch(gb + j * kStep + kAheadBytes + line);
+      for (int64_t line = 0; line < kStep; line += 64) prefetch_at(group, b * gbb + j * kStep + kAheadBytes + line);
       const int64_t blk = b * kSubs + j;  // the block of 32 inputs
-      const uint8_t* quants = gb + kQuantsAt<T> + j * kBlockBytes<T>;
+      const auto quants = gb + (kQuantsAt<T> + j * kBlockBytes<T>);
       I lo[R], hi[R];  // the sums over inputs 0-15 and 16-31 (kHalves), else all in lo
-      for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = I{};
       [[maybe_unused]] P run[R];  // int16 pair sums of the last kRun quads (kPairsInInt16)
-      static_for<8>([&](auto qd) {
+      static_for<8>([&](auto qd) __attribute__((always_inline)) {
         constexpr int Qd = decltype(qd)::value;
-        const Q u = quad<S::kBits, Qd>(quants);
+        auto u = quad<S::kBits, Qd>(quants);
+        if constexpr (S::kSigned && kSignedAsUnsigned) u = flip(u);
         for (int r = 0; r < R; ++r) {
           int32_t x;
           std::memcpy(&x, xq.q.data() + (r0 + r) * k + blk * QK + 4 * Qd, 4);
@@ -129,51 +160,62 @@ static inline void group_tile(const uint8_t* group, int64_t nbk, const QuantRows
           if constexpr (kPairsInInt16 && !S::kSigned) {
             run[r] = Qd % kRun<T> == 0 ? pairs(u, x) : run[r] + pairs(u, x);
             if constexpr (Qd % kRun<T> == kRun<T> - 1) sum = sum + widen(run[r]);
+          } else if constexpr (S::kSigned && !kSignedAsUnsigned) {
+            sum = dot_signed(sum, u, x);
           } else {
-            sum = S::kSigned ? dot_signed(sum, u, x) : dot(sum, u, x);
+            sum = dot(sum, u, x);
           }
         }
       });
-      const BlockScales sc = S::scales(gb, j);
+      const auto sc = block_scales<T>(gb, j);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + blk;
-        const F xd = set1(xq.d[i]);
+        const F xd = L::set1(xq.d[i]);
         if constexpr (S::kHalves) {
           I a = lo[r], c = hi[r];
           if constexpr (S::kOffset != 0) a = a - S::kOffset * xq.q16[2 * i], c = c - S::kOffset * xq.q16[2 * i + 1];
           F t = fma(to_float(c), sc.s[1] * xd, to_float(a) * (sc.s[0] * xd));
-          if constexpr (S::kMin) t = fma(sc.m[1], set1(xq.s16[2 * i + 1]), fma(sc.m[0], set1(xq.s16[2 * i]), t));
+          if constexpr (S::kMin) t = fma(sc.m[1], L::set1(xq.s16[2 * i + 1]), fma(sc.m[0], L::set1(xq.s16[2 * i]), t));
           acc[r] = acc[r] + t;
         } else {
           I a = lo[r];
-          if constexpr (S::kOffset != 0 && !S::kOffsetAsMin) a = a - S::kOffset * (xq.q16[2 * i] + xq.q16[2 * i + 1]);
+          if constexpr (kQ16Offset != 0) a = a - kQ16Offset * (xq.q16[2 * i] + xq.q16[2 * i + 1]);
           acc[r] = fma(to_float(a), sc.s[0] * xd, acc[r]);
-          if constexpr (S::kMin) acc[r] = fma(sc.m[0], set1(xq.s[i]), acc[r]);
-          if constexpr (S::kOffsetAsMin) acc[r] = fma(sc.s[0] * set1(-S::kOffset), set1(xq.s[i]), acc[r]);
+          if constexpr (S::kMin) acc[r] = fma(sc.m[0], L::set1(xq.s[i]), acc[r]);
+          if constexpr (S::kOffsetAsMin) acc[r] = fma(sc.s[0] * L::set1(-S::kOffset), L::set1(xq.s[i]), acc[r]);
         }
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    float out[kGroup];
+    float out[Cols];
     store(out, acc[r]);
     std::memcpy(y + r * ldy, out, cols * sizeof(float));
   }
 }
 
-template <QType T, int... Rs>
-static void group_tile_of(int rows, std::integer_sequence<int, Rs...>, const uint8_t* group, int64_t nbk,
-                          const QuantRows& xq, int64_t r0, int64_t k, float* y, int64_t ldy, int64_t cols) {
-  ((rows == Rs + 1 ? (group_tile<T, Rs + 1>(group, nbk, xq, r0, k, y, ldy, cols), true) : false) || ...);
+template <QType T, int Cols, int... Rs>
+static void group_tile_of(int rows, std::integer_sequence<int, Rs...>, typename lanes::Lanes<Cols>::Src group,
+                          int64_t nbk, const QuantRows& xq, int64_t r0, int64_t k, float* y, int64_t ldy, int64_t cols) {
+  ((rows == Rs + 1 ? (group_tile<T, Rs + 1, Cols>(group, nbk, xq, r0, k, y, ldy, cols), true) : false) || ...);
 }
 
 // Rows a tile unpacks each block for: 8 where 32 vector registers hold their int and float sums (AVX-512:
 // 1.1x at 32 rows for Q4_0; Q6_K's two sums a row still gain 1.25x over 4), 4 for 8-bit blocks (3 vectors a
-// row live: they spill at 8) and on AVX2.
-#if TFS_AVX512
+// row live: they spill at 8) and on AVX2. With group pairs (VNNI: no vpsignb temporaries) 8-bit blocks take 8
+// too, as fast as 4 or a little faster (Zen 5).
+// Groups of 8 columns a tile takes at once: two side by side in 512-bit registers where there are (and VNNI):
+// half the broadcasts and float work a column, 1.1-1.5x from 8 rows (Zen 5 runs a 512-bit dpbusd at half the
+// 256-bit rate, so the integer work a column stays the same).
+#if TFS_GROUP_PAIRS
+template <QType T> constexpr int kQuantTileRows = 8;
+constexpr int64_t kTileGroups = 2;
+#elif TFS_AVX512
 template <QType T> constexpr int kQuantTileRows = Spec<T>::kSigned ? 4 : 8;
+constexpr int64_t kTileGroups = 1;
 #else
 template <QType T> constexpr int kQuantTileRows = 4;
+constexpr int64_t kTileGroups = 1;
 #endif
 
 template <QType T>
@@ -184,17 +226,31 @@ static void quant_linear(const uint8_t* w, const QuantRows& xq, float* y, int64_
   // Groups a thread claims at a time (parallel_chunks): one piece a thread for one or two rows, which only
   // stream the weight, else about 4. Each piece starts where the prefetch of the piece before (another
   // thread's, maybe) did not reach: pieces of 4 groups made one row's pass over 30 SmolLM2 layers 1.7x as slow
-  // (Zen 5; their weights cold, as in a decode step).
+  // (Zen 5; their weights cold, as in a decode step). Whole tiles of groups to a piece.
   const int64_t threads = at::get_num_threads(), pieces = m <= 2 ? threads : 4 * threads;
-  const int64_t piece_groups = std::max<int64_t>(4, (groups + pieces - 1) / pieces);
+  // one or two rows stream the weight: one stream a thread, not a pair's two (a row's pass over cold weights took
+  // 1.1-1.3x as long in pairs, even with prefetch_at's help)
+  const int64_t tile_groups = m <= 2 ? 1 : kTileGroups;
+  const int64_t piece_tiles = (std::max<int64_t>(4, (groups + pieces - 1) / pieces) + tile_groups - 1) / tile_groups;
+  const int64_t piece_groups = piece_tiles * tile_groups;
   parallel_chunks((groups + piece_groups - 1) / piece_groups, [&](int64_t piece) {
     const uint8_t* first = w + piece * piece_groups * nbk * gbb;  // the piece's first bytes, asked for at once
-    for (int64_t line = 0; line < kAheadBytes; line += 64) __builtin_prefetch(first + line);
-    for (int64_t g = piece * piece_groups; g < std::min(groups, (piece + 1) * piece_groups); ++g) {
-      const int64_t cols = std::min(kGroup, n - g * kGroup);
+    for (int64_t t = 0; t < tile_groups; ++t)  // (of each group of a tile: another stream)
+      for (int64_t line = 0; line < kAheadBytes; line += 64) __builtin_prefetch(first + t * nbk * gbb + line);
+    const int64_t end = std::min(groups, (piece + 1) * piece_groups);
+    for (int64_t g = piece * piece_groups; g < end; g += tile_groups) {
+      const uint8_t* group = w + g * nbk * gbb;
+      float* yg = y + g * kGroup;
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-        group_tile_of<T>(rows, rows_seq, w + g * nbk * gbb, nbk, xq, r0, k, y + r0 * n + g * kGroup, n, cols);
+#if TFS_GROUP_PAIRS
+        if (tile_groups == 2 && g + 1 < end) {  // a last group alone (an odd count) takes the 8 columns' tile
+          group_tile_of<T, 16>(rows, rows_seq, lanes::GroupPair{group, nbk * gbb}, nbk, xq, r0, k, yg + r0 * n, n,
+                               std::min(2 * kGroup, n - g * kGroup));
+          continue;
+        }
+#endif
+        group_tile_of<T, 8>(rows, rows_seq, group, nbk, xq, r0, k, yg + r0 * n, n, std::min(kGroup, n - g * kGroup));
       }
     }
   });

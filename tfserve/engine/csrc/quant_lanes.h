@@ -18,6 +18,10 @@
 #define TFS_VNNI 1
 #define TFS_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
+// AVX-512 with VNNI: two groups of 8 columns side by side in 512-bit registers (Q16 below)
+#if TFS_AVX512 && defined(__AVX512VNNI__)
+#define TFS_GROUP_PAIRS 1
+#endif
 
 namespace tfs {
 
@@ -29,11 +33,14 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// f(std::integral_constant<int, 0>), ..., f(<N - 1>): a loop whose index is a constant (shift counts, offsets)
+// f(std::integral_constant<int, 0>), ..., f(<N - 1>): a loop whose index is a constant (shift counts, offsets).
+// Always inlined (and so should f be): GCC outlined some of a tile's loops, its sums then passed through memory.
 template <typename Fn, int... Is>
-inline void static_for_impl(Fn&& f, std::integer_sequence<int, Is...>) { (f(std::integral_constant<int, Is>{}), ...); }
+__attribute__((always_inline)) inline void static_for_impl(Fn&& f, std::integer_sequence<int, Is...>) {
+  (f(std::integral_constant<int, Is>{}), ...);
+}
 template <int N, typename Fn>
-inline void static_for(Fn&& f) { static_for_impl(f, std::make_integer_sequence<int, N>{}); }
+__attribute__((always_inline)) inline void static_for(Fn&& f) { static_for_impl(f, std::make_integer_sequence<int, N>{}); }
 
 namespace lanes {
 
@@ -75,6 +82,8 @@ inline I dot_signed(I acc, Q w, int32_t x) {
 }
 inline I operator+(I a, I b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline I operator-(I a, int32_t s) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(s))}; }
+// signed bytes + 128 (w ^ 0x80): once a quad for all rows, where dot_signed takes two vpsignb a row
+inline Q flip(Q w) { return {_mm256_xor_si256(w.v, _mm256_set1_epi8(static_cast<char>(0x80)))}; }
 // Without VNNI, a run of `dot`s sums its maddubs pairs in int16 and widens once (madd): one instruction a quad
 // fewer. P: 16 int16 pair sums; the kernels keep a run short enough that no sum can pass 32767.
 #if TFS_VNNI
@@ -162,6 +171,7 @@ inline I dot_signed(I acc, Q w, int32_t x) {
 }
 inline I operator+(I a, I b) { for (int c = 0; c < 8; ++c) a.v[c] += b.v[c]; return a; }
 inline I operator-(I a, int32_t s) { for (int c = 0; c < 8; ++c) a.v[c] -= s; return a; }
+inline Q flip(Q w) { for (uint8_t& b : w.v) b ^= 0x80; return w; }
 constexpr bool kPairsInInt16 = false;  // no int16 stage: P is the int32 sum itself
 struct P { I v; };
 inline P pairs(Q u, int32_t x) { return {dot(zero_i(), u, x)}; }
@@ -201,6 +211,69 @@ inline void store(float* p, F a) { std::memcpy(p, a.v, sizeof(a.v)); }
 inline void store_bf16_pairs(c10::BFloat16* p, F a, F b) {
   for (int c = 0; c < 8; ++c) p[2 * c] = c10::BFloat16(a.v[c]), p[2 * c + 1] = c10::BFloat16(b.v[c]);
 }
+#endif
+
+// Q8_0's signed quants as u = w + 128 (flip), the unsigned operand dpbusd wants, and 128 x the block's sum of
+// activations subtracted in integers: the same sums as dot_signed's, for one xor a quad instead of two vpsignb a
+// row. Not on maddubs, whose int16 pairs would saturate (2 x 255 x 127).
+#if TFS_VNNI
+constexpr bool kSignedAsUnsigned = true;
+#else
+constexpr bool kSignedAsUnsigned = false;
+#endif
+
+#if TFS_GROUP_PAIRS
+// Two groups of 8 columns at once, the first in the low 256 bits: one broadcast of an activation quad serves 16
+// columns, and the float work a row and block (scales, sums) covers both groups, with no shuffle a row. Each lane
+// does what its column's lane of Q, I, F does: the results are the same bits.
+//   GroupPair: where the two groups' bytes are (the second `stride` bytes on), read as one
+struct GroupPair {
+  const uint8_t* first;
+  int64_t stride;
+  GroupPair operator+(int64_t offset) const { return {first + offset, stride}; }
+};
+struct Q16 { __m512i v; };
+struct I16 { __m512i v; };
+struct F16 { __m512 v; };
+
+inline Q16 load_q(GroupPair p) {
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.first))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.first + p.stride)), 1)};
+}
+template <int From, int Width, int To>
+inline Q16 field(Q16 a) {
+  constexpr int mask = ((1 << Width) - 1) << To;
+  __m512i v = a.v;
+  if constexpr (From > To) v = _mm512_srli_epi16(v, From - To);
+  if constexpr (From < To) v = _mm512_slli_epi16(v, To - From);
+  return {_mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(mask)))};
+}
+inline Q16 operator|(Q16 a, Q16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+inline Q16 flip(Q16 w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8(static_cast<char>(0x80)))}; }
+inline I16 dot(I16 acc, Q16 u, int32_t x) { return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(x))}; }
+inline I16 operator+(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline I16 operator-(I16 a, int32_t s) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(s))}; }
+inline F16 join(F a, F b) { return {_mm512_insertf32x8(_mm512_castps256_ps512(a.v), b.v, 1)}; }
+inline F16 to_float(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline F16 operator*(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 operator+(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F16 fma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline void store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+#endif
+
+// The registers of one group (Cols 8: Q, I, F over a group block's bytes) or of two (Cols 16, TFS_GROUP_PAIRS).
+template <int Cols> struct Lanes;
+template <> struct Lanes<8> {
+  using Q = lanes::Q; using I = lanes::I; using F = lanes::F;
+  using Src = const uint8_t*;
+  static F set1(float x) { return lanes::set1(x); }
+};
+#if TFS_GROUP_PAIRS
+template <> struct Lanes<16> {
+  using Q = Q16; using I = I16; using F = F16;
+  using Src = GroupPair;
+  static F set1(float x) { return {_mm512_set1_ps(x)}; }
+};
 #endif
 
 }  // namespace lanes

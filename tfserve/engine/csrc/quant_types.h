@@ -290,19 +290,20 @@ static_assert(kQuantsAt<QType::Q4_0> == 16 && kQuantsAt<QType::Q5_0> == 16 && kQ
               kQuantsAt<QType::Q3_K> == 144 && kQuantsAt<QType::Q4_K> == 160 && kQuantsAt<QType::Q5_K> == 160 &&
               kQuantsAt<QType::Q6_K> == 144);
 
-// The quants of quad Qd (inputs 4 Qd .. 4 Qd + 3) of a block's 8 columns (`blk`: its kBits x 32 bytes).
-template <int kBits, int Qd>
-inline lanes::Q quad(const uint8_t* blk) {
+// The quants of quad Qd (inputs 4 Qd .. 4 Qd + 3) of a block's 8 columns (`blk`: its kBits x 32 bytes; or of two
+// groups' blocks, lanes::GroupPair).
+template <int kBits, int Qd, typename Src>
+inline auto quad(Src blk) {
   using namespace lanes;
   if constexpr (kBits == 8) {
     return load_q(blk + 32 * Qd);
   } else if constexpr (kBits >= 4) {
-    const Q low = field<Qd / 4 * 4, 4, 0>(load_q(blk + 32 * (Qd % 4)));
+    const auto low = field<Qd / 4 * 4, 4, 0>(load_q(blk + 32 * (Qd % 4)));
     if constexpr (kBits == 4) return low;
     if constexpr (kBits == 5) return low | field<Qd, 1, 4>(load_q(blk + 128));
     if constexpr (kBits == 6) return low | field<Qd / 2 * 2, 2, 4>(load_q(blk + 128 + 32 * (Qd % 2)));
   } else {
-    const Q low = field<Qd / 2 * 2, 2, 0>(load_q(blk + 32 * (Qd % 2)));
+    const auto low = field<Qd / 2 * 2, 2, 0>(load_q(blk + 32 * (Qd % 2)));
     if constexpr (kBits == 2) return low;
     if constexpr (kBits == 3) return low | field<Qd, 1, 2>(load_q(blk + 64));
   }
