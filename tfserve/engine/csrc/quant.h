@@ -4,14 +4,15 @@
 //
 // Decode rows: the activations are quantized per block of 32 to int8 with a float scale (as llama.cpp's Q8_0,
 // also for K-quants, where llama.cpp's Q8_K keeps one scale per 256: coarser), so every block's dot product is
-// integer arithmetic (maddubs + madd on AVX2, dpbusd with VNNI), 8 output columns per vector, then float
-// multiply-adds by the scales per 8 columns. A tile of up to 8 rows unpacks each block once.
+// integer arithmetic (maddubs + madd on AVX2, dpbusd with VNNI), 8 output columns per 256-bit vector (16, two
+// groups, per 512-bit one with AVX-512 VNNI for tiles of 3+ rows), then float multiply-adds by the scales. A tile
+// of up to 8 rows unpacks each block once.
 //
-// Rows from `float_from` on (a step's prompt tokens: the runner packs decodes first) take the other road:
-// each panel of columns is dequantized exactly as GGUF defines it (every product and sum rounded as numpy
-// rounds them) and multiplied in float32 by the panel kernel of linear.h, which is faster for many rows and
-// computes what the float32 engine computes over the same file. Which road a row takes depends only on what
-// kind of token it is, so a request's results still do not depend on its batch.
+// Rows from `float_from` on (a step's prompt tokens: the runner packs decodes first) take the other road: each
+// panel of columns is dequantized exactly as GGUF defines it (every product and sum rounded as numpy rounds
+// them), then multiplied in float32 by the panel kernel of linear.h (what the float32 engine computes over the
+// same file), or with `dot` rounded to bfloat16 for the CPU's bfloat16 dot products (twice the rate). Which road
+// a row takes depends only on what kind of token it is, so a request's results still do not depend on its batch.
 #pragma once
 #include "torch_api.h"
 #include "linear.h"
