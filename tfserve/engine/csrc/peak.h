@@ -61,7 +61,7 @@ inline double peak_rounds(const std::string& unit, int64_t iters) {
     macs_per_round = 64;
 #else  // the block kernels' 256-bit integer dot products: AVX-VNNI, else maddubs + madd
     __m256i y[kPeakChains];
-    const __m256i ya = _mm256_set1_epi8(1), yb = _mm256_set1_epi8(2);
+    __m256i ya = _mm256_set1_epi8(1), yb = _mm256_set1_epi8(2);
     for (int i = 0; i < kPeakChains; ++i) y[i] = _mm256_setzero_si256();
     for (int64_t t = 0; t < iters; ++t)
       for (int i = 0; i < kPeakChains; ++i) {
