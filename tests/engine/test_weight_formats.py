@@ -40,7 +40,8 @@ def test_each_format_stays_within_its_stated_logit_error(llama, ops, weights):
     prompts = [torch.randint(0, llama.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
     reference = _prompt_logits(Engine(llama, block_size=4, num_blocks=64, weights="float32"), prompts)
     engine = Engine(llama, block_size=4, num_blocks=64, weights=weights)
-    expected = {weights: 2 * 7 + 1} if weights != "int8" else {"int8": 2 * 7, "float16": 1}  # the head: float16
+    head = "bfloat16" if ops.bf16_dot else "float16"  # int8's head: 16-bit panels, bfloat16 on its dot products
+    expected = {weights: 2 * 7 + 1} if weights != "int8" else {"int8": 2 * 7, head: 1}
     assert engine.runner.forward.weight_formats == expected
     # bfloat16 weights and int8 blocks' prompt rows: prompt attention on the bfloat16 dot products too, where the
     # build has them
@@ -64,8 +65,9 @@ def test_a_format_that_needs_what_is_missing_is_refused(llama, ops):
 def test_from_pretrained_maps_dtype_and_quantization_onto_weight_formats(llama, tokenizer, ops, tmp_path):
     llama.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
+    head = "bfloat16" if ops.bf16_dot else "float16"
     for options, expected in [({"dtype": "float16"}, "float16"), ({"dtype": "bfloat16"}, "bfloat16"),
-                              ({"quantization": "int8"}, "float16/int8"), ({}, "none")]:  # int8: the head float16
+                              ({"quantization": "int8"}, f"{head}/int8"), ({}, "none")]:  # int8: the head 16-bit
         engine = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, **options)
         assert engine.quantization == expected, options
         assert engine.model.dtype == torch.float32  # compute stays float32; only the engine's copy is smaller

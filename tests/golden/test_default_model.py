@@ -78,9 +78,11 @@ def test_the_store_keeps_the_files_blocks_and_they_are_the_models_weights(engine
 def test_by_default_the_engine_runs_the_files_blocks_and_answers_paris(gguf_engine):
     from tfserve import SamplingParams
 
-    assert gguf_engine.quantization == "Q4_1/float16"
-    # the LM head (tied to the Q8_0 embedding) runs as float16 panels of the dequantized blocks
-    assert gguf_engine.runner.forward.weight_formats == {"Q4_1": 210, "float16": 1}
+    # the LM head (tied to the Q8_0 embedding) runs as 16-bit panels of the dequantized blocks: bfloat16 where the
+    # kernels have its dot products
+    head = "bfloat16" if gguf_engine.runner.cpu_ops.bf16_dot else "float16"
+    assert gguf_engine.quantization == "/".join(sorted(["Q4_1", head]))
+    assert gguf_engine.runner.forward.weight_formats == {"Q4_1": 210, head: 1}
     prompt = chat_ids(gguf_engine.tokenizer, "What is the capital of France?")
     (out,) = gguf_engine.generate_batch([prompt], SamplingParams(max_tokens=20, temperature=0)).values()
     assert out.text.strip() == "The capital of France is Paris."

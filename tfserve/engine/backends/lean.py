@@ -82,9 +82,10 @@ class LeanForward:
                 return "torch"
             if layer is model.lm_head and weights in ("gguf", "int8") and not is_placeholder(layer.weight):
                 # The head picks the token: int8 activations there flip near-ties (SmolLM2's first answer
-                # token), float16 panels of its (dequantized) weights do not, and are as fast at one row. A
+                # token), 16-bit panels of its (dequantized) weights do not, and are as fast at one row: bfloat16
+                # where the CPU's dot products take it (twice float16's rate for a batch's rows), else float16. A
                 # natively loaded GGUF has no dequantized head: its blocks, as llama.cpp runs them
-                return "float16"
+                return "bfloat16" if getattr(ops, "bf16_dot", False) else "float16"
             if weights == "gguf":  # a tensor the file keeps in another type: expanded, as transformers read it
                 return "gguf" if held is not None else ("float32" if pack else "torch")
             if weights == "int8" and layer.in_features % 32:
