@@ -150,7 +150,7 @@ static inline void group_tile(typename lanes::Lanes<Cols>::Src group, int64_t nb
       I lo[R], hi[R];  // the sums over inputs 0-15 and 16-31 (kHalves), else all in lo
       for (int r = 0; r < R; ++r) lo[r] = hi[r] = I{};
       [[maybe_unused]] P run[R];  // int16 pair sums of the last kRun quads (kPairsInInt16)
-      static_for<8>([&](auto qd) __attribute__((always_inline)) {
+      static_for<8>([&](auto qd) TFS_LOOP_INLINE {
         constexpr int Qd = decltype(qd)::value;
         auto u = quad<S::kBits, Qd>(quants);
         if constexpr (S::kSigned && kSignedAsUnsigned) u = flip(u);

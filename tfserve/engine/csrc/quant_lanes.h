@@ -34,13 +34,19 @@ inline float half_to_float(uint16_t h) {
 }
 
 // f(std::integral_constant<int, 0>), ..., f(<N - 1>): a loop whose index is a constant (shift counts, offsets).
-// Always inlined (and so should f be): GCC outlined some of a tile's loops, its sums then passed through memory.
+// With group pairs always inlined (and so is the tiles' f): GCC outlined some of a pair tile's loops, its sums then
+// passed through memory. Elsewhere left to the compiler: forced, one row of Q4_1 took 1.04x as long (AVX2 build).
+#if TFS_GROUP_PAIRS
+#define TFS_LOOP_INLINE __attribute__((always_inline))
+#else
+#define TFS_LOOP_INLINE
+#endif
 template <typename Fn, int... Is>
-__attribute__((always_inline)) inline void static_for_impl(Fn&& f, std::integer_sequence<int, Is...>) {
+TFS_LOOP_INLINE inline void static_for_impl(Fn&& f, std::integer_sequence<int, Is...>) {
   (f(std::integral_constant<int, Is>{}), ...);
 }
 template <int N, typename Fn>
-__attribute__((always_inline)) inline void static_for(Fn&& f) { static_for_impl(f, std::make_integer_sequence<int, N>{}); }
+TFS_LOOP_INLINE inline void static_for(Fn&& f) { static_for_impl(f, std::make_integer_sequence<int, N>{}); }
 
 namespace lanes {
 
