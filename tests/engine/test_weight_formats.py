@@ -93,7 +93,8 @@ def test_a_prompts_last_token_alone_is_computed_as_a_prompt_token(llama, ops, ch
     assert torch.equal(first, cold[0]) and torch.equal(cached, cold[0])
 
 
-def test_auto_holds_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_its_dot_products(tokenizer, ops, tmp_path):
+def test_auto_holds_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_its_dot_products(tokenizer, ops, tmp_path,
+                                                                                           caplog):
     """weights "auto": a checkpoint stored in bfloat16 runs on the bfloat16 dot products where the build has them
     (float32 elsewhere); --dtype float32 keeps float32 arithmetic; a float32 checkpoint stays float32."""
     from tiny import build_llama
@@ -104,7 +105,9 @@ def test_auto_holds_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_its_dot_
             param.copy_(param.bfloat16().float())  # as transformers loads a bfloat16 checkpoint in float32
     stored.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    auto = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16)
+    with caplog.at_level("INFO", logger="tfserve.engine.loading"):
+        auto = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16)
+    assert ("weights auto: bfloat16, as the checkpoint stores them" in caplog.text) == ops.bf16_dot  # said once
     assert auto.runner.forward.weight_formats.keys() == ({"bfloat16"} if ops.bf16_dot else {"float32"})
     assert auto.quantization == ("bfloat16" if ops.bf16_dot else "none")
     pinned = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, dtype="float32")

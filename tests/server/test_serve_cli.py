@@ -120,6 +120,21 @@ def test_banner_names_the_matrix_units_once_per_unit(async_engine, monkeypatch):
     assert text.count("Matrix units") == 1
 
 
+@pytest.mark.parametrize("quantization, says", [("bfloat16", "bfloat16 (bfloat16 products, float32 sums)"),
+                                                 ("Q4_1/bfloat16", "Q4_1/bfloat16 (compute float32)")])
+def test_banner_says_bfloat16_products_only_for_bfloat16_weights(async_engine, monkeypatch, quantization, says):
+    from tfserve.cli import output
+    from tfserve.cli.serve_banner import print_banner
+
+    engine = async_engine.engine
+    monkeypatch.setattr(engine, "quantization", quantization)
+    monkeypatch.setattr(engine, "matmul_units", {"bfloat16": "AVX512-BF16 dot products"}, raising=False)
+    capture = Console(file=io.StringIO(), width=140, force_terminal=False)
+    monkeypatch.setattr(output, "console", capture)
+    print_banner(make_state(async_engine), "http://127.0.0.1:8000", has_api_key=False)
+    assert f"Weights       {says}" in capture.file.getvalue()
+
+
 def test_banner_counts_the_replicas(tokenizer, monkeypatch):
     from tfserve.cli import output
     from tfserve.cli.serve_banner import print_banner

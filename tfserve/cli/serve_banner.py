@@ -33,7 +33,8 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     dtype = str(engine.dtype).removeprefix("torch.")
     units = getattr(engine, "matmul_units", {})
     if engine.quantization != "none":  # bfloat16 on its dot products: products of bfloat16 numbers, float32 sums
-        compute = "bfloat16 products, float32 sums" if "BF16" in units.get("bfloat16", "") else f"compute {dtype}"
+        bf16_dot = engine.quantization == "bfloat16" and "BF16" in units.get("bfloat16", "")
+        compute = "bfloat16 products, float32 sums" if bf16_dot else f"compute {dtype}"
         table.add_row("Weights", f"{engine.quantization} ({compute})")
     else:
         table.add_row("Dtype", dtype)

@@ -73,7 +73,7 @@ def load_engine(cls, model: str | None = None, config: EngineConfig | None = Non
     formats = getattr(engine.runner.forward, "weight_formats", {})
     if set(formats) - {"float32"}:  # the CPU kernels hold the weights: say how (compute stays float32)
         engine.quantization = "/".join(sorted(formats))
-    if config.weights == "auto" and "bfloat16" in formats:  # backends.auto_weights' choice
+    if config.weights == "auto" and not config.gguf_file and "bfloat16" in formats:  # backends.auto_weights' choice
         logger.info("weights auto: bfloat16, as the checkpoint stores them, through the CPU's bfloat16 dot products "
                     "(--dtype float32 keeps float32 arithmetic)")
     engine.matmul_units = matmul_units(formats, getattr(engine.runner.forward, "ops", None))
