@@ -17,8 +17,9 @@ by reading the weights; a general GEMM reads them at about half the memory bandw
 The block formats multiply decode tokens with activations quantized to int8 per block of 32 (integer dot
 products, as llama.cpp does) and prompt tokens over the exactly dequantized weights: through the bfloat16 dot
 products where the CPU has them (weights and inputs rounded to bfloat16, float32 sums: twice the float32 rate,
-and no int8 rounding of the prompt's large activations), else in float32 (what the float32 engine computes). `rows(ids)` reads weight rows back in float32, so that a
-token embedding tied to the LM head is looked up in the head's own copy. Every kernel computes every row the
+and no int8 rounding of the prompt's large activations), else in float32 (what the float32 engine computes).
+`rows(ids)` reads weight rows back in float32, so that a token embedding tied to the LM head is looked up in the
+head's own copy. Every kernel computes every row the
 same way whatever the number of rows, so a request's output does not depend on the rest of its batch. The
 caller's `nn.Linear` is never changed, so the model outside the engine (its own `generate`, training) runs
 exactly as before.

@@ -313,6 +313,24 @@ static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int6
       std::fill(panel + (i * P + cols) * kWidth, panel + (i + 1) * P * kWidth, Out(0));
 }
 
+// Every panel of columns [p * kPanelCols, p * kPanelCols + cols) dequantized exactly (dequantize_panel: float32,
+// or kPairs bfloat16 pairs) into a buffer of the thread's, then multiply(p, cols, panel); the panels claimed by
+// whichever thread is free. What the prompt roads share: each panel is dequantized once for all of a step's rows.
+template <QType T, bool kPairs, typename Multiply>
+static void dequantized_panels(const uint8_t* w, int64_t k, int64_t n, const Multiply& multiply) {
+  using Out = std::conditional_t<kPairs, c10::BFloat16, float>;
+  const int64_t nbk = k / Spec<T>::kInputs, panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  parallel_claims(panels, [&](auto& claim) {
+    std::vector<Out> panel(k * kPanelCols);
+    for (int64_t p = claim(); p >= 0; p = claim()) {
+      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
+      dequantize_panel<T, kPairs>(w, nbk, groups, p * kPanelCols, cols, panel.data());
+      multiply(p, cols, static_cast<const Out*>(panel.data()));
+    }
+  });
+}
+
 #if TFS_BF16_DOT
 // The prompt road where the CPU has bfloat16 dot products: each panel dequantized exactly and rounded to bfloat16,
 // multiplied by the rows rounded to bfloat16, float32 sums (VDPBF16PS, or AMX tiles where amx.py turned them on):
@@ -320,18 +338,13 @@ static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int6
 // activations lose a block's small values next to a large one: SmolLM2's first prompt rows answered wrongly).
 template <QType T>
 static void dequant_linear_bf16(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nbk = k / Spec<T>::kInputs, panels = (n + kPanelCols - 1) / kPanelCols, k2 = k / 2;
-  const int64_t groups = (n + kGroup - 1) / kGroup;
+  const int64_t k2 = k / 2;
 #if TFS_AMX
   if (g_use_amx.load(std::memory_order_relaxed)) {
     const std::vector<uint32_t> pairs = amx_rows(x, m, k);
-    parallel_claims(panels, [&](auto& claim) {
-      std::vector<c10::BFloat16> dot(k * kPanelCols);
-      for (int64_t p = claim(); p >= 0; p = claim()) {
-        dequantize_panel<T, true>(w, nbk, groups, p * kPanelCols, std::min(kPanelCols, n - p * kPanelCols), dot.data());
-        amx_pieces(0, (m + kAmxRows - 1) / kAmxRows, pairs.data(), dot.data(), nullptr, y + p * kPanelCols, m, k2,
-                   n - p * kPanelCols, n);
-      }
+    dequantized_panels<T, true>(w, k, n, [&](int64_t p, int64_t, const c10::BFloat16* panel) {
+      amx_pieces(0, (m + kAmxRows - 1) / kAmxRows, pairs.data(), panel, nullptr, y + p * kPanelCols, m, k2,
+                 n - p * kPanelCols, n);
     });
     return;
   }
@@ -340,16 +353,11 @@ static void dequant_linear_bf16(const uint8_t* w, const float* x, float* y, int6
   std::vector<uint32_t> pairs(m * k2);
   bf16_pairs(x, pairs.data(), m, k, tile_rows);
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  parallel_claims(panels, [&](auto& claim) {
-    std::vector<c10::BFloat16> dot(k * kPanelCols);
-    for (int64_t p = claim(); p >= 0; p = claim()) {
-      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
-      dequantize_panel<T, true>(w, nbk, groups, p * kPanelCols, cols, dot.data());
-      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
-        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
-        tiles_of<Bf16DotTiles, 1>(rows, seq, pairs.data() + r0 * k2, k, dot.data(), nullptr,
-                                  y + r0 * n + p * kPanelCols, n, cols);
-      }
+  dequantized_panels<T, true>(w, k, n, [&](int64_t p, int64_t cols, const c10::BFloat16* panel) {
+    for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+      const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+      tiles_of<Bf16DotTiles, 1>(rows, seq, pairs.data() + r0 * k2, k, panel, nullptr, y + r0 * n + p * kPanelCols,
+                                n, cols);
     }
   });
 }
@@ -357,21 +365,12 @@ static void dequant_linear_bf16(const uint8_t* w, const float* x, float* y, int6
 
 template <QType T>
 static void dequant_linear(const uint8_t* w, const float* x, float* y, int64_t m, int64_t k, int64_t n) {
-  const int64_t nbk = k / Spec<T>::kInputs, panels = (n + kPanelCols - 1) / kPanelCols;
-  const int64_t groups = (n + kGroup - 1) / kGroup;
-  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
-  const int64_t tile_rows = (m + num_tiles - 1) / num_tiles;
+  const int64_t tile_rows = tile_rows_for(m);
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
-  parallel_claims(panels, [&](auto& claim) {
-    std::vector<float> panel(k * kPanelCols);
-    for (int64_t p = claim(); p >= 0; p = claim()) {
-      const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
-      dequantize_panel<T>(w, nbk, groups, p * kPanelCols, cols, panel.data());
-      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
-        const int rows = static_cast<int>(std::min(tile_rows, m - r0));
-        linear_tile_of<float, 1>(rows, seq, x + r0 * k, k, panel.data(), nullptr, y + r0 * n + p * kPanelCols, n,
-                                 cols);
-      }
+  dequantized_panels<T, false>(w, k, n, [&](int64_t p, int64_t cols, const float* panel) {
+    for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+      const int rows = static_cast<int>(std::min(tile_rows, m - r0));
+      linear_tile_of<float, 1>(rows, seq, x + r0 * k, k, panel, nullptr, y + r0 * n + p * kPanelCols, n, cols);
     }
   });
 }
