@@ -278,17 +278,64 @@ static inline void dequantize_quads(const uint8_t* gb, int j, Put&& put) {
   });
 }
 
+#if TFS_BF16_DOT && defined(__AVX512BW__)
+// Block j of a group block straight into the bfloat16 road's pair rows (`at`: its first input's pair row, at the
+// group's columns; pair rows `row` apart), in 512-bit registers: a quad's 32 quants as they lie (column c's four
+// inputs at 4c), each column's scale spread over its four lanes, both halves rounded by one vcvtne2ps2bf16 (to
+// nearest even; no dequantized weight is a float32 subnormal, which it would read as 0: the smallest, a float16
+// scale's 2^-24 times a quant, is far above 2^-126) and put in pair order by one vpermw. The same values as
+// dequantize_quads then store_bf16_pairs (the same int -> float, product and sum) in half the instructions.
+template <QType T>
+static inline void dequantize_pair_rows(const uint8_t* gb, int j, c10::BFloat16* at, int64_t row) {
+  using S = Spec<T>;
+  const uint8_t* quants = gb + kQuantsAt<T> + j * kBlockBytes<T>;
+  const BlockScales sc = S::scales(gb, j);
+  const __m512i spread[2] = {_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+  constexpr int kScales = S::kHalves ? 2 : 1;
+  __m512 scale[kScales][2], min[kScales][2];  // [half][columns 0-3, 4-7]
+  for (int h = 0; h < kScales; ++h)
+    for (int c = 0; c < 2; ++c) {
+      scale[h][c] = _mm512_permutexvar_ps(spread[c], _mm512_castps256_ps512(sc.s[h].v));
+      if constexpr (S::kMin) min[h][c] = _mm512_permutexvar_ps(spread[c], _mm512_castps256_ps512(sc.m[h].v));
+    }
+  // word 4c + i of the rounded quad (column c, input i) -> pair row 0's word 2c + i (i < 2), pair row 1's 2c + i - 2
+  const __m512i order = _mm512_set_epi16(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2,
+                                         29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+  static_for<8>([&](auto qd) {
+    constexpr int Qd = decltype(qd)::value, h = S::kHalves && Qd >= 4;
+    const __m256i q = quad<S::kBits, Qd>(quants).v;
+    __m512 v[2];
+    for (int c = 0; c < 2; ++c) {
+      const __m128i bytes = c ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+      __m512i u = S::kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+      if constexpr (S::kOffset != 0) u = _mm512_sub_epi32(u, _mm512_set1_epi32(S::kOffset));
+      v[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(u), scale[h][c]);
+      if constexpr (S::kMin) v[c] = _mm512_add_ps(v[c], min[h][c]);
+    }
+    const __m512i pairs = _mm512_permutexvar_epi16(order, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 2 * Qd * row), _mm512_castsi512_si256(pairs));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + (2 * Qd + 1) * row), _mm512_extracti64x4_epi64(pairs, 1));
+  });
+}
+#endif
+
 // The columns [c0, c0 + cols) as one panel, exactly dequantized, zero past `cols`: float32 [k][kPanelCols], or
 // (kPairs, the bfloat16 road) Bf16DotTiles' panel [k/2][kPanelCols][2], each weight rounded to the nearest
 // bfloat16 (even on ties, as torch rounds: the same panel pack_linear_weight makes of the dequantized weight).
 template <QType T, bool kPairs = false, typename Out>
 static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int64_t c0, int64_t cols, Out* panel) {
   constexpr int64_t P = kPanelCols, kIn = Spec<T>::kInputs, kWidth = kPairs ? 2 : 1;  // values a column-input
-  for (int64_t g0 = 0; g0 < P; g0 += kGroup) {
-    const int64_t g = (c0 + g0) / kGroup;
-    for (int64_t b = 0; b < nbk; ++b)
-      for (int j = 0; j < kSubBlocks<T>; ++j) {
-        const int64_t first = b * kIn + j * QK;  // the block's first input
+  // Block by block, each across the panel's groups: a pair row's (or row's) lines are written whole while in L1
+  // (group by group, a panel larger than L1 took each line from L2 once a group). The groups are as many streams
+  // of blocks, each asked for kAheadBytes ahead: the pass over cold weights waited on memory without.
+  for (int64_t g0 = 0; g0 < std::min(P, cols); g0 += kGroup)  // (all of kAheadBytes at once: the loads queue up)
+    for (int64_t line = 0; line < kAheadBytes * kGroup / P; line += 64)
+      __builtin_prefetch(w + (c0 + g0) / kGroup * nbk * kGroupBytes<T> + line);
+  for (int64_t b = 0; b < nbk; ++b)
+    for (int j = 0; j < kSubBlocks<T>; ++j)
+      for (int64_t g0 = 0; g0 < P; g0 += kGroup) {
+        const int64_t g = (c0 + g0) / kGroup, first = b * kIn + j * QK;  // the block's first input
         Out* at = panel + (first * P + g0 * kWidth);  // (pairs: first / 2 pair rows of 2 P, at column g0)
         if (g >= groups || g0 >= cols) {
           for (int64_t t = 0; t < QK / kWidth; ++t)
@@ -296,7 +343,13 @@ static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int6
           continue;
         }
         const uint8_t* gb = w + (g * nbk + b) * kGroupBytes<T>;
+        if (j == 0)
+          for (int64_t line = 0; line < kGroupBytes<T>; line += 64) __builtin_prefetch(gb + kAheadBytes + line);
         if constexpr (kPairs) {
+#if TFS_BF16_DOT && defined(__AVX512BW__)
+          dequantize_pair_rows<T>(gb, j, at, 2 * P);
+          continue;
+#endif
           dequantize_quads<T>(gb, j, [&](int qd, const lanes::F* v) {
             lanes::store_bf16_pairs(at + 4 * qd * P, v[0], v[1]);  // inputs 4 qd, 4 qd + 1: pair row 2 qd (2 P apart)
             lanes::store_bf16_pairs(at + (4 * qd + 2) * P, v[2], v[3]);
@@ -307,7 +360,6 @@ static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int6
           });
         }
       }
-  }
   if (cols < P)  // columns of the last group past out_features: their zero scales already gave 0
     for (int64_t i = 0; i < nbk * kIn / kWidth; ++i)
       std::fill(panel + (i * P + cols) * kWidth, panel + (i + 1) * P * kWidth, Out(0));
@@ -322,11 +374,13 @@ static void dequantized_panels(const uint8_t* w, int64_t k, int64_t n, const Mul
   const int64_t nbk = k / Spec<T>::kInputs, panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t groups = (n + kGroup - 1) / kGroup;
   parallel_claims(panels, [&](auto& claim) {
-    std::vector<Out> panel(k * kPanelCols);
+    thread_local std::vector<Out> buffer;  // each thread's, kept: every value is written before it is read
+    if (buffer.size() < static_cast<size_t>(k * kPanelCols)) buffer.resize(k * kPanelCols);
+    Out* panel = buffer.data();
     for (int64_t p = claim(); p >= 0; p = claim()) {
       const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
-      dequantize_panel<T, kPairs>(w, nbk, groups, p * kPanelCols, cols, panel.data());
-      multiply(p, cols, static_cast<const Out*>(panel.data()));
+      dequantize_panel<T, kPairs>(w, nbk, groups, p * kPanelCols, cols, panel);
+      multiply(p, cols, static_cast<const Out*>(panel));
     }
   });
 }
