@@ -11,7 +11,7 @@
 #include <utility>
 #include "vec.h"
 
-#if TFS_AVX512 && defined(__AVX512BF16__)
+#if TFS_AVX512 && defined(__AVX512BF16__) && defined(__AVX512BW__)  // (every CPU with AVX512-BF16 has BW)
 #define TFS_BF16_DOT 1  // bfloat16 panels through VDPBF16PS (Bf16DotTiles)
 #endif
 

@@ -278,13 +278,13 @@ static inline void dequantize_quads(const uint8_t* gb, int j, Put&& put) {
   });
 }
 
-#if TFS_BF16_DOT && defined(__AVX512BW__)
+#if TFS_BF16_DOT
 // Block j of a group block straight into the bfloat16 road's pair rows (`at`: its first input's pair row, at the
 // group's columns; pair rows `row` apart), in 512-bit registers: a quad's 32 quants as they lie (column c's four
 // inputs at 4c), each column's scale spread over its four lanes, both halves rounded by one vcvtne2ps2bf16 (to
 // nearest even; no dequantized weight is a float32 subnormal, which it would read as 0: the smallest, a float16
 // scale's 2^-24 times a quant, is far above 2^-126) and put in pair order by one vpermw. The same values as
-// dequantize_quads then store_bf16_pairs (the same int -> float, product and sum) in half the instructions.
+// dequantize_quads (the same int -> float, product and sum), as torch rounds them to bfloat16.
 template <QType T>
 static inline void dequantize_pair_rows(const uint8_t* gb, int j, c10::BFloat16* at, int64_t row) {
   using S = Spec<T>;
@@ -346,14 +346,9 @@ static void dequantize_panel(const uint8_t* w, int64_t nbk, int64_t groups, int6
         if (j == 0)
           for (int64_t line = 0; line < kGroupBytes<T>; line += 64) __builtin_prefetch(gb + kAheadBytes + line);
         if constexpr (kPairs) {
-#if TFS_BF16_DOT && defined(__AVX512BW__)
+#if TFS_BF16_DOT
           dequantize_pair_rows<T>(gb, j, at, 2 * P);
-          continue;
 #endif
-          dequantize_quads<T>(gb, j, [&](int qd, const lanes::F* v) {
-            lanes::store_bf16_pairs(at + 4 * qd * P, v[0], v[1]);  // inputs 4 qd, 4 qd + 1: pair row 2 qd (2 P apart)
-            lanes::store_bf16_pairs(at + (4 * qd + 2) * P, v[2], v[3]);
-          });
         } else {
           dequantize_quads<T>(gb, j, [&](int qd, const lanes::F* v) {
             for (int i = 0; i < 4; ++i) lanes::store(at + (4 * qd + i) * P, v[i]);

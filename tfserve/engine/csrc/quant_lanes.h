@@ -132,27 +132,6 @@ inline F operator*(F a, F b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline F operator+(F a, F b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline void store(float* p, F a) { _mm256_storeu_ps(p, a.v); }
-// 8 columns' values at two inputs as bfloat16 pairs side by side (a[c], b[c] at 2c, 2c + 1), rounded to the nearest
-// even as torch rounds finite floats to bfloat16 (the panels of quant.h's bfloat16 prompt road). With AVX512-BF16
-// one vcvtne2ps2bf16 rounds both (to nearest even; it reads a float32 subnormal as 0, and no dequantized weight is
-// one: the smallest, a float16 scale's 2^-24 times a quant, is far above 2^-126) and one vpermw interleaves them.
-inline void store_bf16_pairs(c10::BFloat16* p, F a, F b) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-  const __m256i halves = reinterpret_cast<__m256i>(_mm256_cvtne2ps_pbh(b.v, a.v));  // a in words 0-7, b in 8-15
-  const __m256i interleave = _mm256_setr_epi16(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permutexvar_epi16(interleave, halves));
-#else
-  const auto round = [](__m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-  };
-  const __m256i pairs = _mm256_or_si256(_mm256_srli_epi32(round(a.v), 16),
-                                        _mm256_and_si256(round(b.v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pairs);
-#endif
-}
-
 #else  // plain C++ (and NEON, for now): the same operations on arrays
 
 struct Q { uint8_t v[32]; };
@@ -222,9 +201,6 @@ inline F operator*(F a, F b) { for (int c = 0; c < 8; ++c) a.v[c] *= b.v[c]; ret
 inline F operator+(F a, F b) { for (int c = 0; c < 8; ++c) a.v[c] += b.v[c]; return a; }
 inline F fma(F a, F b, F c) { for (int j = 0; j < 8; ++j) c.v[j] = std::fma(a.v[j], b.v[j], c.v[j]); return c; }
 inline void store(float* p, F a) { std::memcpy(p, a.v, sizeof(a.v)); }
-inline void store_bf16_pairs(c10::BFloat16* p, F a, F b) {
-  for (int c = 0; c < 8; ++c) p[2 * c] = c10::BFloat16(a.v[c]), p[2 * c + 1] = c10::BFloat16(b.v[c]);
-}
 #endif
 
 // Q8_0's signed quants as u = w + 128 (flip), the unsigned operand dpbusd wants, and 128 x the block's sum of
