@@ -28,9 +28,12 @@ ROWS = (1, 2, 5, 8, 13, 33)
 
 
 @pytest.fixture(scope="module", params=["native", pytest.param("x86-64-v3", marks=pytest.mark.slow),
+                                        pytest.param("cascadelake", marks=pytest.mark.slow),
+                                        pytest.param("skylake-avx512", marks=pytest.mark.slow),
                                         pytest.param("x86-64", marks=pytest.mark.slow)])
 def ops(request):
-    """This CPU's build, and on x86 the AVX2 one (on an AVX-512 CPU) and the plain C++ one."""
+    """This CPU's build, and on x86 the AVX2 one (on an AVX-512 CPU), the AVX-512 ones without bfloat16 dot
+    products (with and without VNNI) and the plain C++ one."""
     return kernel_build(request.param)
 
 
