@@ -1,0 +1,15 @@
+import time, torch, sys
+from tfserve.engine import kernels
+ops = kernels.cpu_ops(); torch.set_num_threads(2)
+shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+one = [(k, n, ops.pack_linear_weight(torch.randn(n, k) * 0.05, torch.bfloat16, dot=True)) for (k, n) in shapes]
+xs = {k: torch.randn(64, k) for k in (576, 1536)}
+for m in (8, 16, 32, 48):
+    def step():
+        for _ in range(30):
+            for (k, n, p) in one: ops.linear(xs[k][:m], p, n, None)
+    step(); ts = []
+    for _ in range(20):
+        t = time.perf_counter(); step(); ts.append(time.perf_counter() - t)
+    t = sorted(ts)[10]; fl = 2 * m * sum(k * n for k, n in shapes) * 30
+    print(f"bf16 dense HOT m={m}: {t*1e3:.2f} ms  {fl/t/1e9:.0f} GFLOP/s")
