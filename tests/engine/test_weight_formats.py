@@ -114,3 +114,28 @@ def test_auto_holds_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_has_its_dot_
     assert pinned.runner.forward.weight_formats.keys() == {"float32"} and pinned.quantization == "none"
     float32 = Engine(build_llama(tokenizer, seed=3), block_size=4, num_blocks=16)
     assert float32.runner.forward.weight_formats.keys() == {"float32"}
+
+
+def test_the_startup_log_names_each_unit_once_and_why_a_better_one_is_unused(tokenizer, ops, tmp_path, caplog,
+                                                                             monkeypatch):
+    """At info: a line per unit the model's formats multiply through, and why a unit the CPU has goes unused; the
+    build's whole path table (what /metrics holds) only at debug, so no unit is named twice."""
+    from tiny import build_llama
+
+    from tfserve.engine import loading
+
+    stored = build_llama(tokenizer, seed=3)
+    stored.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr(loading, "unused_units", lambda ops, features: ["AMX present but a test said no"])
+    with caplog.at_level("INFO", logger="tfserve.engine.loading"):
+        engine = Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, dtype="float32")
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    unit = engine.matmul_units["float32"]
+    assert [line for line in lines if "multiply through" in line] == [f"float32 weights multiply through {unit}"]
+    assert "CPU units unused: AMX present but a test said no" in lines
+    assert not any(line.startswith("CPU kernel paths") for line in lines)
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="tfserve.engine.loading"):
+        Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, dtype="float32")
+    assert any(r.getMessage().startswith("CPU kernel paths: linear float32: ") for r in caplog.records)

@@ -81,8 +81,12 @@ def load_engine(cls, model: str | None = None, config: EngineConfig | None = Non
         formats = "/".join(sorted(f for f, u in engine.matmul_units.items() if u == unit))
         logger.info("%s weights multiply through %s", formats, unit)
     ops = engine.runner.cpu_ops
-    if ops is not None:  # one line: each path's instructions, and why a better unit the CPU has is unused
-        logger.info("%s", describe_paths(engine.kernel_paths, unused_units(ops, kernels.cpu_features())))
+    if ops is not None:  # the build's every path (/metrics has them too), at info where no line above named units
+        notes = unused_units(ops, kernels.cpu_features())
+        logger.log(logging.DEBUG if engine.matmul_units else logging.INFO, "%s",
+                   describe_paths(engine.kernel_paths, notes))
+        if engine.matmul_units and notes:  # why a better unit the CPU has is unused: always said
+            logger.info("CPU units unused: %s", "; ".join(notes))
     engine.load_seconds = time.perf_counter() - start
     logger.info("%s ready in %.1f s (%s)", loaded.name, engine.load_seconds,
                 "its GGUF blocks as stored" if is_native(loaded.model) else f"weights {engine.quantization}")
