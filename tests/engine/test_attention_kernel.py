@@ -207,6 +207,40 @@ def _bf16(t):
     return t.to(torch.bfloat16).float()
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 1, 128), (4, 2, 80)])
+def test_a_bfloat16_cache_reads_as_the_float32_cache_of_its_values(ops, num_heads, num_kv_heads, head_dim):
+    """A bfloat16 KV cache (bfloat16 weights on the CPU kernels) gives decodes and prompt tiles, float32 and on the
+    bfloat16 dot products, the very bits a float32 cache holding the same values does: its keys and values are
+    widened exactly, nothing else changes; write_kv_ rounds float32 keys and values to the nearest (even)."""
+    vectors, rest = divmod(head_dim, ops.vec_width)
+    if rest or vectors not in (1, 2, 4, 8, 16):
+        pytest.skip(f"a head of {head_dim} is not 1-16 vectors of {ops.vec_width}: no kernel path")
+    gen = torch.Generator().manual_seed(7)
+    chunks = [(0, 7), (130, 40), (3, 1), (0, 150)]
+    k32, v32, tables, q = _prompt_case(gen, num_heads, num_kv_heads, head_dim, 16, chunks, num_blocks=48)
+    k16, v16 = k32.bfloat16(), v32.bfloat16()
+    k32, v32 = k16.float(), v16.float()
+    group = AttentionGroup.prefills(chunks, tables)
+    rows = q.transpose(0, 1).contiguous()
+    args = dict(block_tables=group.block_tables, key_lens=group.key_lens,
+                q_lens=torch.tensor([n for _, n in chunks]), scale=head_dim**-0.5)
+    for dot in (False, True) if ops.bf16_dot else (False,):
+        assert torch.equal(ops.paged_prompt_attention(rows, k16, v16, **args, dot=dot),
+                           ops.paged_prompt_attention(rows, k32, v32, **args, dot=dot)), dot
+    decodes = torch.randn(len(chunks), num_heads, head_dim, generator=gen)
+    for window, cap in ((-1, 0.0), (20, 0.0), (-1, 30.0)):
+        got = ops.paged_decode_attention(decodes, k16, v16, group.block_tables, group.key_lens, 0.125, window, cap)
+        assert torch.equal(got, ops.paged_decode_attention(decodes, k32, v32, group.block_tables, group.key_lens,
+                                                           0.125, window, cap))
+    new_k, new_v = torch.randn(3, num_kv_heads, head_dim, generator=gen), torch.randn(3, num_kv_heads, head_dim)
+    slots = torch.tensor([0, 17, 300])
+    ops.write_kv_(new_k, new_v, k16, v16, slots)
+    assert torch.equal(k16.view(-1, num_kv_heads, head_dim)[slots], new_k.bfloat16())
+    assert torch.equal(v16.view(-1, num_kv_heads, head_dim)[slots], new_v.bfloat16())
+    with pytest.raises(RuntimeError, match="caches of another type"):  # q of another type than float32: refused
+        ops.paged_decode_attention(decodes.double(), k16, v16, group.block_tables, group.key_lens, 0.125, -1, 0.0)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
     (9, 3, 64, 16), (6, 2, 64, 16), (4, 4, 16, 4), (8, 1, 128, 16), (4, 2, 32, 32), (2, 1, 256, 16), (4, 2, 80, 16)])
 def test_prompt_tiles_on_bf16_dot_products_match_torch_over_bf16_inputs(ops, num_heads, num_kv_heads, head_dim,

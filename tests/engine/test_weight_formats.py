@@ -139,3 +139,24 @@ def test_the_startup_log_names_each_unit_once_and_why_a_better_one_is_unused(tok
     with caplog.at_level("DEBUG", logger="tfserve.engine.loading"):
         Engine.from_pretrained(str(tmp_path), device="cpu", block_size=4, num_blocks=16, dtype="float32")
     assert any(r.getMessage().startswith("CPU kernel paths: linear float32: ") for r in caplog.records)
+
+
+def test_bfloat16_weights_hold_a_bfloat16_kv_cache_and_results_stay_batch_free(llama, ops):
+    """bfloat16 weights on the kernels keep keys and values in bfloat16 (half the bytes a decode reads, twice the
+    tokens for the same memory); every other format keeps float32. A request's tokens are the same alone, in a
+    batch and with its prompt's prefix cached (every reader widens the same stored values)."""
+    memory = 64 * 2 * llama.config.num_hidden_layers * 4 * llama.config.num_key_value_heads * 16 * 4  # 64 float32 blocks
+    bf16 = Engine(llama, block_size=4, kv_cache_memory=memory, weights="bfloat16")
+    assert bf16.runner.kv_dtype == torch.bfloat16 and bf16.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert bf16.runner.num_blocks == 128
+    for weights in ("float32", "float16", "int8"):
+        engine = Engine(llama, block_size=4, kv_cache_memory=memory, weights=weights)
+        assert engine.runner.kv_dtype == torch.float32 and engine.runner.num_blocks == 64, weights
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, llama.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 13, 21)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [next(iter(bf16.generate_batch([p], params).values())).generated_tokens for p in prompts]
+    together = [out.generated_tokens for out in bf16.generate_batch(prompts, params).values()]
+    again = [next(iter(bf16.generate_batch([p], params).values())).generated_tokens for p in prompts]  # cached
+    assert together == alone and again == alone
+    assert bf16.block_pool.stats.num_hit_tokens > 0

@@ -135,6 +135,24 @@ def test_banner_says_bfloat16_products_only_for_bfloat16_weights(async_engine, m
     assert f"Weights       {says}" in capture.file.getvalue()
 
 
+def test_banner_names_the_kv_caches_type_and_its_kernel(tokenizer, monkeypatch):
+    """bfloat16 weights on the kernels keep a bfloat16 KV cache, which the paged CPU kernel reads: the banner
+    says both."""
+    from tfserve import Engine
+    from tfserve.cli import output
+    from tfserve.cli.serve_banner import print_banner
+    from tfserve.engine.async_engine import AsyncEngine
+
+    engine = Engine(build_llama(tokenizer), tokenizer, num_blocks=64, weights="bfloat16")
+    if engine.runner.cpu_ops is None:
+        pytest.skip("CPU kernels unavailable here")
+    capture = Console(file=io.StringIO(), width=140, force_terminal=False)
+    monkeypatch.setattr(output, "console", capture)
+    print_banner(make_state(AsyncEngine(engine)), "http://127.0.0.1:8000", has_api_key=False)
+    text = capture.file.getvalue()
+    assert "64 blocks x" in text and "(bfloat16)" in text and f"paged, CPU kernel ({engine.runner.cpu_ops.isa})" in text
+
+
 def test_banner_counts_the_replicas(tokenizer, monkeypatch):
     from tfserve.cli import output
     from tfserve.cli.serve_banner import print_banner

@@ -8,11 +8,11 @@ from tfserve.cli import serve_embeddings
 
 def attention_label(runner) -> str:
     """How the engine attends over its paged KV cache: flash-attn, the CPU kernels' paged kernel (where its vector
-    path takes the cache: float32 caches), or SDPA over the blocks."""
+    path takes the cache: float32 or bfloat16 caches), or SDPA over the blocks."""
     if runner.flash_attention:
         return "flash-attn over the paged KV cache"
     cache = runner.kv_caches[0][0] if getattr(runner, "kv_caches", None) else None
-    if runner.cpu_ops is not None and cache is not None and str(cache.dtype) == "torch.float32":
+    if runner.cpu_ops is not None and cache is not None and str(cache.dtype) in ("torch.float32", "torch.bfloat16"):
         return f"paged, CPU kernel ({runner.cpu_ops.isa})"
     return "paged (SDPA over the KV blocks)"
 
@@ -48,8 +48,9 @@ def print_banner(state, url: str, has_api_key: bool) -> None:
     if load_seconds is not None:  # from the start of the load (the file read, the kernels) to a ready engine
         table.add_row("Loaded in", f"{load_seconds:.1f} s")
     table.add_row("Attention", attention_label(engine.runner))
+    kv_dtype = str(getattr(engine.runner, "kv_dtype", engine.dtype)).removeprefix("torch.")
     table.add_row("KV cache", f"{engine.block_pool.num_blocks} blocks x {engine.block_pool.block_size} tokens, "
-                              f"{decimal(engine.runner.kv_cache_bytes)}")
+                              f"{decimal(engine.runner.kv_cache_bytes)} ({kv_dtype})")
     table.add_row("Context", context_label(engine))
     graphs = engine.runner.graphs
     if graphs is not None:

@@ -229,8 +229,8 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
     if meta.cpu_ops is not None:
         meta.cpu_ops.write_kv_(new_keys.contiguous(), new_values.contiguous(), k_cache, v_cache, meta.slot_mapping)
     else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_keys)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_values)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_keys.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_values.to(v_cache.dtype))
 
     if meta.flash:
         return _flash_attention(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
@@ -259,13 +259,13 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
 
 
 def _rows_apply(ops, query: torch.Tensor, k_cache: torch.Tensor, group: AttentionGroup) -> bool:
-    """Prompt rows go through the kernels where the decode kernel's vector path runs (float32, a head of 1, 2, 4,
-    8 or 16 vectors): the prompt tiles, or the decode kernel row by row in layers with a sliding window or a cap
-    on the scores (which the tiles do not take); elsewhere (16-bit caches, other head sizes, Gemma 3's image tokens
-    that attend both ways) through SDPA."""
+    """Prompt rows go through the kernels where the decode kernel's vector path runs (float32 queries over a
+    float32 or bfloat16 cache, a head of 1, 2, 4, 8 or 16 vectors): the prompt tiles, or the decode kernel row by
+    row in layers with a sliding window or a cap on the scores (which the tiles do not take); elsewhere (16-bit
+    models, other head sizes, Gemma 3's image tokens that attend both ways) through SDPA."""
     vectors, rest = divmod(query.shape[-1], ops.vec_width)
-    return (group.image_runs is None and query.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and not rest and vectors in (1, 2, 4, 8, 16))
+    return (group.image_runs is None and query.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, torch.bfloat16) and not rest and vectors in (1, 2, 4, 8, 16))
 
 
 # Bytes of partial results (softmax sums and weighted values per partition of 128 keys and query head) one
@@ -329,8 +329,9 @@ def _group_attention(q, k_cache, v_cache, group: AttentionGroup, group_size: int
     num_seqs, max_q = group.num_seqs, group.max_q
     flat_tables = group.block_tables.reshape(-1)
     # [num_seqs, num_kv_heads, num_keys, head_dim]
-    k = k_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # (a bfloat16 cache under float32 queries: its values widened, exactly)
+    k = k_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
 
     if group.pad_index is None:  # decodes: one query each
         # [num_seqs, num_kv_heads, group_size, head_dim]: query heads of a KV head act as its queries

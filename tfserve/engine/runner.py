@@ -28,6 +28,18 @@ from tfserve.engine.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+def kv_cache_dtype(forward, dtype: torch.dtype, head_dim: int, cpu_ops, vision) -> torch.dtype:
+    """The KV cache's element: bfloat16 where the lean forward holds bfloat16 weights on the CPU kernels (their
+    keys and values already go into bfloat16 dot products for a prompt: held in bfloat16, a batch's decode reads
+    half the bytes, and the cache holds twice the tokens; vLLM's cache for `--dtype bfloat16` too) and every
+    attention row goes through the kernels (heads of whole vectors, no image tokens); else the model's dtype."""
+    vectors, rest = divmod(head_dim, getattr(cpu_ops, "vec_width", 1))
+    if (getattr(forward, "weight_formats", {}).keys() == {"bfloat16"} and dtype == torch.float32 and vision is None
+            and not rest and vectors in (1, 2, 4, 8, 16)):
+        return torch.bfloat16
+    return dtype
+
+
 class ModelRunner:
     """Owns the KV cache tensors, the forward backend and the sampler."""
 
@@ -48,9 +60,6 @@ class ModelRunner:
         self.head_dim = (getattr(text_config, "head_dim", None)
                          or text_config.hidden_size // text_config.num_attention_heads)
         self.block_size = block_size = config.block_size
-        self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_memory)
-        if config.num_blocks:
-            self._check_fits("num_blocks", config.num_blocks * self.block_bytes)
         # the attention the model was loaded with picks ours: flash-attn for flash_attention_2, else paged SDPA
         loaded_with = getattr(model.config, "_attn_implementation", None)
         self.flash_attention = loaded_with == attention.FLASH_ATTN_IMPLEMENTATION
@@ -59,15 +68,6 @@ class ModelRunner:
             if config.cuda_graph:
                 logger.warning("cuda_graph has no effect: %s", why_not)
             graphs = False
-        # with graphs, one block more than the pool hands out: the spare rows of a padded batch write there
-        shape = (self.num_blocks + graphs, block_size, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":  # one mapping, its pages made as blocks are first written
-            whole = host_memory.lazy_zeros((self.num_layers, 2, *shape), self.dtype)
-            self.kv_caches = [(whole[i, 0], whole[i, 1]) for i in range(self.num_layers)]
-        else:
-            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                               torch.zeros(shape, dtype=self.dtype, device=self.device))
-                              for _ in range(self.num_layers)]
         sub_configs = getattr(model.config, "sub_configs", {}) or {}
         if not hasattr(model, "set_attn_implementation"):
             pass  # a GGUF's module tree (tfserve.models.gguf_skeleton): only the lean forward runs it
@@ -83,6 +83,19 @@ class ModelRunner:
         self.cpu_ops = kernels.cpu_ops() if config.cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, self.cpu_ops)
         self.forward = select_backend(model, config, self.cpu_ops, tp)
+        self.kv_dtype = kv_cache_dtype(self.forward, self.dtype, self.head_dim, self.cpu_ops, vision)
+        self.num_blocks = config.num_blocks or self._num_blocks_for(config.kv_cache_memory)
+        if config.num_blocks:
+            self._check_fits("num_blocks", config.num_blocks * self.block_bytes)
+        # with graphs, one block more than the pool hands out: the spare rows of a padded batch write there
+        shape = (self.num_blocks + graphs, block_size, self.num_kv_heads, self.head_dim)
+        if self.device.type == "cpu":  # one mapping, its pages made as blocks are first written
+            whole = host_memory.lazy_zeros((self.num_layers, 2, *shape), self.kv_dtype)
+            self.kv_caches = [(whole[i, 0], whole[i, 1]) for i in range(self.num_layers)]
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                              for _ in range(self.num_layers)]
         self.max_model_len = max_model_len(config, text_config)
         self.graphs = cuda_graphs.DecodeGraphs(
             self.forward, self.kv_caches, block_size, self.num_blocks, config.max_num_seqs, self.max_model_len,
@@ -108,7 +121,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block across all layers (keys and values)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     @property

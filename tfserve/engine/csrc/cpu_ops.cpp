@@ -109,9 +109,10 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
 // over its rows: the scores of Vec::N tokens at a time for each query head of the KV head (Vec::N independent
 // dot products, summed across lanes at once: no dependent chain of multiply-adds per token), the partition's
 // softmax, then the values weighted in registers. A sequence of several partitions has them merged in order at
-// the end. V = head_dim / Vec::N.
-template <int V>
-static void decode_kernel_vec(const float* q, const float* k_cache, const float* v_cache,
+// the end. V = head_dim / Vec::N. C: the caches' element, float or bfloat16 (a bfloat16 cache's keys and values
+// widened exactly in registers: the same float32 arithmetic on the values it holds).
+template <int V, typename C>
+static void decode_kernel_vec(const float* q, const C* k_cache, const C* v_cache,
                               const int64_t* block_tables, const int64_t* context_lens, const int64_t* table_rows,
                               float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                               int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
@@ -122,7 +123,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   constexpr int64_t P = tfs::kPartition;
   static_assert(P % L == 0, "partitions are whole chunks");
   constexpr int64_t kAhead = 2 * L;  // tokens between the chunk computed and the rows asked for
-  constexpr int64_t kLines = (D * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // cache lines per head row
+  constexpr int64_t kLines = (D * static_cast<int64_t>(sizeof(C)) + 63) / 64;  // cache lines per head row
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
@@ -158,7 +159,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
       rows[t - a] = table[blk] * block_stride + off * token_stride + kvh * D;
       if (++off == block_size) { off = 0; ++blk; }
     }
-    auto row = [&](const float* cache, int64_t t) { return cache + rows[t - a]; };
+    auto row = [&](const C* cache, int64_t t) { return cache + rows[t - a]; };
     auto prefetch = [&](int64_t t) {
       const char* pk = reinterpret_cast<const char*>(row(k_cache, t));
       const char* pv = reinterpret_cast<const char*>(row(v_cache, t));
@@ -171,7 +172,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
     const float* q_seq = q + (seq * num_heads + kvh * group) * D;
     for (int64_t t0 = a; t0 < b; t0 += L) {
       for (int64_t t = t0 + kAhead; t < std::min(b, t0 + kAhead + L); ++t) prefetch(t);
-      const float* k[L];
+      const C* k[L];
       for (int64_t i = 0; i < L; ++i) k[i] = row(k_cache, std::min(t0 + i, b - 1));
       for (int64_t g = 0; g < group; ++g) {
         const float* qh = q_seq + g * D;
@@ -200,7 +201,7 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
         Vec acc[8];
         for (int j = 0; j < jn; ++j) acc[j] = Vec::zero();
         for (int64_t t = a; t < b; ++t) {
-          const float* v = row(v_cache, t) + L * j0;
+          const C* v = row(v_cache, t) + L * j0;
           const Vec p = Vec::set1(s[t - a]);
           for (int j = 0; j < jn; ++j) acc[j] = fma(p, Vec::load(v + L * j), acc[j]);
         }
@@ -230,16 +231,26 @@ static void decode_kernel_vec(const float* q, const float* k_cache, const float*
   }
 }
 
-// The vector kernel where it applies (float32, head_dim = Vec::N times 1, 2, 4, 8 or 16); false where not.
+// The vector kernel where it applies (float32 queries over float32 or bfloat16 caches, head_dim = Vec::N times 1,
+// 2, 4, 8 or 16); false where not.
 static bool decode_vec(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& bt, const torch::Tensor& cl, const int64_t* table_rows, torch::Tensor& out,
                        double scale, int64_t sliding_window, double softcap) {
-  if (q.scalar_type() != torch::kFloat32 || k_cache.scalar_type() != torch::kFloat32) return false;
+  const auto cache = k_cache.scalar_type();
+  if (q.scalar_type() != torch::kFloat32 || (cache != torch::kFloat32 && cache != torch::kBFloat16) ||
+      v_cache.scalar_type() != cache)
+    return false;
   auto run = [&](auto v) {
-    decode_kernel_vec<decltype(v)::value>(
-        q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
-        cl.data_ptr<int64_t>(), table_rows, out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), k_cache.size(1),
-        bt.size(1), static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
+    auto with = [&](auto* k, auto* vc) {
+      decode_kernel_vec<decltype(v)::value>(
+          q.data_ptr<float>(), k, vc, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), table_rows, out.data_ptr<float>(),
+          q.size(0), q.size(1), k_cache.size(2), k_cache.size(1), bt.size(1), static_cast<float>(scale), sliding_window,
+          static_cast<float>(softcap));
+    };
+    if (cache == torch::kBFloat16)
+      with(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+    else
+      with(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     return true;
   };
   const int64_t head_dim = q.size(2);
@@ -256,10 +267,16 @@ static bool decode_vec(const torch::Tensor& q, const torch::Tensor& k_cache, con
 
 // Write a step's new keys and values into their cache slots. k, v: [num_tokens, num_kv_heads, head_dim];
 // caches: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [num_tokens] int64.
+// Float32 keys and values go into bfloat16 caches rounded to the nearest (even on ties, as torch rounds).
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous());
+  if (k.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(v.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kBFloat16);
+    write_kv_(k.to(torch::kBFloat16), v.to(torch::kBFloat16), k_cache, v_cache, slots);
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
   const int64_t num_tokens = k.size(0);
   const int64_t row_bytes = k.numel() / std::max<int64_t>(num_tokens, 1) * k.element_size();
   const int64_t num_slots = k_cache.numel() * k_cache.element_size() / row_bytes;
@@ -303,6 +320,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   auto out = torch::empty_like(q);
   if (decode_vec(q, k_cache, v_cache, bt, cl, rp, out, scale, sliding_window, softcap)) return out;
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "caches of another type than q: only float32 q over bfloat16 caches, head_dim = vec_width times 1, 2, 4, "
+              "8 or 16");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), rp, out.data_ptr<scalar_t>(), q.size(0),

@@ -275,8 +275,8 @@ struct PromptPlan {
 // panel of keys at a time (panel_scores), each row's partitions' softmax as above, then each partition's weighted
 // values from the linear kernel's tile (a row's later keys in the tile weigh exactly 0, adding nothing to its
 // chains). V = head_dim / Vec::N.
-template <int V>
-inline void prompt_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+template <int V, typename C>
+inline void prompt_attention(const float* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                              int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens, int64_t num_seqs,
                              int64_t block_size, int64_t num_kv_heads, float* out, int64_t heads, float scale) {
   constexpr int64_t P = kPanelCols, T = kPartition, L = Vec::N, d = V * L;
@@ -302,12 +302,13 @@ inline void prompt_attention(const float* q, const float* k_cache, const float* 
       for (int64_t j = 0; j < value_panels; ++j) {
         float* dst = vp + (j * tp[s] + t) * P;
         const int64_t cols = t < key_lens[s] ? std::min(P, d - j * P) : 0;
-        if (cols) std::memcpy(dst, v_cache + plan.key(s, t, kvh) + j * P, cols * sizeof(float));
+        const C* value = v_cache + plan.key(s, t, kvh) + j * P;
+        for (int64_t i = 0; i < cols; ++i) dst[i] = static_cast<float>(value[i]);
         std::fill(dst + cols, dst + P, 0.f);
       }
       if (t >= key_lens[s]) continue;
-      const float* kr = k_cache + plan.key(s, t, kvh);
-      for (int64_t i = 0; i < d; ++i) kp[i * P + c] = kr[i];
+      const C* kr = k_cache + plan.key(s, t, kvh);
+      for (int64_t i = 0; i < d; ++i) kp[i * P + c] = static_cast<float>(kr[i]);
     }
   });
   constexpr auto seq = std::make_integer_sequence<int, kTileRows>{};
@@ -394,8 +395,22 @@ inline __mmask16 first_lanes(int64_t n) {
 // (at key(c), c < real; 0 past them) to kp [d/2][P] pairs (key c's dimensions i, i + 1 side by side), their values
 // to vp [value panels][tp / 2][P] pairs (dimension e's keys t, t + 1 side by side). pairs: room for [P][d/2]. The
 // keys go a row each through `pairs`, then are turned: scattered 16 pairs at a time, they took 1.8x as long.
-template <typename Key>
-inline void pack_bf16_panel(const float* k_cache, const float* v_cache, const Key& key, int64_t real, int64_t d,
+// A bfloat16 cache's keys and values are copied as they are (rounding them again would change nothing).
+inline __m512i bf16_lanes(__mmask16 m, const float* x) {  // 16 values rounded, each in its lane's low half
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x)));
+}
+inline __m512i bf16_lanes(__mmask16 m, const c10::BFloat16* x) {
+  return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x));
+}
+inline __m512i bf16_pairs_of(int64_t n, const float* x) {  // 32 values from x (n of them real) as 16 pairs
+  const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(n), x), hi = _mm512_maskz_loadu_ps(first_lanes(n - 16), x + 16);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+inline __m512i bf16_pairs_of(int64_t n, const c10::BFloat16* x) {
+  return _mm512_maskz_loadu_epi16(n >= 32 ? ~0u : n <= 0 ? 0u : (1u << n) - 1, x);
+}
+template <typename Key, typename C>
+inline void pack_bf16_panel(const C* k_cache, const C* v_cache, const Key& key, int64_t real, int64_t d,
                             int64_t tp, int64_t p, uint32_t* kp, uint32_t* vp, uint32_t* pairs) {
   constexpr int64_t P = kPanelCols;
   const int64_t d2 = d / 2, value_panels = (d + P - 1) / P;
@@ -407,27 +422,22 @@ inline void pack_bf16_panel(const float* k_cache, const float* v_cache, const Ke
     }
   }
   for (int64_t c = 0; c < real; ++c) {  // key c's dimension pairs: 16 pairs (32 floats) at a time
-    const float* kr = k_cache + key(c);
+    const C* kr = k_cache + key(c);
     // rows ahead of their use, key c + 8's and value c's: the cache is paged, no stream for the prefetcher
-    const float* ahead = k_cache + key(std::min(c + 8, real - 1));
-    const float* value = v_cache + key(c);
-    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(ahead + i), __builtin_prefetch(value + i);
-    for (int64_t i = 0; i < d2; i += 16) {
-      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(d - 2 * i), kr + 2 * i);
-      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(d - 2 * i - 16), kr + 2 * i + 16);
-      _mm512_mask_storeu_epi32(pairs + c * d2 + i, first_lanes(d2 - i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    const C* ahead = k_cache + key(std::min(c + 8, real - 1));
+    const C* value = v_cache + key(c);
+    for (int64_t i = 0; i < d; i += 64 / sizeof(C)) __builtin_prefetch(ahead + i), __builtin_prefetch(value + i);
+    for (int64_t i = 0; i < d2; i += 16)
+      _mm512_mask_storeu_epi32(pairs + c * d2 + i, first_lanes(d2 - i), bf16_pairs_of(d - 2 * i, kr + 2 * i));
   }
   for (int64_t i = 0; i < d2; ++i)  // turned: key c's pair i to kp[i][c]
     for (int64_t c = 0; c < real; ++c) kp[i * P + c] = pairs[c * d2 + i];
   for (int64_t c = 0; c < real; c += 2) {  // keys c, c + 1's values side by side, 16 dimensions at a time
-    const float* v0 = v_cache + key(c);
-    const float* v1 = c + 1 < real ? v_cache + key(c + 1) : nullptr;
+    const C* v0 = v_cache + key(c);
+    const C* v1 = c + 1 < real ? v_cache + key(c + 1) : nullptr;
     for (int64_t e = 0; e < value_panels * P; e += 16) {
       const __mmask16 m = first_lanes(d - e);
-      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v0 + e)));
-      const __m512i b = v1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, v1 + e)))
-                           : _mm512_setzero_si512();
+      const __m512i a = bf16_lanes(m, v0 + e), b = v1 ? bf16_lanes(m, v1 + e) : _mm512_setzero_si512();
       uint32_t* dst = vp + ((e / P) * tp + p * P + c) / 2 * P + e % P;  // panel e / P, pair row (p P + c) / 2
       _mm512_storeu_si512(dst, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
     }
@@ -444,7 +454,8 @@ inline void pack_bf16_panel(const float* k_cache, const float* v_cache, const Ke
 // partitions, no online rescaling; its exponentials from exp2_lanes), its probabilities in bfloat16 pairs (0 past
 // its own keys), and the weighted values. A row depends on its query and keys alone (not its tile, chunk or
 // thread), but is not the decode kernel's float32 bits: that holds for the float32 prompt_attention only. d: even.
-inline void prompt_attention_bf16(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+template <typename C>
+inline void prompt_attention_bf16(const float* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                                   int64_t max_blocks, const int64_t* key_lens, const int64_t* q_lens, int64_t num_seqs,
                                   int64_t block_size, int64_t num_kv_heads, float* out, int64_t heads, int64_t d,
                                   float scale) {
@@ -552,8 +563,9 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor key_lens, torch::Tensor q_lens,
                                      double scale, bool dot) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: float32 [rows, heads, d]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
-              v_cache.scalar_type() == torch::kFloat32, "caches: float32, contiguous");
+  const auto cache = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == cache &&
+              (cache == torch::kFloat32 || cache == torch::kBFloat16), "caches: float32 or bfloat16, contiguous");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "heads and head_dim of q and caches");
   const int64_t vectors = q.size(2) / tfs::Vec::N;
   const bool vector_head = q.size(2) % tfs::Vec::N == 0 && (vectors & (vectors - 1)) == 0 && vectors <= 16;
@@ -578,30 +590,35 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(rows == q.size(0), "q's rows: the sum of q_lens");
   auto out = torch::empty_like(q);
   if (rows == 0) return out;
-  if (dot) {
+  auto with = [&](const auto* kc, const auto* vc) {
+    if (dot) {
 #if TFS_BF16_DOT
-    tfs::prompt_attention_bf16(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                               bt.data_ptr<int64_t>(), bt.size(1), kl.data_ptr<int64_t>(), ql.data_ptr<int64_t>(),
-                               num_seqs, block_size, k_cache.size(2), out.data_ptr<float>(), q.size(1), q.size(2),
-                               static_cast<float>(scale));
-    return out;
+      tfs::prompt_attention_bf16(q.data_ptr<float>(), kc, vc, bt.data_ptr<int64_t>(), bt.size(1),
+                                 kl.data_ptr<int64_t>(), ql.data_ptr<int64_t>(), num_seqs, block_size, k_cache.size(2),
+                                 out.data_ptr<float>(), q.size(1), q.size(2), static_cast<float>(scale));
+      return;
 #else
-    TORCH_CHECK(false, "this build has no bfloat16 dot products (bf16_dot is False)");
+      TORCH_CHECK(false, "this build has no bfloat16 dot products (bf16_dot is False)");
 #endif
-  }
-  auto run = [&](auto v) {
-    tfs::prompt_attention<decltype(v)::value>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                              bt.data_ptr<int64_t>(), bt.size(1), kl.data_ptr<int64_t>(),
-                                              ql.data_ptr<int64_t>(), num_seqs, block_size, k_cache.size(2),
-                                              out.data_ptr<float>(), q.size(1), static_cast<float>(scale));
+    }
+    auto run = [&](auto v) {
+      tfs::prompt_attention<decltype(v)::value>(q.data_ptr<float>(), kc, vc, bt.data_ptr<int64_t>(), bt.size(1),
+                                                kl.data_ptr<int64_t>(), ql.data_ptr<int64_t>(), num_seqs, block_size,
+                                                k_cache.size(2), out.data_ptr<float>(), q.size(1),
+                                                static_cast<float>(scale));
+    };
+    switch (vectors) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 8: run(std::integral_constant<int, 8>{}); break;
+      default: run(std::integral_constant<int, 16>{}); break;
+    }
   };
-  switch (vectors) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    case 8: run(std::integral_constant<int, 8>{}); break;
-    default: run(std::integral_constant<int, 16>{}); break;
-  }
+  if (cache == torch::kBFloat16)
+    with(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  else
+    with(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 #endif  // !TFS_NO_TORCH
