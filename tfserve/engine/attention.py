@@ -263,9 +263,14 @@ def _rows_apply(ops, query: torch.Tensor, k_cache: torch.Tensor, group: Attentio
     float32 or bfloat16 cache, a head of 1, 2, 4, 8 or 16 vectors): the prompt tiles, or the decode kernel row by
     row in layers with a sliding window or a cap on the scores (which the tiles do not take); elsewhere (16-bit
     models, other head sizes, Gemma 3's image tokens that attend both ways) through SDPA."""
-    vectors, rest = divmod(query.shape[-1], ops.vec_width)
     return (group.image_runs is None and query.dtype == torch.float32
-            and k_cache.dtype in (torch.float32, torch.bfloat16) and not rest and vectors in (1, 2, 4, 8, 16))
+            and k_cache.dtype in (torch.float32, torch.bfloat16) and vector_head(ops, query.shape[-1]))
+
+
+def vector_head(ops, head_dim: int) -> bool:
+    """A head the kernels' vector paths take: 1, 2, 4, 8 or 16 vectors of `ops.vec_width` floats."""
+    vectors, rest = divmod(head_dim, ops.vec_width)
+    return not rest and vectors in (1, 2, 4, 8, 16)
 
 
 # Bytes of partial results (softmax sums and weighted values per partition of 128 keys and query head) one

@@ -40,12 +40,13 @@ def kernel_paths(ops) -> dict[str, str]:
     units = matmul_unit_names(ops)
     if not units:
         return {}
+    decode, prompt = block_units(ops)
     return {
         "linear float32": units["float32"],
         "linear float16": units["float16"],
         "linear bfloat16": units["bfloat16"],
-        "quantized blocks (decode rows)": block_units(ops)[0],  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8
-        "quantized blocks (prompt rows)": f"{block_units(ops)[1]} (dequantized)",
+        "quantized blocks (decode rows)": decode,  # Q4_0/Q4_1/Q5_x/Q8_0/K-quants and int8
+        "quantized blocks (prompt rows)": f"{prompt} (dequantized)",
         "attention float32": units["float32"],
         # --dtype bfloat16 and block weights (a GGUF's, int8) round a prompt's q, k, v to bfloat16 for the dot
         # products where the build has them (lean.py's prompt_dot)

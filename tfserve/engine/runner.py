@@ -33,9 +33,8 @@ def kv_cache_dtype(forward, dtype: torch.dtype, head_dim: int, cpu_ops, vision) 
     keys and values already go into bfloat16 dot products for a prompt: held in bfloat16, a batch's decode reads
     half the bytes, and the cache holds twice the tokens; vLLM's cache for `--dtype bfloat16` too) and every
     attention row goes through the kernels (heads of whole vectors, no image tokens); else the model's dtype."""
-    vectors, rest = divmod(head_dim, getattr(cpu_ops, "vec_width", 1))
     if (getattr(forward, "weight_formats", {}).keys() == {"bfloat16"} and dtype == torch.float32 and vision is None
-            and not rest and vectors in (1, 2, 4, 8, 16)):
+            and cpu_ops is not None and attention.vector_head(cpu_ops, head_dim)):
         return torch.bfloat16
     return dtype
 

@@ -241,16 +241,12 @@ static bool decode_vec(const torch::Tensor& q, const torch::Tensor& k_cache, con
       v_cache.scalar_type() != cache)
     return false;
   auto run = [&](auto v) {
-    auto with = [&](auto* k, auto* vc) {
+    tfs::with_cache_data(k_cache, v_cache, [&](const auto* k, const auto* vc) {
       decode_kernel_vec<decltype(v)::value>(
           q.data_ptr<float>(), k, vc, bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), table_rows, out.data_ptr<float>(),
           q.size(0), q.size(1), k_cache.size(2), k_cache.size(1), bt.size(1), static_cast<float>(scale), sliding_window,
           static_cast<float>(softcap));
-    };
-    if (cache == torch::kBFloat16)
-      with(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
-    else
-      with(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    });
     return true;
   };
   const int64_t head_dim = q.size(2);

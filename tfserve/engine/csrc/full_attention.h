@@ -590,7 +590,7 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(rows == q.size(0), "q's rows: the sum of q_lens");
   auto out = torch::empty_like(q);
   if (rows == 0) return out;
-  auto with = [&](const auto* kc, const auto* vc) {
+  tfs::with_cache_data(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
     if (dot) {
 #if TFS_BF16_DOT
       tfs::prompt_attention_bf16(q.data_ptr<float>(), kc, vc, bt.data_ptr<int64_t>(), bt.size(1),
@@ -614,11 +614,7 @@ torch::Tensor paged_prompt_attention(torch::Tensor q, torch::Tensor k_cache, tor
       case 8: run(std::integral_constant<int, 8>{}); break;
       default: run(std::integral_constant<int, 16>{}); break;
     }
-  };
-  if (cache == torch::kBFloat16)
-    with(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
-  else
-    with(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  });
   return out;
 }
 #endif  // !TFS_NO_TORCH

@@ -46,6 +46,17 @@ inline void parallel_claims(int64_t n, const Body& body) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(claim); });
 }
 
+#if !TFS_NO_TORCH
+// f(keys, values): the KV caches' data as the kernels read it, float or c10::BFloat16 (both caches of one type).
+template <typename F>
+inline void with_cache_data(const at::Tensor& k_cache, const at::Tensor& v_cache, const F& f) {
+  if (k_cache.scalar_type() == at::kBFloat16)
+    f(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  else
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+}
+#endif
+
 // f(i) for every i in [0, n), each i claimed by whichever thread is free (parallel_claims).
 template <typename F>
 inline void parallel_chunks(int64_t n, const F& f) {
