@@ -60,9 +60,12 @@ def test_the_kernels_measure_each_units_peak():
     ops = cpu_ops()
     if ops is None:
         pytest.skip("CPU kernels unavailable here")
-    float32 = ops.unit_peak_gops("float32", 0.05)
+    def peak(unit: str) -> float:  # a peak: the best of three (a neighbour's moment only ever lowers one)
+        return max(ops.unit_peak_gops(unit, 0.05) for _ in range(3))
+
+    float32 = peak("float32")
     assert float32 > 0 and ops.unit_peak_gops("no such unit", 0.05) == 0
     # the dot products do 2 (bfloat16) and 4 (int8, VNNI) times the products of an FMA a vector
-    assert (ops.unit_peak_gops("bfloat16", 0.05) > 1.3 * float32) == ops.bf16_dot
+    assert (peak("bfloat16") > 1.3 * float32) == ops.bf16_dot
     if ops.vnni == "AVX512-VNNI":
-        assert ops.unit_peak_gops("int8", 0.05) > 2 * float32
+        assert peak("int8") > 2 * float32
